@@ -1,0 +1,51 @@
+"""The `online-spec` command line.
+
+Each subcommand lives with the component it drives and exposes `add_arguments(parser)` and
+`run(args) -> int`; this module only routes. `online-spec bench NAME` routes to benchmarks the
+same way. Run `online-spec --help` for the list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help); modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare-model": ("online_spec.target", "convert the SmolLM2 GGUF to a cached bf16 model"),
+}
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
+}
+
+
+def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="online-spec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    wanted = argv[0] if argv else None
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
+    bench = sub.add_parser("bench", help="benchmarks writing JSON", description="benchmarks writing JSON")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
+    for name, (module, help_text) in BENCHES.items():
+        p = bsub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted_bench:
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser(argv).parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
