@@ -215,3 +215,20 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(prepare_smollm2(args.out))
     return 0
+
+
+def tiny_target(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 4, seed: int = 0,
+                dtype: torch.dtype = torch.float32, tokenizer=None) -> TargetModel:
+    """A small randomly initialised Llama (tests' fast cases; never a stand-in for figures)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=vocab_size - 1,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(dtype)
+    with torch.no_grad():  # sharper logits than the default init, so sampling tests see structure
+        model.lm_head.weight.mul_(8.0)
+    return TargetModel(model, tokenizer, name="tiny")

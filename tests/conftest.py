@@ -1,6 +1,40 @@
-"""Shared fixtures. Tests keep to 1-2 threads: CI has 2 cores."""
+"""Shared fixtures. Tests keep to 2 threads: CI has 2 cores.
+
+`smol_fp32` / `smol_bf16`: the real SmolLM2-135M-Instruct (converted once into the cache).
+`tiny`: a small randomly initialised Llama for the fast cases.
+"""
 
 import os
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smol_fp32():
+    from online_spec.target import load_target
+    return load_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smol_bf16():
+    from online_spec.target import load_target
+    return load_target(dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from online_spec.target import tiny_target
+    return tiny_target()
+
+
+@pytest.fixture(scope="session")
+def sharegpt_prompts(smol_fp32):
+    from online_spec.data import sharegpt_conversations
+    convs = sharegpt_conversations(limit=80, seed=0, max_prompt_tokens=200, tokenizer=smol_fp32.tokenizer)
+    return [smol_fp32.encode_chat(c[:1]) for c in convs]
