@@ -404,9 +404,10 @@ class CostModelPolicy:
         return gain * t_now > expected * (t_next - t_now)
 
     def verify_lengths(self, confidences: Sequence[Sequence[float]], ctx_len: float = 0) -> list[int]:
-        """Drafts to verify per request: keep draft m of request r while its survival
-        S_rm = prod_{j<=m} p(conf_rj) pays for its verify token at the round's throughput,
-        S_rm >= (expected tokens / round seconds) * (seconds per verified token)."""
+        """Drafts to verify per request (AdaSpec's confidence-prior verifier): keep draft m of
+        request r while its survival S_rm = prod_{j<=m} p(conf_rj) pays for its verify token
+        at the round's throughput, S_rm >= (expected tokens / round seconds) * (seconds per
+        verified token). Drafting is already spent; only verify tokens are saved."""
         b = len(confidences)
         if b == 0:
             return []
@@ -422,18 +423,22 @@ class CostModelPolicy:
                 out.append(s)
             surv.append(out)
         draft_s = max(full) * self.cost.draft_step_s(b, ctx_len)  # already spent, part of the round
-        lengths = full
-        for _ in range(2):  # threshold from the full round, then from the truncated one
+        # Dinkelbach: keep the drafts that pay at the current throughput, recompute the
+        # throughput of what is kept, repeat; it stops at the best tokens/second selection.
+        lengths: list[int] = full
+        for _ in range(8):
             tokens = sum(1.0 + sum(s[:n]) for s, n in zip(surv, lengths))
-            mean_k = sum(lengths) / b
-            round_s = draft_s + self.cost.verify_s(b, mean_k, ctx_len)
+            round_s = draft_s + self.cost.verify_s(b, sum(lengths) / b, ctx_len)
             threshold = tokens / max(round_s, 1e-12) * tok_s
-            lengths = []
+            new = []
             for s in surv:
                 n = 0
                 while n < len(s) and s[n] >= threshold:
                     n += 1
-                lengths.append(n)
+                new.append(n)
+            if new == lengths:
+                break
+            lengths = new
         return lengths
 
     # -- after verify ------------------------------------------------------------------------
