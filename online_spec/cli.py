@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help); modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("online_spec.target", "convert the SmolLM2 GGUF to a cached bf16 model"),
+    "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
