@@ -5,8 +5,9 @@ hands one alert to every sink; a sink that raises is logged and skipped, so a br
 stops the others or the serving loop.
 
 - `WandbAlertSink(run)`: `run.alert(title, text, level=wandb.AlertLevel...)` and, because an
-  alert is not part of the run's history (offline, it is only a record for `wandb sync`), the
-  same event logged into the history under `alert/*` (`alert/kind`, `alert/level`,
+  alert is not part of the run's history (offline, wandb 0.31 writes it as a separate `alert`
+  record that only `wandb sync` replays; other versions may drop it), the same event logged
+  into the history under `alert/*` (`alert/kind`, `alert/level`,
   `alert/slot`, `alert/tag`, `alert/before`, `alert/after`, `alert/head_version`,
   `alert/round`, `alert/time`, `alert/title`, `alert/text`, `alert/count`).
 - `LogAlertSink(logger)`: Python logging, the level following the alert's.

@@ -13,19 +13,25 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   mean shift. Why this normalisation: the raw accept length depends on K (the step controller
   changes K) and its noise on the batch size, so neither the raw value nor `accept_len / K` has
   a level that stays put when K or the batch moves. Instead the reference is a per-position
-  acceptance `alpha`, learned during a warm-up by matching `sum_i alpha**i` (i = 1..K, the mean
-  of the truncated-geometric accept length) to the observed mean. Each round is standardised
-  against the reference's mean and SD *at that round's K*, and weighted by its number of
-  requests (a round of 16 requests is 16 samples of evidence). The per-request SD is inflated by
-  a dispersion factor measured in the warm-up (never below 1), for traffic noisier than the
-  model. The increment per round is `B * d * (r - d/2)`, r the standardised residual and d the
+  acceptance `alpha`, fitted so that `sum_i alpha**i` (i = 1..K, the mean of the
+  truncated-geometric accept length) matches the observed mean. Each round is standardised
+  against the reference's mean and SD *at that round's K*: r = (accept_len - mu_K) / sd_K, and
+  weighted by its number of requests w, capped at `max_round_weight` (the requests of a batch
+  stay together for many rounds, so a big batch is fewer independent samples than its size).
+  The SD is inflated by a dispersion factor measured on the reference rounds (never below 1),
+  for traffic noisier than the model. The increment per round is `w * d * (r - d/2)`, d the
   minimum effect (`min_effect` of the reference mean, at least `min_effect_abs` drafts) in SD
-  units: the CUSUM of Page (1954), so `threshold` is in nats and a false alarm needs about
-  `e**threshold` requests' worth of evidence. Rounds where the statistic drifts up by chance
-  fall back to zero; a sustained shift crosses the threshold after about
-  `threshold / (B * d * (D - d/2))` rounds for a true shift of D SDs. After a change alert the
-  stream re-learns its reference (a fresh warm-up: the new level is the new normal) and raises
-  no further change alert for `cooldown_rounds`.
+  units: Page's CUSUM, with `threshold` in nats. A chance excursion falls back to zero; a
+  sustained shift of D SDs crosses the threshold after about `threshold / (w d (D - d/2))`
+  rounds. Measured with the defaults (2.6 -> 1.6 at K=5): about 100 rounds at B=1, 25 at B=4,
+  13 at B=16; on stationary noise, 2 false alerts in 300 runs of 3,000 rounds.
+  The reference is learned over a warm-up (`warmup_rounds` and `warmup_requests`) and then
+  keeps absorbing rounds in which no change is suspected (both statistics below half the
+  threshold) until it holds `reference_requests` requests — a self-starting CUSUM, so a short
+  warm-up does not leave a biased reference for good. A change during the warm-up becomes part
+  of the reference (collapse still catches the extreme case). After a change alert the stream
+  re-learns its reference (the new level is the new normal) and raises no further change alert
+  for `cooldown_rounds`.
 - **collapse** (level "error"): the mean accept length over the last `collapse_window` rounds
   with K > 0 is below `collapse_accept_len` — speculation is pure overhead. Needs no warm-up.
 - **losing** (level "warn"): over the last `losing_window` rounds with K > 0 and both speeds
