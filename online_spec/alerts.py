@@ -27,7 +27,7 @@ import os
 from typing import Any, Callable, Iterable, Optional, Protocol
 
 from online_spec.drift import DriftAlert
-from online_spec.wandb_run import iter_run_records
+from online_spec.wandb_run import iter_run_records, wait_for_run_exit
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,14 @@ class CallbackAlertSink:
         self.fn(alert)
 
 
-def read_alerts_from_offline_run(run_dir: str | os.PathLike) -> list[dict]:
-    """The `alert/*` history rows of an offline run, in order, keys without the prefix plus `_step`."""
+def read_alerts_from_offline_run(run_dir: str | os.PathLike, wait_s: float = 0.0) -> list[dict]:
+    """The `alert/*` history rows of an offline run, in order, keys without the prefix plus `_step`.
+
+    `wait_s`: how long to wait for the run file to be complete (its exit record written); a run
+    still going, or not complete in time, gives the rows written so far.
+    """
+    if wait_s > 0:
+        wait_for_run_exit(run_dir, wait_s)
     alerts = []
     for record in iter_run_records(run_dir):
         if record.WhichOneof("record_type") != "history":

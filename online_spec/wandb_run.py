@@ -9,7 +9,8 @@ protobufs. wandb 0.31 ships no Python reader (the writer lives in wandb-core, in
 format is read here: a 7-byte file header (`":W&B"`, magic 0xBEE1 little-endian, version 0),
 then LevelDB-log-style 32 KiB blocks of chunks, each with a 7-byte header (CRC-32 of the type
 byte and the data, length, type: 1 full, 2 first, 3 middle, 4 last); a block tail shorter than a
-header is zero padding. Used by `online_spec.alerts.read_alerts_from_offline_run`.
+header is zero padding. `wait_for_run_exit(path, timeout_s)` waits for the file to be
+complete (wandb-core writes it asynchronously, after `run.finish()` may have returned). Used by `online_spec.alerts.read_alerts_from_offline_run`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -56,6 +58,24 @@ def find_run_file(path: str | os.PathLike) -> Path:
     if len(found) != 1:
         raise FileNotFoundError(f"expected one run-*.wandb under {p}, found {[str(f) for f in found]}")
     return found[0]
+
+
+def wait_for_run_exit(path: str | os.PathLike, timeout_s: float) -> bool:
+    """Wait until the run file holds its `exit` record; False if it does not within `timeout_s`.
+
+    `run.finish()` can return before wandb-core has written the run file (seen with 0.31: the
+    file still only 7 bytes long), so a reader that wants the whole run waits for this.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if any(r.WhichOneof("record_type") == "exit" for r in iter_run_records(path)):
+                return True
+        except (FileNotFoundError, ValueError):
+            pass  # not written yet, or caught mid-write
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def iter_run_records(path: str | os.PathLike) -> Iterator[Any]:

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from online_spec.alerts import (CallbackAlertSink, LogAlertSink, PrometheusAlertSink, WandbAlertSink,
                                 fan_out, read_alerts_from_offline_run)
 from online_spec.drift import DriftAlert
-from online_spec.wandb_run import init_wandb, iter_run_records
+from online_spec.wandb_run import init_wandb, iter_run_records, wait_for_run_exit
 
 
 def make_alert(kind="drop", level="warn", slot=4, tag="code", before=2.6, after=1.6, round_=700):
@@ -38,7 +38,7 @@ def test_wandb_sink_alerts_are_read_back_from_the_offline_run(offline_env):
     run_dir = run.settings.sync_dir
     run.finish()
 
-    alerts = read_alerts_from_offline_run(run_dir)
+    alerts = read_alerts_from_offline_run(run_dir, wait_s=30.0)  # finish() may return before the write
     assert [(a["kind"], a["level"], a["slot"], a["tag"], a["count"]) for a in alerts] == [
         ("drop", "warn", 4, "code", 1), ("collapse", "error", 1, "", 2)]
     assert alerts[0]["before"] == 2.6 and alerts[0]["after"] == 1.6 and alerts[0]["round"] == 700
@@ -59,7 +59,7 @@ def test_reader_reassembles_records_split_across_blocks(offline_env):
     run.log({"alert/kind": "drop", "alert/text": long_text})
     run_dir = run.settings.sync_dir
     run.finish()
-    alerts = read_alerts_from_offline_run(run_dir)
+    alerts = read_alerts_from_offline_run(run_dir, wait_s=30.0)
     assert [len(a["text"]) for a in alerts] == [len("drop on slot 4"), 70_000]
     kinds = {r.WhichOneof("record_type") for r in iter_run_records(run_dir)}
     assert {"run", "history", "exit"} <= kinds
@@ -68,6 +68,7 @@ def test_reader_reassembles_records_split_across_blocks(offline_env):
 def test_reader_refuses_a_corrupt_or_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_alerts_from_offline_run(tmp_path)
+    assert wait_for_run_exit(tmp_path, timeout_s=0.1) is False
     bad = tmp_path / "run-x.wandb"
     bad.write_bytes(b"not a run file")
     with pytest.raises(ValueError, match="not a W&B run file"):
