@@ -6,7 +6,7 @@ only server-arg checks and rank-0 logging (`arg_groups.overrides`, `runtime_cont
 `speculative.spec_info`, `utils.log_info_on_rank0`) replaced by inert stand-ins for the
 duration of the load. `AdaptiveStepSlot` and `AdaptiveSpeculativeParams` run as shipped.
 
-Install: `pip install --no-deps sglang==0.5.23`. Tests using it skip when it is absent.
+Install: `pip install --no-deps sglang==0.5.23`. Tests using it fail when it is absent (CI installs it).
 """
 
 from __future__ import annotations
