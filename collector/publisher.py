@@ -174,6 +174,17 @@ class CapturePublisher:
             time.sleep(0.01)
         return bool(self._topics)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every submitted record is sent or counted as dropped (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout_s
+        while self._accounted() < self.submitted and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self._accounted() >= self.submitted
+
+    def _accounted(self) -> int:
+        return (self.sent + self.dropped_queue_full + self.dropped_hwm + self.dropped_no_subscriber
+                + self.dropped_invalid + self.dropped_closed)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued, stop the sender thread (sentinel) and release the socket."""
         if self._closed:

@@ -36,6 +36,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from online_spec.capture import CaptureRecord
@@ -276,15 +277,28 @@ def _tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], name: s
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+# Exponent bits of the 16-bit floats: all ones means inf or NaN.
+_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # On the bit pattern with numpy: several times faster than torch.isfinite on bf16 here.
+    mask = _EXPONENT_MASK.get(t.dtype)
+    if mask is None:
+        return bool(np.isfinite(t.numpy()).all())
+    bits = t.reshape(-1).view(torch.int16).numpy()
+    return not bool(((bits & mask) == mask).any())
+
+
 def _check_values(parts: dict[str, torch.Tensor], request_id: str) -> None:
-    for name in ("features", "final_hidden", "draft_probs"):
-        t = parts[name]
-        if t.numel() and not bool(torch.isfinite(t).all()):
+    for name in ("features", "final_hidden"):
+        if not _all_finite(parts[name]):
             raise WireError(f"record {request_id!r}: {name} has non-finite values (NaN/inf)")
-    p = parts["draft_probs"]
-    if p.numel() and not (bool((p >= 0).all()) and bool((p <= 1).all())):
-        raise WireError(f"record {request_id!r}: draft_probs outside [0, 1]")
+    # The small arrays go through numpy: a torch op costs microseconds of dispatch each.
+    p = parts["draft_probs"].numpy()
+    if p.size and not ((p >= 0) & (p <= 1)).all():  # NaN fails both comparisons
+        raise WireError(f"record {request_id!r}: draft_probs not finite or outside [0, 1]")
     for name in ("tokens", "draft_tokens"):
-        t = parts[name]
-        if t.numel() and int(t.min()) < 0:
+        t = parts[name].numpy()
+        if t.size and t.min() < 0:
             raise WireError(f"record {request_id!r}: {name} has a negative token id")

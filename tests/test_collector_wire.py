@@ -146,7 +146,10 @@ def test_bad_probabilities_and_negative_tokens_are_rejected():
     frames = _bytes(encode(GOOD))
     probs = bytearray(frames[5])
     probs[0:4] = struct.pack("<f", 1.5)
-    with pytest.raises(WireError, match="draft_probs outside"):
+    with pytest.raises(WireError, match="draft_probs not finite or outside"):
+        decode(frames[:5] + [bytes(probs)])
+    probs[0:4] = struct.pack("<f", float("nan"))
+    with pytest.raises(WireError, match="draft_probs not finite"):
         decode(frames[:5] + [bytes(probs)])
     toks = bytearray(frames[1])
     toks[0:4] = struct.pack("<i", -3)
