@@ -136,7 +136,8 @@ class CapturePublisher:
         return take
 
     def submit(self, records: list[CaptureRecord]) -> None:
-        """Queue this round's records of sampled requests; drops (and counts) when full."""
+        """Queue this round's records of sampled requests; drops (and counts) when full.
+        Call from one thread (the engine's): the counters it updates have that single writer."""
         self.submitted += len(records)
         if self._closed:
             self.dropped_closed += len(records)

@@ -11,7 +11,8 @@ Layout under `root` (reopened as is after a restart, also after kill -9):
     root/gens/00000012/heldout/      the held-out spans of the same generation, if any
 
 New spans gather in memory until `shard_bytes` of them are pending or `flush_interval_s` has
-passed since the first; then they are written as one generation (to a temporary directory,
+passed since the first (checked at `add`; when traffic stops, the daemon calls `flush()`); then
+they are written as one generation (to a temporary directory,
 renamed into place, so a kill leaves no half generation; it loses at most the pending spans).
 When the bytes on disk plus pending exceed `budget_bytes`, whole generations are deleted,
 oldest first. The newest train spans (up to `memory_bytes`) are also kept in memory, the
