@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
+    "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
 }
 
 
