@@ -104,10 +104,10 @@ class TargetModel(nn.Module):
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             vocab_size=cfg.vocab_size, rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
             rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
-            aux_layer_ids=(1, n // 2 - 1, n - 4),
+            aux_layer_ids=(min(1, n - 1), max(n // 2 - 1, 0), max(n - 4, 0)),
         )
         # Capture the residual stream entering these layers (= outputs of aux_layer_ids).
-        self._capture_at = {i + 1: j for j, i in enumerate(self.info.aux_layer_ids)}
+        self._capture_at = [i + 1 for i in self.info.aux_layer_ids]
         self._rope_len = 0
         self._cos = self._sin = None
         self.eos_token_ids = self._eos_ids()
@@ -180,9 +180,9 @@ class TargetModel(nn.Module):
         cos, sin = cos.squeeze(1), sin.squeeze(1)
         feats: list[torch.Tensor | None] = [None, None, None]
         for li, layer in enumerate(m.layers):
-            j = self._capture_at.get(li)
-            if j is not None:
-                feats[j] = h
+            for j, at in enumerate(self._capture_at):
+                if at == li:
+                    feats[j] = h
             x = layer.input_layernorm(h)
             a = layer.self_attn
             q = a.q_proj(x).view(B, T, i.num_heads, i.head_dim).transpose(1, 2)
@@ -191,6 +191,9 @@ class TargetModel(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             h = h + a.o_proj(batch.attend(cache, li, q, k, v))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for j, at in enumerate(self._capture_at):
+            if at == len(m.layers):  # tiny models: "entering" the layer after the last
+                feats[j] = h
         final = m.norm(h)
         logits = None if logits_rows is None else self.hf.lm_head(final[:, logits_rows])
         return logits, torch.cat(feats, dim=-1), final

@@ -28,12 +28,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 import torch
 
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, doc
+from online_spec.controller import StaticSteps, StepPolicy
 from online_spec.head import EagleHead
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, accept_sampled, probs_from_logits
@@ -56,30 +57,6 @@ class EngineConfig:
         check(0 <= self.num_steps <= self.max_steps, "num_steps", f"must be in 0..max_steps={self.max_steps}")
         check(self.max_len >= 16, "max_len", "must be >= 16")
         check(self.max_queue >= 0, "max_queue", "must be >= 0")
-
-
-class StepPolicy(Protocol):
-    """Chooses K per round (the controller package implements richer ones)."""
-
-    def steps_for(self, batch_size: int) -> int: ...
-    def update(self, batch_size: int, accepted: Sequence[int]) -> int: ...
-    def rewarm(self) -> None: ...
-
-
-class StaticSteps:
-    """K fixed."""
-
-    def __init__(self, num_steps: int):
-        self.num_steps = num_steps
-
-    def steps_for(self, batch_size: int) -> int:
-        return self.num_steps
-
-    def update(self, batch_size: int, accepted: Sequence[int]) -> int:
-        return self.num_steps
-
-    def rewarm(self) -> None:
-        pass
 
 
 class CaptureSink(Protocol):
@@ -110,7 +87,6 @@ class Request:
     capture: bool = False
     slot: int = -1
     gen: torch.Generator | None = None
-    text_checked: int = 0
 
 
 @dataclass
@@ -203,9 +179,11 @@ class Engine:
                  tags: list[str] | None = None) -> list[list[int]]:
         """Run prompts to completion (tests, benches); returns output token ids per prompt."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(Request(list(p), sp, tag=(tags[i] if tags else "")))
-                for i, (p, sp) in enumerate(zip(prompts, plist))]
-        while any(r.finish_reason is None for r in reqs):
+        reqs = [Request(list(p), sp, tag=(tags[i] if tags else "")) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        todo = deque(reqs)
+        while todo or any(r.finish_reason is None for r in reqs):
+            while todo and len(self.waiting) < max(self.cfg.max_queue, 1):
+                self.add_request(todo.popleft())
             self.step()
         return [r.output_ids for r in reqs]
 
@@ -220,18 +198,26 @@ class Engine:
             return outs
         reqs = self.running
         B = len(reqs)
-        slots = range(B)
-        tlen = [self.tcache.lengths[b] for b in slots]
+        tlen = [self.tcache.lengths[b] for b in range(B)]
+        ctx = sum(tlen) // B
         room = self.cfg.max_len - max(tlen) - 2
-        K = 0 if self.head is None else max(0, min(self.policy.steps_for(B), self.cfg.max_steps, room))
+        K = 0 if self.head is None else max(0, min(self.policy.steps_for(B, ctx), self.cfg.max_steps, room))
 
-        # 1) draft: catch the draft cache up on committed features, then K chained steps.
+        # 1) draft: catch the draft cache up on committed features, then up to K chained steps
+        #    (fewer when the policy predicts the next step does not pay).
         t1 = time.perf_counter()
-        drafts = torch.zeros(B, K, dtype=torch.long)
-        draft_probs = torch.zeros(B, K)
         q_full: list[torch.Tensor] | None = None
         if K > 0:
-            drafts, draft_probs, q_full = self._draft(reqs, tlen, K)
+            drafts, draft_probs, q_full = self._draft(reqs, tlen, K, ctx)
+            K = drafts.shape[1]
+        else:
+            drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0)
+        # per-request verify lengths (confidence-prior verifier): low-confidence tails are not verified
+        lens = [K] * B
+        if K > 0 and hasattr(self.policy, "verify_lengths"):
+            lens = [min(K, n) for n in self.policy.verify_lengths(draft_probs.tolist(), ctx)]
+            K = max(lens)
+            drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
         t2 = time.perf_counter()
 
         # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
@@ -244,15 +230,16 @@ class Engine:
         accepted, records, round_outs = [], [], []
         greedy_choice = logits.argmax(-1).cpu() if any(r.params.greedy for r in reqs) else None
         for b, r in enumerate(reqs):
+            n = lens[b]
             if r.params.greedy:
                 # Greedy: accept drafts while each equals the target's argmax at its position; the
                 # target's argmax after the last accepted draft is committed too (the bonus).
-                match = (drafts[b] == greedy_choice[b, :K]).int()
-                a = int(match.cumprod(0).sum()) if K else 0
+                match = (drafts[b, :n] == greedy_choice[b, :n]).int()
+                a = int(match.cumprod(0).sum()) if n else 0
                 nxt = int(greedy_choice[b, a])
             else:
-                p = probs_from_logits(logits[b], r.params)
-                a, nxt = accept_sampled(p, q_full[b], drafts[b], r.gen)
+                p = probs_from_logits(logits[b, :n + 1], r.params)
+                a, nxt = accept_sampled(p, q_full[b][:n], drafts[b, :n], r.gen)
             accepted.append(a)
             L = tlen[b]
             new = drafts[b, :a].tolist() + [nxt]
@@ -263,25 +250,27 @@ class Engine:
                 records.append(CaptureRecord(
                     request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
                     features=feats[b, :a + 1], final_hidden=final[b, :a + 1],
-                    draft_tokens=drafts[b].clone(), draft_probs=draft_probs[b].clone(), accept_len=a,
-                    num_steps=K, batch_size=B, draft_version=self.head_version, tag=r.tag))
-            round_outs.append(self._commit_output(r, new, a, K))
-        if K > 0:
-            self.policy.update(B, accepted)
+                    draft_tokens=drafts[b, :n].clone(), draft_probs=draft_probs[b, :n].clone(), accept_len=a,
+                    num_steps=n, batch_size=B, draft_version=self.head_version, tag=r.tag))
+            round_outs.append(self._commit_output(r, new, a, n))
+        t3 = time.perf_counter()
+        # every round counts, K=0 too: SGLang's policy probes up from plain decode
+        if self.head is not None:
+            self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=t2 - t1, verify_s=t3 - t2,
+                               confidences=draft_probs.tolist())
         if self.publisher is not None and records:
             self.publisher.submit(records)
-        t3 = time.perf_counter()
         stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,
                            committed=sum(len(o.new_token_ids) for o in round_outs),
                            draft_s=t2 - t1, verify_s=t3 - t2, total_s=t3 - t0,
-                           head_version=self.head_version, ctx_len=max(tlen), swapped=swapped)
+                           head_version=self.head_version, ctx_len=ctx, swapped=swapped)
         for hook in self.on_round:
             hook(stats, round_outs)
         self.last_round = stats
         return outs + round_outs
 
     # -- pieces of a round ------------------------------------------------------------------
-    def _draft(self, reqs: list[Request], tlen: list[int], K: int):
+    def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
         full-vocab draft distributions per request (sampling requests only))."""
         head, B = self.head, len(reqs)
@@ -311,6 +300,11 @@ class Engine:
                     t = int(torch.multinomial(q, 1, generator=r.gen))
                     drafts[b, j], probs[b, j] = t, float(q[t])
                     q_full[b][j] = q
+            if j + 1 < K and hasattr(self.policy, "should_continue") and \
+                    not self.policy.should_continue(j + 1, probs[:, j].tolist(), B, ctx):
+                drafts, probs = drafts[:, :j + 1], probs[:, :j + 1]
+                q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
+                break
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them
             self.dcache.lengths[b] = tlen[b]
         return drafts, probs, q_full
@@ -381,23 +375,28 @@ class Engine:
             elif len(r.output_ids) >= r.params.max_tokens:
                 r.finish_reason = "length"
         if r.finish_reason is None and r.params.stop:
-            self._check_stop_strings(r)
+            cut = self._check_stop_strings(r)
+            if cut:
+                del taken[max(0, len(taken) - cut):]
         if r.finish_reason is None and self.tcache.lengths[r.slot] + self.cfg.max_steps + 2 >= self.cfg.max_len:
             r.finish_reason = "length"
         return RequestOutput(r.request_id, taken, accept_len, K, r.finish_reason is not None, r.finish_reason)
 
-    def _check_stop_strings(self, r: Request) -> None:
+    def _check_stop_strings(self, r: Request) -> int:
+        """Finish `r` at its first stop string; returns how many output tokens were cut."""
         text = self.target.tokenizer.decode(r.output_ids)
-        for s in r.params.stop:
-            i = text.find(s)
-            if i >= 0:
-                # keep the tokens whose text ends before the stop string
-                keep = len(r.output_ids)
-                while keep > 0 and len(self.target.tokenizer.decode(r.output_ids[:keep])) > i:
-                    keep -= 1
-                del r.output_ids[keep:]
-                r.finish_reason = "stop"
-                return
+        hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
+        if not hits:
+            return 0
+        i = min(hits)
+        # keep the tokens whose text ends before the stop string
+        keep = len(r.output_ids)
+        while keep > 0 and len(self.target.tokenizer.decode(r.output_ids[:keep])) > i:
+            keep -= 1
+        cut = len(r.output_ids) - keep
+        del r.output_ids[keep:]
+        r.finish_reason = "stop"
+        return cut
 
     # -- admission, release, swap ---------------------------------------------------------------
     def _admit(self) -> list[RequestOutput]:

@@ -4,6 +4,7 @@
 - `ema`: `EmaTierPolicy`, SGLang's EMA tier policy, decision for decision.
 - `cost`: `CostModelPolicy`, K maximizing expected committed tokens per predicted second, with
   in-round early stop and per-request verify lengths.
+- `static`: `StaticSteps`, K fixed (baselines).
 - `base`: the `StepPolicy` protocol both implement and `measure_decision_cost_us`.
 - `replay`: `online-spec controller replay` and the `TraceRecorder` the engine writes rounds with.
 
@@ -16,7 +17,8 @@ from online_spec.controller.config import (AdaptiveConfig, SlotConfig, adaptive_
                                            load_adaptive_config)
 from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig
 from online_spec.controller.ema import EmaTierPolicy
+from online_spec.controller.static import StaticSteps
 
-__all__ = ["AdaptiveConfig", "SlotConfig", "StepPolicy", "EmaTierPolicy", "CostModel", "CostModelConfig",
+__all__ = ["StaticSteps", "AdaptiveConfig", "SlotConfig", "StepPolicy", "EmaTierPolicy", "CostModel", "CostModelConfig",
            "CostModelPolicy", "CostPolicyConfig", "adaptive_config_path", "configs_dir", "load_adaptive_config",
            "measure_decision_cost_us"]
