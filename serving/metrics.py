@@ -2,7 +2,8 @@
 
 In: every engine step's outputs (`on_step`, engine thread), every verify round's `RoundStats`
 with its outputs and their traffic tags (`on_round`, engine thread), request outcomes and
-latencies (`on_request_*`, event loop), swaps, drift alerts. Out: `/metrics` text
+latencies (`on_request_*`, event loop), swaps. Drift alerts are counted on the same registry by
+`online_spec.alerts.PrometheusAlertSink` (serving/server_drift.py). Out: `/metrics` text
 (`render()`, a private registry per server so several can live in one process) and `summary()`
 for `/server_info`.
 
@@ -84,7 +85,6 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge(p + "requests_running", "requests holding an engine slot", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "requests queued for a slot", registry=r)
-        self.drift_alerts = Counter(p + "drift_alerts", "drift alerts raised", ["kind", "tag"], registry=r)
         if publisher_stats is not None:
             r.register(_PublisherCollector(publisher_stats))
         self._lock = threading.Lock()
@@ -146,9 +146,6 @@ class ServerMetrics:
 
     def on_rollback(self) -> None:
         self.rollbacks.inc()
-
-    def on_drift_alert(self, kind: str, tag: str) -> None:
-        self.drift_alerts.labels(kind, tag).inc()
 
     # -- readers ----------------------------------------------------------------------------------------
     def tokens_per_second(self) -> float:

@@ -12,6 +12,8 @@ Hooks for the rest of the system (a control plane, the trainer daemon, the drift
   - `server.info()`                      the `/server_info` dict
   - `server.round_observers`             callables `(RoundStats, outputs, tags)` run per round
                                          on the engine thread (failures logged, never raised)
+  - `server.drift.sinks`                 where drift alerts go; append e.g.
+                                         `CallbackAlertSink(daemon.on_drift)` (serving/server_drift.py)
 
     online-spec serve --host 127.0.0.1 --port 30000 [--draft DIR] [--num-steps 3] [--max-batch 16]
 """
@@ -29,11 +31,13 @@ from typing import Callable
 import torch
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.drift import DriftConfig
 from online_spec.head import EagleHead
 from online_spec.sampling import SamplingParams
 from serving.api import ApiError
 from serving.engine import Engine, EngineConfig, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 from serving.metrics import ServerMetrics
+from serving.server_drift import ServerDrift
 from serving.server_loop import EngineLoop, RequestStream
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,14 @@ class ServerConfig:
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     log_level: str = doc("uvicorn and server log level", "info")
+    drift_monitor: bool = doc("feed the drift detector per round and raise alerts (log, Prometheus, W&B)", True)
+    wandb_mode: str = doc("W&B run for drift alerts: off, offline or online", "off")
+    wandb_project: str = doc("W&B project of that run", "online-spec")
+    wandb_dir: str = doc("directory of the W&B run files", "runs/serve")
     engine: EngineConfig = field(default_factory=EngineConfig,
                                  metadata={"help": "engine settings (flags of EngineConfig)", "cli": False})
+    drift: DriftConfig = field(default_factory=DriftConfig,
+                               metadata={"help": "drift detector settings (--drift-* flags)", "cli": False})
 
     def __post_init__(self):
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
@@ -62,13 +72,15 @@ class ServerConfig:
         check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         check(self.threads >= 0, "threads", "must be >= 0")
         check(self.metrics_window >= 1, "metrics_window", "must be >= 1")
+        check(self.wandb_mode in ("off", "offline", "online"), "wandb_mode",
+              f"must be off, offline or online, got {self.wandb_mode!r}")
 
 
 class SpecServer:
     """Engine + engine thread + metrics + the FastAPI app, with the hooks a control plane calls."""
 
     def __init__(self, cfg: ServerConfig, target, head: EagleHead | None, head_version: int = 0,
-                 policy=None, publisher=None):
+                 policy=None, publisher=None, wandb_run=None):
         from serving.server_app import build_app
 
         self.cfg = cfg
@@ -83,6 +95,10 @@ class SpecServer:
         self.round_observers: list[RoundObserver] = []
         self.loop = EngineLoop(self.engine, on_step=self.metrics.on_step)
         self.engine.on_round.append(self._on_round)
+        self.drift: ServerDrift | None = None
+        if cfg.drift_monitor:
+            self.drift = ServerDrift(cfg.drift, registry=self.metrics.registry, wandb_run=wandb_run)
+            self.round_observers.append(self.drift.observe)
         self.app = build_app(self)
         self.started_at = time.time()
 
@@ -131,6 +147,7 @@ class SpecServer:
             "running_requests": len(e.running), "waiting_requests": len(e.waiting),
             "engine": config_to_dict(e.cfg), "uptime_s": time.time() - self.started_at,
             "rounds_failed": self.loop.rounds_failed, "capture_publisher": publisher,
+            "drift": None if self.drift is None else self.drift.info(),
         }
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -139,6 +156,8 @@ class SpecServer:
 
     def close(self) -> None:
         self.loop.close()
+        if self.drift is not None:
+            self.drift.close()
 
     def _on_round(self, stats: RoundStats, outs: list[RequestOutput]) -> None:
         tags = [self.loop.tag_of(o.request_id) for o in outs]
@@ -171,7 +190,11 @@ def build_server(cfg: ServerConfig) -> SpecServer:
         version = int(meta.get("version", 0))
     else:
         head = new_head(target)
-    return SpecServer(cfg, target, head, head_version=version)
+    run = None
+    if cfg.drift_monitor and cfg.wandb_mode != "off":
+        from online_spec.wandb_run import init_wandb
+        run = init_wandb(cfg.wandb_project, None, cfg.wandb_dir, mode=cfg.wandb_mode, config=config_to_dict(cfg))
+    return SpecServer(cfg, target, head, head_version=version, wandb_run=run)
 
 
 class HttpThread:
@@ -212,13 +235,15 @@ class HttpThread:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, ServerConfig)
     add_config_args(parser, EngineConfig)
+    add_config_args(parser, DriftConfig, prefix="drift_")
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     engine_cfg = config_from_args(EngineConfig, args)
-    cfg = config_from_args(ServerConfig, args, engine=engine_cfg)
+    drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
+    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = build_server(cfg)
     try:
