@@ -111,10 +111,8 @@ class SpecServer:
             self.metrics.on_rejected("queue_full")
             raise ApiError(503, f"server busy: {e}; retry later", "server_busy") from None
         except PromptTooLong as e:
-            self.metrics.on_rejected("prompt_too_long")
             raise ApiError(400, str(e), param="prompt") from None
         except ValueError as e:
-            self.metrics.on_rejected("invalid")
             raise ApiError(400, str(e), param="prompt") from None
         except RuntimeError as e:
             raise ApiError(503, str(e), "server_unavailable") from None

@@ -12,12 +12,14 @@ non-streaming request waits) has its request aborted, which frees its engine slo
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from serving import api
@@ -109,6 +111,24 @@ class _Job:
                 "draft_version": self.server.engine.head_version}
 
 
+async def _parse(request: Request, model):
+    """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type)."""
+    try:
+        data = json.loads(await request.body() or b"null")
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, _validation_message(e.errors())) from None
+
+
+def _validation_message(errors) -> str:
+    msgs = [f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
+            for err in errors]
+    return "; ".join(msgs) or "invalid request"
+
+
 def _tag(request: Request, body_tag: str | None) -> str:
     return body_tag or request.headers.get(TAG_HEADER, "") or ""
 
@@ -130,19 +150,20 @@ def build_app(server: "SpecServer") -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
+        if e.status == 400:
+            server.metrics.on_rejected("invalid")
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_req, e: RequestValidationError):
-        msgs = [f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}" for err in e.errors()]
-        server.metrics.on_rejected("invalid")
-        return JSONResponse(ApiError(400, "; ".join(msgs) or "invalid request").body(), status_code=400)
+        return JSONResponse(ApiError(400, _validation_message(e.errors())).body(), status_code=400)
 
     def start(endpoint: str, prompt_ids: list[int], params, tag: str, rid: str) -> _Job:
         return _Job(server, endpoint, server.submit(prompt_ids, params, tag, rid), params.stop)
 
     @app.post("/v1/completions")
-    async def completions(body: api.CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await _parse(request, api.CompletionRequest)
         params = body.sampling_params(default_max_tokens=16)
         job = start("completions", body.prompt_ids(server.tokenizer), params, _tag(request, body.tag),
                     f"cmpl-{uuid.uuid4().hex}")
@@ -163,7 +184,8 @@ def build_app(server: "SpecServer") -> FastAPI:
         return _sse_stream(job, chunks())
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await _parse(request, api.ChatCompletionRequest)
         params = body.sampling_params(default_max_tokens=server.cfg.default_max_tokens)
         job = start("chat", server.engine.target.encode_chat(body.chat()), params, _tag(request, body.tag),
                     f"chatcmpl-{uuid.uuid4().hex}")
@@ -187,7 +209,8 @@ def build_app(server: "SpecServer") -> FastAPI:
         return _sse_stream(job, chunks())
 
     @app.post("/generate")
-    async def generate(body: api.GenerateRequest, request: Request):
+    async def generate(request: Request):
+        body = await _parse(request, api.GenerateRequest)
         params = body.params()
         rid = body.rid or uuid.uuid4().hex
         job = start("generate", body.prompt_ids(server.tokenizer), params, _tag(request, body.tag), rid)

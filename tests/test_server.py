@@ -120,6 +120,12 @@ def test_malformed_and_oversized_requests(served):
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
     r = httpx.post(url + "/generate", json={"text": "a", "input_ids": [1]})
     assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
+    r = httpx.post(url + "/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # curl -d sends a form content type: the JSON body is still read
+    r = httpx.post(url + "/generate", content=b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2}}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
 
 
 def test_server_info_metrics_and_tags(served, client):

@@ -88,14 +88,16 @@ def test_disconnect_frees_slot_and_full_queue_is_503(tiny_smol):
         # slot busy + one waiting = the queue is full: the next request is refused at once
         with httpx.Client(base_url=http.url, timeout=30) as c1, httpx.Client(base_url=http.url, timeout=30) as c2:
             with c1.stream("POST", "/v1/completions", json={**long, "stream": True}) as r1:
-                next(r1.iter_lines())
+                lines = r1.iter_lines()  # kept referenced: a dropped iterator closes the response
+                next(lines)
                 with c2.stream("POST", "/v1/completions", json={**long, "stream": True}) as r2:
                     assert _wait(lambda: len(server.engine.waiting) == 1)
                     t0 = time.monotonic()
                     r3 = httpx.post(http.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
                     assert r3.status_code == 503 and "queue full" in r3.json()["error"]["message"]
                     assert time.monotonic() - t0 < 5
-                    assert r2.status_code == 200
+                    assert r2.status_code == 200 and len(server.engine.running) == 1
+                    assert server.engine.running[0].finish_reason is None
         assert _wait(lambda: not server.engine.running and not server.engine.waiting)
 
         # a non-streaming client that times out is noticed as disconnected and aborted
