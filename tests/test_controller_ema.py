@@ -260,7 +260,6 @@ def test_is_a_step_policy_and_cheap():
 # -- parity with SGLang ----------------------------------------------------------------------
 
 SGL, SGL_VERSION = load_sglang_adaptive()
-needs_sglang = pytest.mark.usefixtures()  # never skipped: CI installs sglang (README)
 
 
 def test_sglang_reference_is_installed():
@@ -304,12 +303,10 @@ def random_trace(rng: random.Random, policy: EmaTierPolicy, keys: list[int], rou
         yield b, acc
 
 
-@needs_sglang
 def test_sglang_default_config_is_the_shipped_file():
     assert json.loads(adaptive_config_path("sglang_default").read_text()) == SGL.DEFAULT_ADAPTIVE_CONFIG
 
 
-@needs_sglang
 @pytest.mark.parametrize("preset", ["sglang_default", "aggressive", "conservative"])
 def test_presets_load_the_same_in_sglang(preset):
     path = adaptive_config_path(preset)
@@ -317,7 +314,6 @@ def test_presets_load_the_same_in_sglang(preset):
     assert ours.candidate_steps == SGL.resolve_candidate_steps_from_config(str(path))
 
 
-@needs_sglang
 def test_random_traces_match_sglang_decision_by_decision(tmp_path):
     """Seeded random configs and traces: K before and after every round, and the EMA, agree.
 
@@ -347,7 +343,6 @@ def test_random_traces_match_sglang_decision_by_decision(tmp_path):
     assert min(moves.values()) >= 20, moves
 
 
-@needs_sglang
 def test_installed_sglang_is_the_version_compared():
     # Another SGLang may pass or fail parity; either way SGLANG_VERSION_COMPARED must be revisited.
     assert SGL_VERSION == SGLANG_VERSION_COMPARED, \

@@ -47,7 +47,6 @@ def test_replay_to_file_matches_the_policy(tmp_path):
     assert len(set(got)) >= 3  # the trace moved K around, so the comparison means something
 
 
-@pytest.mark.usefixtures()  # never skipped: CI installs sglang (README)
 @pytest.mark.parametrize("preset, initial", [("sglang_default", 3), ("aggressive", 7), ("aggressive", 1)])
 def test_replay_matches_sglang(tmp_path, capsys, preset, initial):
     trace = tmp_path / "trace.jsonl"
