@@ -54,6 +54,8 @@ class ServerConfig:
     dtype: str = doc("target and head dtype: bfloat16 or float32", "bfloat16")
     model_name: str = doc("model name reported by the API; empty = the target's directory name", "")
     default_max_tokens: int = doc("max_tokens of a chat request that gives none", 256)
+    adaptive: str = doc("adaptive K: an SGLang adaptive-steps JSON file or a preset name in configs/adaptive "
+                        "(e.g. sglang_default); empty = fixed K = --num-steps", "")
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     log_level: str = doc("uvicorn and server log level", "info")
@@ -136,6 +138,10 @@ class SpecServer:
         publisher = None
         if e.publisher is not None and hasattr(e.publisher, "stats"):
             publisher = e.publisher.stats()
+        per_slot = None
+        if isinstance(policy_info, dict) and isinstance(policy_info.get("slots"), dict):
+            per_slot = {k: v.get("steps") for k, v in policy_info["slots"].items()}
+        summary["speculative_num_steps_per_slot"] = per_slot
         return {
             "model_path": self.model_name, "served_model_name": self.model_name,
             "speculative_algorithm": "EAGLE3" if e.head is not None else None,
@@ -172,6 +178,19 @@ class SpecServer:
                 log.exception("round observer %r failed (ignored)", obs)
 
 
+def build_policy(cfg: ServerConfig):
+    """The step policy the config names: SGLang's EMA tier policy over an adaptive JSON, or None
+    (the engine's fixed K)."""
+    if not cfg.adaptive:
+        return None
+    from pathlib import Path
+
+    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
+
+    path = Path(cfg.adaptive) if Path(cfg.adaptive).exists() else adaptive_config_path(cfg.adaptive)
+    return EmaTierPolicy(load_adaptive_config(path), initial_steps=cfg.engine.num_steps or None)
+
+
 def build_server(cfg: ServerConfig) -> SpecServer:
     """Load the target and head the config names and build the server (not started)."""
     from online_spec.checkpoint import load_head
@@ -192,7 +211,7 @@ def build_server(cfg: ServerConfig) -> SpecServer:
     if cfg.drift_monitor and cfg.wandb_mode != "off":
         from online_spec.wandb_run import init_wandb
         run = init_wandb(cfg.wandb_project, None, cfg.wandb_dir, mode=cfg.wandb_mode, config=config_to_dict(cfg))
-    return SpecServer(cfg, target, head, head_version=version, wandb_run=run)
+    return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg), wandb_run=run)
 
 
 class HttpThread:

@@ -128,3 +128,24 @@ def test_text_stream_matches_full_decode(smol_bf16, text, stop):
         expect = min((full[:full.index(s)] for s in stop if s in full), key=len, default=full)
         assert out == expect == ts.final_text()
         assert "\ufffd" not in out
+
+
+def test_adaptive_policy_steps_down_and_is_reported_per_slot(tiny_smol):
+    from serving.server import build_policy
+
+    cfg = ServerConfig(adaptive="sglang_default", engine=EngineConfig(max_len=256, max_batch=2, num_steps=5))
+    server = SpecServer(cfg, tiny_smol, new_head(tiny_smol, draft_vocab_size=2048), policy=build_policy(cfg))
+    server.start()
+    http = HttpThread(server).start()
+    try:
+        before = server.info()["internal_states"][0]["speculative_num_steps_per_slot"]
+        assert before == {"1": 5, "8": 1, "32": 1, "64": 0}  # 5 not a tier of "8": its middle
+        r = httpx.post(http.url + "/v1/completions", timeout=60,
+                       json={"prompt": "go", "max_tokens": 120, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200
+        # a random head accepts (almost) nothing: slot 1 walks down its tiers to the lowest
+        after = server.info()["internal_states"][0]["speculative_num_steps_per_slot"]
+        assert after["1"] == 1 and after["8"] == 1
+    finally:
+        http.stop()
+        server.close()
