@@ -190,6 +190,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def usage_chunk(rid: str, obj: str, model: str, use: dict) -> dict:
+    """The last streamed chunk when stream_options.include_usage is set: no choices, the usage."""
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+
+
 def openai_finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop", None: None}.get(reason, reason)
 

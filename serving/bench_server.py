@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -95,7 +95,7 @@ class SpecServer:
                                      publisher_stats=publisher.stats if hasattr(publisher, "stats") else None)
         self.metrics.head_version.set(head_version)
         self.round_observers: list[RoundObserver] = []
-        self.loop = EngineLoop(self.engine, on_step=self.metrics.on_step)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
         self.engine.on_round.append(self._on_round)
         self.drift: ServerDrift | None = None
         if cfg.drift_monitor:
@@ -163,10 +163,13 @@ class SpecServer:
         if self.drift is not None:
             self.drift.close()
 
+    def _on_step(self, outs: list[RequestOutput], elapsed_s: float) -> None:
+        self.metrics.on_step(outs, elapsed_s)
+        self.metrics.running.set(sum(r.finish_reason is None for r in self.engine.running))
+        self.metrics.waiting.set(len(self.engine.waiting))
+
     def _on_round(self, stats: RoundStats, outs: list[RequestOutput]) -> None:
         tags = [self.loop.tag_of(o.request_id) for o in outs]
-        self.metrics.running.set(len(self.engine.running))
-        self.metrics.waiting.set(len(self.engine.waiting))
         try:
             self.metrics.on_round(stats, outs, tags)
         except Exception:

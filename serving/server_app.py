@@ -55,6 +55,9 @@ class _Job:
         return len(self.text.detok.ids) if self.stream.finish_reason == "stop" and self.text.matched_stop \
             else len(self.stream.request.output_ids)
 
+    def usage(self) -> dict:
+        return api.usage(self.prompt_tokens, self.completion_tokens)
+
     async def events(self) -> AsyncIterator[str]:
         """Text deltas as outputs arrive (the last one once finished); aborts the request if the
         consumer stops early (client disconnect, cancellation)."""
@@ -171,16 +174,14 @@ def build_app(server: "SpecServer") -> FastAPI:
         if not body.stream:
             text = await job.collect(request)
             return api.completion_body(job.rid, model, text, job.stream.finish_reason,
-                                       api.usage(job.prompt_tokens, job.completion_tokens))
+                                       job.usage())
 
         async def chunks():
             async for delta in job.events():
                 fin = job.stream.finish_reason if job.done else None
                 yield api.sse(api.completion_body(job.rid, model, delta, fin, None, chunk=True))
             if body.include_usage:
-                use = api.usage(job.prompt_tokens, job.completion_tokens)
-                yield api.sse({"id": job.rid, "object": "text_completion", "created": int(time.time()),
-                               "model": model, "choices": [], "usage": use})
+                yield api.sse(api.usage_chunk(job.rid, "text_completion", model, job.usage()))
         return _sse_stream(job, chunks())
 
     @app.post("/v1/chat/completions")
@@ -193,7 +194,7 @@ def build_app(server: "SpecServer") -> FastAPI:
         if not body.stream:
             text = await job.collect(request)
             return api.chat_body(job.rid, model, text, job.stream.finish_reason,
-                                 api.usage(job.prompt_tokens, job.completion_tokens))
+                                 job.usage())
 
         async def chunks():
             yield api.sse(api.chat_body(job.rid, model, "", None, None, chunk=True, first=True))
@@ -203,9 +204,7 @@ def build_app(server: "SpecServer") -> FastAPI:
                 if job.done:
                     yield api.sse(api.chat_body(job.rid, model, None, job.stream.finish_reason, None, chunk=True))
             if body.include_usage:
-                use = api.usage(job.prompt_tokens, job.completion_tokens)
-                yield api.sse({"id": job.rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                               "model": model, "choices": [], "usage": use})
+                yield api.sse(api.usage_chunk(job.rid, "chat.completion.chunk", model, job.usage()))
         return _sse_stream(job, chunks())
 
     @app.post("/generate")

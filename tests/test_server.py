@@ -147,6 +147,7 @@ def test_server_info_metrics_and_tags(served, client):
     assert m[("online_spec_head_version", ())] == 0
     assert m[("online_spec_requests_total", (("endpoint", "completions"), ("outcome", "length")))] >= 2
     assert m[("online_spec_time_to_first_token_seconds_count", ())] >= 2
+    assert m[("online_spec_requests_running", ())] == 0 and m[("online_spec_generated_tokens_total", ())] >= 12
     assert httpx.get(http.url + "/health").json() == {"status": "ok"}
 
 
