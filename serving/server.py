@@ -32,6 +32,7 @@ import torch
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.drift import DriftConfig
+from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.head import EagleHead
 from online_spec.sampling import SamplingParams
 from serving.api import ApiError
@@ -59,12 +60,15 @@ class ServerConfig:
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     log_level: str = doc("uvicorn and server log level", "info")
+    capture: bool = doc("stream capture records to the trainer (collector publisher, --capture-* flags)", False)
     drift_monitor: bool = doc("feed the drift detector per round and raise alerts (log, Prometheus, W&B)", True)
     wandb_mode: str = doc("W&B run for drift alerts: off, offline or online", "off")
     wandb_project: str = doc("W&B project of that run", "online-spec")
     wandb_dir: str = doc("directory of the W&B run files", "runs/serve")
     engine: EngineConfig = field(default_factory=EngineConfig,
                                  metadata={"help": "engine settings (flags of EngineConfig)", "cli": False})
+    publisher: PublisherConfig = field(default_factory=PublisherConfig,
+                                       metadata={"help": "capture publisher settings (--capture-* flags)", "cli": False})
     drift: DriftConfig = field(default_factory=DriftConfig,
                                metadata={"help": "drift detector settings (--drift-* flags)", "cli": False})
 
@@ -159,7 +163,10 @@ class SpecServer:
         self.loop.start()
 
     def close(self) -> None:
+        """Stop the engine thread, then close what the server was given: publisher, W&B run."""
         self.loop.close()
+        if self.engine.publisher is not None and hasattr(self.engine.publisher, "close"):
+            self.engine.publisher.close()
         if self.drift is not None:
             self.drift.close()
 
@@ -214,7 +221,9 @@ def build_server(cfg: ServerConfig) -> SpecServer:
     if cfg.drift_monitor and cfg.wandb_mode != "off":
         from online_spec.wandb_run import init_wandb
         run = init_wandb(cfg.wandb_project, None, cfg.wandb_dir, mode=cfg.wandb_mode, config=config_to_dict(cfg))
-    return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg), wandb_run=run)
+    publisher = CapturePublisher(cfg.publisher) if cfg.capture else None
+    return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg), publisher=publisher,
+                      wandb_run=run)
 
 
 class HttpThread:
@@ -256,6 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, ServerConfig)
     add_config_args(parser, EngineConfig)
     add_config_args(parser, DriftConfig, prefix="drift_")
+    add_config_args(parser, PublisherConfig, prefix="capture_")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
 
     engine_cfg = config_from_args(EngineConfig, args)
     drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
-    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg)
+    publisher_cfg = config_from_args(PublisherConfig, args, prefix="capture_")
+    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = build_server(cfg)
     try:

@@ -3,7 +3,8 @@
 A tiny random Llama with SmolLM2's vocabulary and tokenizer (the real tokenizer: streaming text
 is decoded for real) behind the real server: 64 concurrent streaming openai clients with no
 failure and real batching, a client disconnect freeing its engine slot (streaming and not), a
-full queue answered 503 at once. Plus the incremental detokenizer against full decodes.
+full queue answered 503 at once, adaptive K per slot, the capture stream to a real subscriber
+counted in /metrics. Plus the incremental detokenizer against full decodes.
 """
 
 import asyncio
@@ -149,3 +150,31 @@ def test_adaptive_policy_steps_down_and_is_reported_per_slot(tiny_smol):
     finally:
         http.stop()
         server.close()
+
+
+def test_capture_stream_counted_in_metrics(tiny_smol, tmp_path):
+    from collector.publisher import CapturePublisher, PublisherConfig
+    from collector.subscriber import CaptureSubscriber, SubscriberConfig
+
+    publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/capture.sock"))
+    server = SpecServer(ServerConfig(engine=EngineConfig(max_len=256, max_batch=2, num_steps=2)), tiny_smol,
+                        new_head(tiny_smol, draft_vocab_size=2048), publisher=publisher)
+    server.start()
+    http = HttpThread(server).start()
+    spans = []
+    try:
+        with CaptureSubscriber(SubscriberConfig(endpoint=publisher.endpoint), on_span=spans.append).start():
+            assert publisher.wait_for_subscriber(10)
+            r = httpx.post(http.url + "/generate", timeout=60, json={"text": "go", "sampling_params": {
+                "max_new_tokens": 8, "ignore_eos": True, "temperature": 0}})
+            assert r.status_code == 200
+            assert _wait(lambda: publisher.stats()["sent"] >= 2)
+            assert _wait(lambda: len(spans) == 1)
+        text = httpx.get(http.url + "/metrics").text
+        sent = [ln for ln in text.splitlines() if ln.startswith("online_spec_capture_records_sent_total ")]
+        assert sent and float(sent[0].split()[-1]) == publisher.stats()["sent"]
+        assert 'online_spec_capture_records_dropped_total{reason="queue_full"} 0.0' in text
+        assert server.info()["capture_publisher"]["sent"] >= 2
+    finally:
+        http.stop()
+        server.close()  # closes the publisher too
