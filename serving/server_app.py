@@ -52,8 +52,8 @@ class _Job:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.text.detok.ids) if self.stream.finish_reason == "stop" and self.text.matched_stop \
-            else len(self.stream.request.output_ids)
+        """Tokens the engine committed to the request (read once it finished)."""
+        return len(self.stream.request.output_ids)
 
     def usage(self) -> dict:
         return api.usage(self.prompt_tokens, self.completion_tokens)
