@@ -1,0 +1,287 @@
+"""`online-spec serve`: the model over HTTP — OpenAI API, SGLang's /generate, /server_info, /metrics.
+
+In: a `ServerConfig` (flags derived from it and from `EngineConfig`), a target (SmolLM2 by
+default) and a draft head (`--draft DIR`, else a random day-0 head). Out: a FastAPI app served
+by uvicorn; one background thread (`EngineLoop`) runs the engine's rounds for every client
+(continuous batching), HTTP handlers receive tokens through per-request asyncio queues.
+
+Hooks for the rest of the system (a control plane, the trainer daemon, the drift monitor):
+  - `server.engine`                      the live `Engine` (publisher, policy, head_version)
+  - `server.swap(head, version)`         install a validated head between rounds (any thread);
+                                         `rollback=True` counts it as a rollback
+  - `server.info()`                      the `/server_info` dict
+  - `server.round_observers`             callables `(RoundStats, outputs, tags)` run per round
+                                         on the engine thread (failures logged, never raised)
+  - `server.drift.sinks`                 where drift alerts go; append e.g.
+                                         `CallbackAlertSink(daemon.on_drift)` (serving/server_drift.py)
+
+    online-spec serve --host 127.0.0.1 --port 30000 [--draft DIR] [--num-steps 3] [--max-batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.drift import DriftConfig
+from collector.publisher import CapturePublisher, PublisherConfig
+from online_spec.head import EagleHead
+from online_spec.sampling import SamplingParams
+from serving.api import ApiError
+from serving.engine import Engine, EngineConfig, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
+from serving.metrics import ServerMetrics
+from serving.server_drift import ServerDrift
+from serving.server_loop import EngineLoop, RequestStream
+
+log = logging.getLogger(__name__)
+
+RoundObserver = Callable[[RoundStats, list[RequestOutput], list[str]], None]
+
+
+@dataclass
+class ServerConfig:
+    host: str = doc("address to listen on (loopback by default)", "127.0.0.1")
+    port: int = doc("TCP port", 30000)
+    draft: str = doc("EAGLE-3 head checkpoint directory (SGLang layout); empty = a random day-0 head", "")
+    target: str = doc("Hugging Face model directory of the target; empty = SmolLM2-135M-Instruct", "")
+    dtype: str = doc("target and head dtype: bfloat16 or float32", "bfloat16")
+    model_name: str = doc("model name reported by the API; empty = the target's directory name", "")
+    default_max_tokens: int = doc("max_tokens of a chat request that gives none", 256)
+    adaptive: str = doc("adaptive K: an SGLang adaptive-steps JSON file or a preset name in configs/adaptive "
+                        "(e.g. sglang_default); empty = fixed K = --num-steps", "")
+    threads: int = doc("torch CPU threads (0 = torch's default)", 0)
+    metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
+    log_level: str = doc("uvicorn and server log level", "info")
+    capture: bool = doc("stream capture records to the trainer (collector publisher, --capture-* flags)", False)
+    drift_monitor: bool = doc("feed the drift detector per round and raise alerts (log, Prometheus, W&B)", True)
+    wandb_mode: str = doc("W&B run for drift alerts: off, offline or online", "off")
+    wandb_project: str = doc("W&B project of that run", "online-spec")
+    wandb_dir: str = doc("directory of the W&B run files", "runs/serve")
+    engine: EngineConfig = field(default_factory=EngineConfig,
+                                 metadata={"help": "engine settings (flags of EngineConfig)", "cli": False})
+    publisher: PublisherConfig = field(default_factory=PublisherConfig,
+                                       metadata={"help": "capture publisher settings (--capture-* flags)", "cli": False})
+    drift: DriftConfig = field(default_factory=DriftConfig,
+                               metadata={"help": "drift detector settings (--drift-* flags)", "cli": False})
+
+    def __post_init__(self):
+        check(0 <= self.port <= 65535, "port", "must be in 0..65535")
+        check(self.dtype in ("bfloat16", "float32"), "dtype", f"must be bfloat16 or float32, got {self.dtype!r}")
+        check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
+        check(self.threads >= 0, "threads", "must be >= 0")
+        check(self.metrics_window >= 1, "metrics_window", "must be >= 1")
+        check(self.wandb_mode in ("off", "offline", "online"), "wandb_mode",
+              f"must be off, offline or online, got {self.wandb_mode!r}")
+
+
+class SpecServer:
+    """Engine + engine thread + metrics + the FastAPI app, with the hooks a control plane calls."""
+
+    def __init__(self, cfg: ServerConfig, target, head: EagleHead | None, head_version: int = 0,
+                 policy=None, publisher=None, wandb_run=None):
+        from serving.server_app import build_app
+
+        self.cfg = cfg
+        self.engine = Engine(target, head, cfg.engine, policy=policy, publisher=publisher, head_version=head_version)
+        self.tokenizer = target.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("the target has no tokenizer: the HTTP server needs one")
+        self.model_name = cfg.model_name or target.name or "online-spec"
+        self.metrics = ServerMetrics(cfg.engine.max_steps, cfg.metrics_window,
+                                     publisher_stats=publisher.stats if hasattr(publisher, "stats") else None)
+        self.metrics.head_version.set(head_version)
+        self.round_observers: list[RoundObserver] = []
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self.engine.on_round.append(self._on_round)
+        self.drift: ServerDrift | None = None
+        if cfg.drift_monitor:
+            self.drift = ServerDrift(cfg.drift, registry=self.metrics.registry, wandb_run=wandb_run)
+            self.round_observers.append(self.drift.observe)
+        self.app = build_app(self)
+        self.started_at = time.time()
+
+    # -- the hooks ------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:
+        """Queue one request (event loop thread); refusals become ApiError with a status."""
+        try:
+            return self.loop.submit(Request(prompt_ids, params, request_id, tag))
+        except EngineFull as e:
+            self.metrics.on_rejected("queue_full")
+            raise ApiError(503, f"server busy: {e}; retry later", "server_busy") from None
+        except PromptTooLong as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), "server_unavailable") from None
+
+    def swap(self, head: EagleHead | None, version: int, rollback: bool = False) -> None:
+        """Install `head` (already validated) before the next round; None = plain decode."""
+        self.engine.swap_head(head, version)
+        if rollback:
+            self.metrics.on_rollback()
+        self.loop.wake()
+
+    def info(self) -> dict:
+        e = self.engine
+        summary = self.metrics.summary()
+        policy_info = None
+        if hasattr(e.policy, "info"):
+            try:
+                policy_info = e.policy.info()
+            except Exception:  # a read racing the engine thread: report nothing rather than fail
+                log.exception("policy.info() failed")
+        publisher = None
+        if e.publisher is not None and hasattr(e.publisher, "stats"):
+            publisher = e.publisher.stats()
+        per_slot = None
+        if isinstance(policy_info, dict) and isinstance(policy_info.get("slots"), dict):
+            per_slot = {k: v.get("steps") for k, v in policy_info["slots"].items()}
+        summary["speculative_num_steps_per_slot"] = per_slot
+        return {
+            "model_path": self.model_name, "served_model_name": self.model_name,
+            "speculative_algorithm": "EAGLE3" if e.head is not None else None,
+            "speculative_num_steps": e.cfg.num_steps, "speculative_max_steps": e.cfg.max_steps,
+            "head_version": e.head_version,
+            "internal_states": [{**summary, "head_version": e.head_version, "policy": policy_info}],
+            "running_requests": len(e.running), "waiting_requests": len(e.waiting),
+            "engine": config_to_dict(e.cfg), "uptime_s": time.time() - self.started_at,
+            "rounds_failed": self.loop.rounds_failed, "capture_publisher": publisher,
+            "drift": None if self.drift is None else self.drift.info(),
+        }
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.loop.start()
+
+    def close(self) -> None:
+        """Stop the engine thread, then close what the server was given: publisher, W&B run."""
+        self.loop.close()
+        if self.engine.publisher is not None and hasattr(self.engine.publisher, "close"):
+            self.engine.publisher.close()
+        if self.drift is not None:
+            self.drift.close()
+
+    def _on_step(self, outs: list[RequestOutput], elapsed_s: float) -> None:
+        self.metrics.on_step(outs, elapsed_s)
+        self.metrics.running.set(sum(r.finish_reason is None for r in self.engine.running))
+        self.metrics.waiting.set(len(self.engine.waiting))
+
+    def _on_round(self, stats: RoundStats, outs: list[RequestOutput]) -> None:
+        tags = [self.loop.tag_of(o.request_id) for o in outs]
+        try:
+            self.metrics.on_round(stats, outs, tags)
+        except Exception:
+            log.exception("metrics round hook failed (ignored)")
+        for obs in self.round_observers:
+            try:
+                obs(stats, outs, tags)
+            except Exception:
+                log.exception("round observer %r failed (ignored)", obs)
+
+
+def build_policy(cfg: ServerConfig):
+    """The step policy the config names: SGLang's EMA tier policy over an adaptive JSON, or None
+    (the engine's fixed K)."""
+    if not cfg.adaptive:
+        return None
+    from pathlib import Path
+
+    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
+
+    path = Path(cfg.adaptive) if Path(cfg.adaptive).exists() else adaptive_config_path(cfg.adaptive)
+    return EmaTierPolicy(load_adaptive_config(path), initial_steps=cfg.engine.num_steps or None)
+
+
+def build_server(cfg: ServerConfig) -> SpecServer:
+    """Load the target and head the config names and build the server (not started)."""
+    from online_spec.checkpoint import load_head
+    from online_spec.head import new_head
+    from online_spec.target import load_target
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dtype = getattr(torch, cfg.dtype)
+    target = load_target(cfg.target or None, dtype=dtype)
+    version = 0
+    if cfg.draft:
+        head, meta = load_head(cfg.draft, target.info, dtype=dtype)
+        version = int(meta.get("version", 0))
+    else:
+        head = new_head(target)
+    run = None
+    if cfg.drift_monitor and cfg.wandb_mode != "off":
+        from online_spec.wandb_run import init_wandb
+        run = init_wandb(cfg.wandb_project, None, cfg.wandb_dir, mode=cfg.wandb_mode, config=config_to_dict(cfg))
+    publisher = CapturePublisher(cfg.publisher) if cfg.capture else None
+    return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg), publisher=publisher,
+                      wandb_run=run)
+
+
+class HttpThread:
+    """uvicorn serving `server.app` in a background thread (tests, benches)."""
+
+    def __init__(self, server: SpecServer, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import socket
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.uvicorn = uvicorn.Server(uvicorn.Config(server.app, log_level=log_level, timeout_graceful_shutdown=2,
+                                                     limit_concurrency=None, backlog=2048))
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.uvicorn.serve(sockets=[self.sock])),
+                                        name="uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "HttpThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self._thread.join(10)
+        self.sock.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, ServerConfig)
+    add_config_args(parser, EngineConfig)
+    add_config_args(parser, DriftConfig, prefix="drift_")
+    add_config_args(parser, PublisherConfig, prefix="capture_")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    engine_cfg = config_from_args(EngineConfig, args)
+    drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
+    publisher_cfg = config_from_args(PublisherConfig, args, prefix="capture_")
+    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = build_server(cfg)
+    try:
+        server.start()
+        log.info("serving %s (head version %d, K=%d) on http://%s:%d", server.model_name,
+                 server.engine.head_version, cfg.engine.num_steps, cfg.host, cfg.port)
+        uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    finally:
+        server.close()
+    return 0

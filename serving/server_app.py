@@ -1,0 +1,263 @@
+"""The HTTP routes: OpenAI `/v1/completions` and `/v1/chat/completions`, SGLang's `/generate`,
+`/health`, `/server_info`, `/metrics`, `/v1/models`.
+
+In: a `SpecServer` (serving/server.py), which owns the engine, its thread and the metrics. Out:
+a FastAPI app. Every generating route does the same three things: parse and validate (400 with a
+message on anything we cannot honour), `server.submit` (503 when the queue is full, 400 for a
+prompt too long), then read the request's outputs from its queue — as SSE events when streaming,
+into one body otherwise. A client that goes away (stream closed, or disconnect noticed while a
+non-streaming request waits) has its request aborted, which frees its engine slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from serving import api
+from serving.api import ApiError
+from serving.server_detok import TextStream
+from serving.server_loop import EngineError, RequestStream
+
+if TYPE_CHECKING:
+    from serving.server import SpecServer
+
+TAG_HEADER = "x-traffic-tag"
+DISCONNECT_POLL_S = 1.0
+
+
+class _Job:
+    """One generating request as the route sees it: its stream, text and bookkeeping."""
+
+    def __init__(self, server: "SpecServer", endpoint: str, stream: RequestStream, stop: list[str]):
+        self.server, self.endpoint, self.stream = server, endpoint, stream
+        self.text = TextStream(server.tokenizer, stop)
+        self.done = False
+
+    @property
+    def rid(self) -> str:
+        return self.stream.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.stream.request.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens the engine committed to the request (read once it finished)."""
+        return len(self.stream.request.output_ids)
+
+    def usage(self) -> dict:
+        return api.usage(self.prompt_tokens, self.completion_tokens)
+
+    async def events(self) -> AsyncIterator[str]:
+        """Text deltas as outputs arrive (the last one once finished); aborts the request if the
+        consumer stops early (client disconnect, cancellation)."""
+        try:
+            while True:
+                item = await self.stream.queue.get()
+                if isinstance(item, EngineError):
+                    raise ApiError(500, item.message, "server_error")
+                self.stream.note(item)
+                delta = self.text.push(item.new_token_ids)
+                if self.text.matched_stop is not None and not item.finished:
+                    # the stop string showed in the text before the engine's own check saw it
+                    self.server.loop.abort(self.rid)
+                    self.stream.finished, self.stream.finish_reason = True, "stop"
+                if self.stream.finished:
+                    self.done = True
+                    yield delta + self.text.finish()
+                    return
+                if delta:
+                    yield delta
+        finally:
+            if not self.done:
+                self.server.loop.abort(self.rid)
+            self._record()
+
+    async def collect(self, request: Request) -> str:
+        """Run to completion for a non-streaming response, aborting if the client disconnects."""
+        async def consume():
+            async for _ in self.events():
+                pass
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "client disconnected")
+        task.result()
+        return self.text.final_text()
+
+    def _record(self) -> None:
+        s = self.stream
+        outcome = s.finish_reason if self.done else "disconnected"
+        ttft = None if s.t_first is None else s.t_first - s.t_submit
+        n = len(self.text.detok.ids)
+        tpot = (s.t_last - s.t_first) / (n - 1) if s.t_first is not None and n > 1 else None
+        self.server.metrics.on_request_done(self.endpoint, outcome or "error", self.prompt_tokens, ttft, tpot)
+
+    def spec_meta(self) -> dict:
+        s = self.stream
+        return {"spec_verify_ct": s.verify_ct,
+                "spec_accept_length": (s.accepted / s.verify_ct + 1.0) if s.verify_ct else 1.0,
+                "spec_num_correct_drafts": s.accepted, "spec_num_proposed_drafts": s.proposed,
+                "spec_accept_rate": s.accepted / s.proposed if s.proposed else 0.0,
+                "draft_version": self.server.engine.head_version}
+
+
+async def _parse(request: Request, model):
+    """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type)."""
+    try:
+        data = json.loads(await request.body() or b"null")
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, _validation_message(e.errors())) from None
+
+
+def _validation_message(errors) -> str:
+    msgs = [f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
+            for err in errors]
+    return "; ".join(msgs) or "invalid request"
+
+
+def _tag(request: Request, body_tag: str | None) -> str:
+    return body_tag or request.headers.get(TAG_HEADER, "") or ""
+
+
+def _sse_stream(job: _Job, chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def body():
+        try:
+            async for line in chunks:
+                yield line
+        except ApiError as e:
+            yield api.sse(e.body())
+        yield api.sse("[DONE]")
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
+
+
+def build_app(server: "SpecServer") -> FastAPI:
+    app = FastAPI(title="online-spec", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req, e: ApiError):
+        if e.status == 400:
+            server.metrics.on_rejected("invalid")
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req, e: RequestValidationError):
+        return JSONResponse(ApiError(400, _validation_message(e.errors())).body(), status_code=400)
+
+    def start(endpoint: str, prompt_ids: list[int], params, tag: str, rid: str) -> _Job:
+        return _Job(server, endpoint, server.submit(prompt_ids, params, tag, rid), params.stop)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, api.CompletionRequest)
+        params = body.sampling_params(default_max_tokens=16)
+        job = start("completions", body.prompt_ids(server.tokenizer), params, _tag(request, body.tag),
+                    f"cmpl-{uuid.uuid4().hex}")
+        model = server.model_name
+        if not body.stream:
+            text = await job.collect(request)
+            return api.completion_body(job.rid, model, text, job.stream.finish_reason,
+                                       job.usage())
+
+        async def chunks():
+            async for delta in job.events():
+                fin = job.stream.finish_reason if job.done else None
+                yield api.sse(api.completion_body(job.rid, model, delta, fin, None, chunk=True))
+            if body.include_usage:
+                yield api.sse(api.usage_chunk(job.rid, "text_completion", model, job.usage()))
+        return _sse_stream(job, chunks())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, api.ChatCompletionRequest)
+        params = body.sampling_params(default_max_tokens=server.cfg.default_max_tokens)
+        job = start("chat", server.engine.target.encode_chat(body.chat()), params, _tag(request, body.tag),
+                    f"chatcmpl-{uuid.uuid4().hex}")
+        model = server.model_name
+        if not body.stream:
+            text = await job.collect(request)
+            return api.chat_body(job.rid, model, text, job.stream.finish_reason,
+                                 job.usage())
+
+        async def chunks():
+            yield api.sse(api.chat_body(job.rid, model, "", None, None, chunk=True, first=True))
+            async for delta in job.events():
+                if delta:
+                    yield api.sse(api.chat_body(job.rid, model, delta, None, None, chunk=True))
+                if job.done:
+                    yield api.sse(api.chat_body(job.rid, model, None, job.stream.finish_reason, None, chunk=True))
+            if body.include_usage:
+                yield api.sse(api.usage_chunk(job.rid, "chat.completion.chunk", model, job.usage()))
+        return _sse_stream(job, chunks())
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await _parse(request, api.GenerateRequest)
+        params = body.params()
+        rid = body.rid or uuid.uuid4().hex
+        job = start("generate", body.prompt_ids(server.tokenizer), params, _tag(request, body.tag), rid)
+
+        def result(text: str) -> dict:
+            s = job.stream
+            fin = api.sglang_finish_reason(s.finish_reason, job.text.matched_stop,
+                                           s.request.output_ids[-1] if s.request.output_ids else None,
+                                           job.completion_tokens) if s.finished else None
+            meta = {"id": rid, "finish_reason": fin, "prompt_tokens": job.prompt_tokens,
+                    "completion_tokens": job.completion_tokens if s.finished else len(job.text.detok.ids),
+                    "cached_tokens": 0, "e2e_latency": time.perf_counter() - s.t_submit, **job.spec_meta()}
+            ids = list(s.request.output_ids) if s.finished else list(job.text.detok.ids)
+            return {"text": text, "output_ids": ids, "meta_info": meta}
+
+        if not body.stream:
+            return result(await job.collect(request))
+
+        async def chunks():
+            text = ""
+            async for delta in job.events():
+                text += delta
+                yield api.sse(result(text))
+        return _sse_stream(job, chunks())
+
+    @app.get("/health")
+    async def health():
+        if not server.loop.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return server.info()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "online-spec"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def root():
+        return PlainTextResponse("online-spec server: see /v1/completions, /v1/chat/completions, /generate, "
+                                 "/server_info, /metrics\n")
+
+    return app

@@ -1,0 +1,82 @@
+"""Drift wiring for the server: per-round observations into `DriftDetector`, alerts out to sinks.
+
+In: every verify round (`observe(stats, outputs, tags)`, a `SpecServer.round_observers` entry,
+on the engine thread). Per round and per traffic tag present in it, one `RoundObservation`:
+slot = the round's batch size, the tag, the mean accept_len (bonus excluded) of that tag's
+requests, K, the head version that drafted, the time, the number of requests, and the round's
+committed tokens/s. Rounds with K = 0 carry no acceptance and are skipped. Out: each alert
+goes to every sink through `online_spec.alerts.fan_out` (log, Prometheus on the server's
+registry, W&B when a run is given, any callbacks) and into a short list `/server_info` shows.
+
+    drift = ServerDrift(DriftConfig(), registry=server.metrics.registry, wandb_run=run)
+    server.round_observers.append(drift.observe)
+    drift.sinks.append(CallbackAlertSink(daemon.on_drift))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+
+from online_spec.alerts import AlertSink, CallbackAlertSink, LogAlertSink, PrometheusAlertSink, WandbAlertSink, fan_out
+from online_spec.drift import DriftAlert, DriftConfig, DriftDetector, RoundObservation
+from serving.engine import RequestOutput, RoundStats
+
+__all__ = ["ServerDrift", "CallbackAlertSink"]
+
+log = logging.getLogger(__name__)
+
+
+def _json_safe(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+class ServerDrift:
+    def __init__(self, cfg: DriftConfig, registry=None, wandb_run=None, keep_alerts: int = 50):
+        self.detector = DriftDetector(cfg)
+        self.sinks: list[AlertSink] = [LogAlertSink()]
+        if registry is not None:
+            self.sinks.append(PrometheusAlertSink(registry))
+        if wandb_run is not None:
+            self.sinks.append(WandbAlertSink(wandb_run))
+        self.wandb_run = wandb_run
+        self.recent: deque[dict] = deque(maxlen=keep_alerts)
+        self.alerts_total = 0
+        self._lock = threading.Lock()
+
+    def observe(self, stats: RoundStats, outs: list[RequestOutput], tags: list[str]) -> list[DriftAlert]:
+        """Feed one round (engine thread); returns the alerts it raised (already fanned out)."""
+        K = stats.num_steps
+        if K == 0 or not stats.accepted:
+            return []
+        by_tag: dict[str, list[int]] = {}
+        for a, tag in zip(stats.accepted, tags):
+            by_tag.setdefault(tag, []).append(a)
+        tps = stats.committed / stats.total_s if stats.total_s > 0 else None
+        now = time.time()
+        raised = []
+        for tag, acc in by_tag.items():
+            obs = RoundObservation(slot=stats.batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=K,
+                                   head_version=stats.head_version, timestamp=now, spec_tokens_per_s=tps,
+                                   num_requests=len(acc))
+            with self._lock:
+                alerts = self.detector.update(obs)
+            for alert in alerts:
+                fan_out(alert, self.sinks)
+                self.recent.append(_json_safe(alert.to_dict()))
+                self.alerts_total += 1
+            raised.extend(alerts)
+        return raised
+
+    def info(self) -> dict:
+        return {"alerts_total": self.alerts_total, "recent_alerts": list(self.recent)[-10:]}
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception:  # noqa: BLE001 - closing must not fail the server's shutdown
+                log.exception("wandb run.finish() failed")

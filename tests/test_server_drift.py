@@ -1,0 +1,63 @@
+"""Drift wiring in the server: real rounds -> DriftDetector -> every sink.
+
+A random day-0 head on a tiny random target accepts (almost) nothing, which the detector's
+collapse rule reports after `collapse_window` rounds with no warm-up. The alert must reach the
+log, the server's /metrics (PrometheusAlertSink on its registry), /server_info, a callback and
+a real offline W&B run.
+"""
+
+import logging
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from online_spec.alerts import read_alerts_from_offline_run
+from online_spec.drift import DriftConfig
+from online_spec.head import new_head
+from online_spec.target import tiny_target
+from online_spec.wandb_run import init_wandb
+from serving.engine import EngineConfig
+from serving.server import HttpThread, ServerConfig, SpecServer
+from serving.server_drift import CallbackAlertSink
+
+
+def test_collapse_alert_reaches_every_sink(smol_bf16, tmp_path, caplog):
+    target = tiny_target(vocab_size=smol_bf16.info.vocab_size, num_layers=8, tokenizer=smol_bf16.tokenizer)
+    run = init_wandb("online-spec-test", None, tmp_path, mode="offline")
+    assert run is not None
+    cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=256, num_steps=3),
+                       drift=DriftConfig(collapse_window=10))
+    server = SpecServer(cfg, target, new_head(target, draft_vocab_size=2048), wandb_run=run)
+    got = []
+    server.drift.sinks.append(CallbackAlertSink(got.append))
+    server.start()
+    http = HttpThread(server).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="online_spec.alerts"):
+            r = httpx.post(http.url + "/v1/completions", headers={"X-Traffic-Tag": "code"}, timeout=60,
+                           json={"prompt": "go", "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200
+        collapses = [a for a in got if a.kind == "collapse"]
+        assert len(collapses) == 1 and collapses[0].tag == "code" and collapses[0].slot == 1
+        assert any("[drift collapse]" in rec.getMessage() for rec in caplog.records)
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(http.url + "/metrics").text)}
+        samples = {tuple(sorted(s.labels.items())): s.value for s in fams["online_spec_drift_alerts"].samples
+                   if s.name.endswith("_total")}
+        assert samples[(("kind", "collapse"), ("slot", "1"), ("tag", "code"))] == 1
+        info = httpx.get(http.url + "/server_info").json()["drift"]
+        assert info["alerts_total"] >= 1 and info["recent_alerts"][0]["kind"] == "collapse"
+    finally:
+        http.stop()
+        server.close()  # finishes the W&B run
+    rows = read_alerts_from_offline_run(tmp_path, wait_s=30)
+    assert [row["kind"] for row in rows][:1] == ["collapse"]
+
+
+def test_drift_monitor_off_and_tokenizer_required(smol_bf16, tiny):
+    target = tiny_target(vocab_size=smol_bf16.info.vocab_size, num_layers=8, tokenizer=smol_bf16.tokenizer)
+    server = SpecServer(ServerConfig(drift_monitor=False, engine=EngineConfig(max_len=64)), target, None)
+    assert server.drift is None and server.round_observers == [] and server.info()["drift"] is None
+    assert server.info()["speculative_algorithm"] is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        SpecServer(ServerConfig(), tiny, None)
