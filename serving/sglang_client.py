@@ -87,25 +87,33 @@ def push_head_to_sglang(url: str, ckpt_dir: str | Path, *, flush_cache: bool = F
     """Put the head in `ckpt_dir` into the draft worker of the SGLang server at `url`.
 
     Returns {"version", "calls": [(path, status)], "message"}. Raises SglangSwapError on the
-    first refused step; with pause=True generation is continued even then.
+    first refused step; an opened weight-update session is closed and, with pause=True,
+    generation is continued even then.
     """
     calls = build_swap_requests(ckpt_dir, flush_cache=flush_cache, pause=pause, tp_size=tp_size,
                                 weight_version=weight_version)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     done: list[tuple[str, int]] = []
     message = ""
+    session_open = False
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout, headers=headers) as client:
         try:
             for path, body in calls:
-                if path == "/continue_generation":
+                if path in ("/end_weight_update", "/continue_generation"):
                     continue  # sent in `finally`, whatever happened
                 r = client.post(path, json=body)
+                session_open = session_open or (path == "/begin_weight_update" and r.status_code == 200)
                 done.append((path, r.status_code))
                 reply = _json(r)
                 if r.status_code != 200 or reply.get("success") is False:
                     raise SglangSwapError(f"{path} refused ({r.status_code}): {reply.get('message', r.text)}")
                 message = reply.get("message", message)
         finally:
+            if session_open:  # close SGLang's weight-update session even after a refused update
+                r = client.post("/end_weight_update", json={})
+                done.append(("/end_weight_update", r.status_code))
+                if r.status_code != 200:
+                    message = f"/end_weight_update returned {r.status_code}"
             if pause:
                 r = client.post("/continue_generation", json={})
                 done.append(("/continue_generation", r.status_code))
