@@ -14,10 +14,12 @@ import sys
 # name -> (module, one-line help); modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("online_spec.target", "convert the SmolLM2 GGUF to a cached bf16 model"),
+    "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
+    "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
 }
 
 
