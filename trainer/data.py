@@ -39,10 +39,10 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int) -> list[i
     return list(ids)[:max_len]
 
 
-@torch.inference_mode()
 def capture_tokens(target, token_lists: list[list[int]], request_ids: list[str], tag: str = "") -> list[CaptureRecord]:
     """One target forward over a padded batch -> one prefill record per sequence (n-1 rows:
-    the last token is the one 'committed after the last row')."""
+    the last token is the one 'committed after the last row'). The forward runs in inference
+    mode; the copies made here are ordinary tensors, usable in autograd later."""
     B, T = len(token_lists), max(len(t) for t in token_lists)
     toks = torch.zeros(B, T, dtype=torch.long)
     for b, t in enumerate(token_lists):
