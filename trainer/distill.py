@@ -70,11 +70,20 @@ def lr_factor(step: int, cfg: DistillConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ensure_distributed() -> None:
     """Join (or, alone, create) the process group DeepSpeed uses; gloo on CPU."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+    if "MASTER_PORT" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())  # alone: any free port, never a clash
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
     import deepspeed
     import torch.distributed as dist
