@@ -15,11 +15,13 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("online_spec.target", "convert the SmolLM2 GGUF to a cached bf16 model"),
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
+    "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
     "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
+    "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
 }
 
 

@@ -1,0 +1,237 @@
+"""`online-spec bench collector`: capture-stream throughput, drops, and serving overhead.
+
+Measures, through a real ZMQ socket (ipc by default) with realistic records (H=576, features
+3H, 1..8 rows per record as a verify round makes them, 32 requests per round, bf16 on the wire):
+
+    records_per_s_max, mb_per_s_max
+        a subscriber in another process (decode + reassembly, what the trainer runs) receives a
+        burst of records queued all at once; rate = records / (last arrival - first arrival),
+        MB = 1e6 bytes of frames on the wire
+    dropped_when_subscriber_stalled, decode_stall_ms_max_when_subscriber_stalled
+        a subscriber connected but never reading; rounds of records are submitted at a steady
+        pace as an engine would; reports the records dropped (queue full + HWM) and the longest
+        `submit` call in ms (what decode would have waited)
+    serving_overhead
+        decode tokens/s with and without the publisher, via `measure_serving_overhead`, once
+        the serving engine is wired in (null until then)
+
+    online-spec bench collector --quick --json results/bench_collector.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from online_spec.capture import CaptureRecord
+from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+
+from collector.publisher import CapturePublisher, PublisherConfig
+from collector.subscriber import CaptureSubscriber, SubscriberConfig
+
+
+@dataclass
+class CollectorBenchConfig:
+    hidden_size: int = doc("target hidden size H (SmolLM2-135M: 576)", 576)
+    max_rows: int = doc("rows per record are drawn from 1..max_rows (accept_len + 1)", 8)
+    batch_size: int = doc("requests per round (records per submit call)", 32)
+    burst_records: int = doc("records in the throughput burst", 8000)
+    stall_rounds: int = doc("rounds submitted while the subscriber is stalled", 400)
+    round_ms: float = doc("pause between rounds in the stalled run (an engine's round time)", 5.0)
+    wire_dtype: str = doc("wire dtype of hidden states", "bfloat16")
+    transport: str = doc("ipc or tcp", "ipc")
+
+    def __post_init__(self) -> None:
+        check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
+        check(self.max_rows >= 1, "max_rows", f"{self.max_rows} < 1")
+        check(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1")
+        check(self.burst_records >= self.batch_size, "burst_records", f"{self.burst_records} < batch_size")
+        check(self.stall_rounds >= 1, "stall_rounds", f"{self.stall_rounds} < 1")
+        check(self.round_ms >= 0, "round_ms", f"{self.round_ms} < 0")
+        check(self.transport in ("ipc", "tcp"), "transport", f"{self.transport!r} is not ipc or tcp")
+
+
+QUICK = dict(burst_records=2000, stall_rounds=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, CollectorBenchConfig)
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--quick", action="store_true", help=f"a short run ({QUICK})")
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    cfg = config_from_args(CollectorBenchConfig, args, **overrides)
+    results: dict[str, Any] = {"bench": "collector", "quick": bool(args.quick), "config": config_to_dict(cfg),
+                               "torch_threads": torch.get_num_threads()}
+    with tempfile.TemporaryDirectory(prefix="bench-collector-") as tmp:
+        results.update(measure_throughput(cfg, _endpoint(cfg, tmp)))
+    with tempfile.TemporaryDirectory(prefix="bench-collector-") as tmp:
+        results.update(measure_stalled(cfg, _endpoint(cfg, tmp)))
+    results["serving_overhead"] = None  # HOOK: measure_serving_overhead(...) once serving/engine.py lands
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+def make_rounds(cfg: CollectorBenchConfig, num_rounds: int, seed: int = 0) -> list[list[CaptureRecord]]:
+    """`num_rounds` rounds of `batch_size` adjacent verify records (one per request each round)."""
+    g = torch.Generator().manual_seed(seed)
+    h, k = cfg.hidden_size, cfg.max_rows - 1
+    # A pool of hidden states reused by slicing: generating 100 MB of randn would dominate.
+    pool = torch.randn(cfg.max_rows * 4, 4 * h, generator=g)
+    pos = [0] * cfg.batch_size
+    last = [1] * cfg.batch_size
+    rounds = []
+    for r in range(num_rounds):
+        records = []
+        for b in range(cfg.batch_size):
+            a = int(torch.randint(0, k + 1, (1,), generator=g))
+            off = int(torch.randint(0, pool.shape[0] - a, (1,), generator=g))
+            new = torch.randint(0, 49_152, (a + 1,), generator=g)
+            drafts = torch.cat([new[:a], torch.randint(0, 49_152, (k - a,), generator=g)])
+            records.append(CaptureRecord(
+                request_id=f"bench-{b}", first_pos=pos[b], tokens=torch.cat([torch.tensor([last[b]]), new]),
+                features=pool[off:off + a + 1, :3 * h], final_hidden=pool[off:off + a + 1, 3 * h:],
+                draft_tokens=drafts, draft_probs=torch.full((k,), 0.5), accept_len=a, num_steps=k,
+                batch_size=cfg.batch_size, draft_version=1, timestamp=float(r)))
+            pos[b] += a + 1
+            last[b] = int(new[-1])
+        rounds.append(records)
+    return rounds
+
+
+def measure_throughput(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
+    """records_per_s_max and mb_per_s_max: a burst through the socket to another process."""
+    rounds = make_rounds(cfg, cfg.burst_records // cfg.batch_size)
+    total = sum(len(r) for r in rounds)
+    pub_cfg = PublisherConfig(endpoint=endpoint, queue_size=total + 1, send_hwm=total + 1,
+                              wire_dtype=cfg.wire_dtype)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with CapturePublisher(pub_cfg) as pub:
+        proc = ctx.Process(target=_count_records, args=(pub.endpoint, total, child), daemon=True)
+        proc.start()
+        try:
+            if not (parent.poll(120) and parent.recv() == "ready" and pub.wait_for_subscriber(30)):
+                raise RuntimeError("bench subscriber did not connect")
+            t0 = time.perf_counter()
+            for records in rounds:
+                pub.submit(records)
+            pub.drain(120)
+            sender_s = time.perf_counter() - t0
+            if not parent.poll(120):
+                raise RuntimeError("bench subscriber did not report")
+            sub = parent.recv()
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        stats = pub.stats()
+    elapsed = max(sub["elapsed_s"], 1e-9)
+    return {
+        "records_per_s_max": sub["records"] / elapsed,
+        "mb_per_s_max": stats["bytes_sent"] * sub["records"] / max(stats["sent"], 1) / 1e6 / elapsed,
+        "rows_per_s_max": sub["span_rows"] / elapsed,
+        "publisher_records_per_s": stats["sent"] / sender_s,
+        "throughput_records_received": sub["records"],
+        "throughput_records_sent": stats["sent"],
+        "throughput_malformed": sub["malformed"],
+        "bytes_per_record_mean": stats["bytes_sent"] / max(stats["sent"], 1),
+    }
+
+
+def measure_stalled(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
+    """Drops and the longest submit while a subscriber is connected but never reads."""
+    rounds = make_rounds(cfg, cfg.stall_rounds, seed=1)
+    zctx = zmq.Context()
+    stalled = zctx.socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 16)
+    stalled.setsockopt(zmq.LINGER, 0)
+    durations: list[float] = []
+    try:
+        with CapturePublisher(PublisherConfig(endpoint=endpoint, wire_dtype=cfg.wire_dtype)) as pub:
+            stalled.connect(pub.endpoint)
+            stalled.setsockopt(zmq.SUBSCRIBE, b"")
+            if not pub.wait_for_subscriber(30):
+                raise RuntimeError("stalled subscriber did not connect")
+            for records in rounds:
+                t0 = time.perf_counter()
+                pub.submit(records)
+                durations.append(time.perf_counter() - t0)
+                time.sleep(cfg.round_ms / 1000)
+            pub.drain(120)
+            stats = pub.stats()
+    finally:
+        stalled.close()
+        zctx.term()
+    dropped = stats["dropped_queue_full"] + stats["dropped_hwm"]
+    ms = sorted(d * 1000 for d in durations)
+    return {
+        "dropped_when_subscriber_stalled": dropped,
+        "dropped_fraction_when_subscriber_stalled": dropped / max(stats["submitted"], 1),
+        "decode_stall_ms_max_when_subscriber_stalled": ms[-1],
+        "submit_ms_p50_when_subscriber_stalled": statistics.median(ms),
+        "submit_ms_p99_when_subscriber_stalled": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+        "stalled_publisher_stats": {k: v for k, v in stats.items() if k != "endpoint"},
+    }
+
+
+def measure_serving_overhead(run_decode: Callable[[CapturePublisher | None], float], pub_cfg: PublisherConfig,
+                             repeats: int = 3) -> dict[str, Any]:
+    """HOOK for the serving engine (to be wired once `serving/engine.py` lands).
+
+    `run_decode(publisher)` must build the engine with `publisher` as its capture publisher (None:
+    capture off), run one fixed decode workload and return its decode tokens/s. Runs alternate
+    without/with the publisher `repeats` times each; the medians are compared."""
+    without, with_pub, stats = [], [], {}
+    for _ in range(repeats):
+        without.append(run_decode(None))
+        with CapturePublisher(pub_cfg) as pub:
+            with_pub.append(run_decode(pub))
+            stats = pub.stats()
+    base, cap = statistics.median(without), statistics.median(with_pub)
+    return {"tokens_per_s_without_publisher": base, "tokens_per_s_with_publisher": cap,
+            "overhead_pct": 100.0 * (base - cap) / base, "publisher_stats": stats}
+
+
+def _endpoint(cfg: CollectorBenchConfig, tmp: str) -> str:
+    return f"ipc://{tmp}/capture.sock" if cfg.transport == "ipc" else "tcp://127.0.0.1:*"
+
+
+def _count_records(endpoint: str, expected: int, conn) -> None:
+    """Child process: a real subscriber (decode + reassembly) timing the burst's arrival."""
+    rows = [0]
+    sub = CaptureSubscriber(SubscriberConfig(endpoint=endpoint, recv_hwm=expected + 1, poll_ms=10),
+                            on_span=lambda span: rows.__setitem__(0, rows[0] + span.num_rows))
+    sub.start()
+    conn.send("ready")
+    t_first = t_last = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        n = sub.records
+        now = time.perf_counter()
+        if n and t_first is None:
+            t_first = now
+        if n >= expected:
+            t_last = now
+            break
+        time.sleep(0.0005)
+    stats = sub.stats()
+    sub.close(flush=True)
+    conn.send({"records": stats["records"], "malformed": stats["malformed"], "span_rows": rows[0],
+               "elapsed_s": (t_last or time.perf_counter()) - (t_first or 0.0)})

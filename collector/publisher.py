@@ -1,0 +1,287 @@
+"""`CapturePublisher`: the serving process's end of the capture stream. It never blocks decode.
+
+The engine calls, from its round loop:
+
+    pub = CapturePublisher(PublisherConfig(sample_fraction=0.5))
+    if pub.should_capture(request_id): ...      # once, when the request is admitted
+    pub.submit(records)                          # once per round: this round's sampled records
+    pub.end_request(request_id)                  # when the request finishes
+    pub.stats(); pub.close()
+
+`submit` only appends to a bounded in-process queue (`put_nowait`; when the queue is full the
+record is dropped and counted). A sender thread copies each record's tensors into fresh CPU
+buffers in the wire dtype (the engine may pass views of its own tensors; it promises not to
+mutate them after submitting), encodes them (`collector.wire`) and sends the frames with
+`zmq.NOBLOCK` and `copy=False`.
+
+Why XPUB with `XPUB_NODROP`, bound by the publisher:
+- a plain PUB socket never blocks but also drops silently at its high-water mark, so drops
+  could not be counted; with `XPUB_NODROP` the send raises `zmq.Again` instead, and we count
+  `dropped_hwm`. The HWM counts whole messages, so `Again` can only come at a message's first
+  frame: a multipart message is either sent whole or not at all;
+- XPUB also receives the subscribers' subscriptions, so the publisher knows whether anyone is
+  listening. Messages while nobody is (trainer not started yet, killed, or the first instants
+  after it connects: the PUB/SUB "slow joiner") are counted as `dropped_no_subscriber` rather
+  than lost silently;
+- PUSH/PULL would raise `Again` with no peer too, but could not tell "no peer" from "peer
+  slow", and several PULL peers would split the stream between them, whereas PUB/SUB lets a
+  trainer and a monitoring tap each see every record.
+Either side may start first or restart: the subscriber reconnects by itself, and a restarted
+publisher re-binds the ipc socket file left by a killed one. "Sent" means handed to ZMQ;
+messages queued towards a subscriber that is then killed are lost uncounted.
+
+Sampling is per request and deterministic: `should_capture(id)` hashes the id (blake2b, with
+`sample_salt`) to a number in [0, 1) and compares it with `sample_fraction`, so a request is
+either captured in every round or in none and the trainer gets contiguous sequences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from online_spec.capture import CaptureRecord
+from online_spec.config import check, doc
+
+from collector.endpoint import check_endpoint, prepare_endpoint, resolve_endpoint
+from collector.wire import FLOAT_DTYPES, EndOfRequest, WireError, encode, encode_end, frames_nbytes
+
+log = logging.getLogger(__name__)
+
+_STOP = object()  # sentinel that ends the sender thread
+
+
+@dataclass
+class PublisherConfig:
+    endpoint: str = doc("ZMQ endpoint the publisher binds (ipc://PATH or tcp://HOST:PORT, PORT may be *); "
+                        "empty = ipc://<run_dir>/capture.sock", "")
+    run_dir: str = doc("directory of the default ipc socket; empty = the system temp directory", "")
+    sample_fraction: float = doc("fraction of requests captured, decided once per request by a hash of its id", 1.0)
+    sample_salt: str = doc("salt of the sampling hash; change it to sample a different set of requests", "")
+    queue_size: int = doc("records the in-process queue holds; submit drops (and counts) beyond it", 1024)
+    send_hwm: int = doc("ZMQ send high-water mark in messages; sends beyond it are dropped and counted", 256)
+    wire_dtype: str = doc("dtype of features/final_hidden on the wire: bfloat16, float16 or float32", "bfloat16")
+    linger_ms: int = doc("how long close() lets ZMQ flush queued messages", 200)
+
+    def __post_init__(self) -> None:
+        check_endpoint(resolve_endpoint(self.endpoint, self.run_dir), "endpoint", allow_wildcard_port=True)
+        check(0.0 <= self.sample_fraction <= 1.0, "sample_fraction", f"{self.sample_fraction} is not in [0, 1]")
+        check(self.queue_size >= 1, "queue_size", f"{self.queue_size} < 1")
+        check(self.send_hwm >= 1, "send_hwm", f"{self.send_hwm} < 1 (0 would mean unbounded)")
+        check(self.wire_dtype in FLOAT_DTYPES, "wire_dtype", f"{self.wire_dtype!r} not in {sorted(FLOAT_DTYPES)}")
+        check(self.linger_ms >= 0, "linger_ms", f"{self.linger_ms} < 0")
+
+
+def sample_score(request_id: str, salt: str = "") -> float:
+    """A deterministic number in [0, 1) for a request id (same in every process and run)."""
+    digest = hashlib.blake2b(f"{salt}\0{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+class CapturePublisher:
+    """Binds the capture stream; `submit` never blocks (see the module docstring)."""
+
+    def __init__(self, cfg: PublisherConfig):
+        self.cfg = cfg
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.XPUB_NODROP, 1)
+        self._sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
+        self._sock.setsockopt(zmq.SNDTIMEO, 1000)  # bounds the continuation frames (see _send)
+        self._sock.setsockopt(zmq.LINGER, cfg.linger_ms)
+        endpoint = resolve_endpoint(cfg.endpoint, cfg.run_dir)
+        prepare_endpoint(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError:
+            self._sock.close(0)
+            self._ctx.term()
+            raise
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._queue: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
+        self._topics: set[bytes] = set()
+        self._closed = False
+        self._last_warn: dict[str, float] = {}
+        # Each counter has one writer: the caller's thread or the sender thread.
+        self.requests_seen = 0
+        self.requests_captured = 0
+        self.submitted = 0
+        self.dropped_queue_full = 0
+        self.dropped_closed = 0
+        self.sent = 0
+        self.dropped_hwm = 0
+        self.dropped_no_subscriber = 0
+        self.dropped_invalid = 0
+        self.bytes_sent = 0
+        self.end_markers_sent = 0
+        self.end_markers_dropped = 0
+        self.send_errors = 0
+        self._thread = threading.Thread(target=self._run, name="capture-publisher", daemon=True)
+        self._thread.start()
+
+    # ---- engine-facing API (caller's thread; nothing here waits) -----------------------------
+
+    def should_capture(self, request_id: str) -> bool:
+        """Whether to capture this request; call once when it is admitted."""
+        self.requests_seen += 1
+        take = self._sampled(request_id)
+        self.requests_captured += take
+        return take
+
+    def submit(self, records: list[CaptureRecord]) -> None:
+        """Queue this round's records of sampled requests; drops (and counts) when full.
+        Call from one thread (the engine's): the counters it updates have that single writer."""
+        self.submitted += len(records)
+        if self._closed:
+            self.dropped_closed += len(records)
+            return
+        for i, record in enumerate(records):
+            try:
+                self._queue.put_nowait(record)
+            except queue.Full:
+                self.dropped_queue_full += len(records) - i
+                return
+
+    def end_request(self, request_id: str) -> None:
+        """The request finished; queue an end-of-request marker if it was sampled."""
+        if self._closed or not self._sampled(request_id):
+            return
+        try:
+            self._queue.put_nowait(EndOfRequest(request_id, time.time()))
+        except queue.Full:
+            self.end_markers_dropped += 1
+
+    def stats(self) -> dict[str, Any]:
+        names = ("requests_seen", "requests_captured", "submitted", "sent", "dropped_queue_full", "dropped_hwm",
+                 "dropped_no_subscriber", "dropped_invalid", "dropped_closed", "bytes_sent",
+                 "end_markers_sent", "end_markers_dropped", "send_errors")
+        out: dict[str, Any] = {name: getattr(self, name) for name in names}
+        out["queue_depth"] = self._queue.qsize()
+        out["subscribed"] = bool(self._topics)
+        out["endpoint"] = self.endpoint
+        return out
+
+    def wait_for_subscriber(self, timeout_s: float) -> bool:
+        """Wait until a subscriber is connected (start-up and tests; never called by the engine)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._topics and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return bool(self._topics)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every submitted record is sent or counted as dropped (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout_s
+        while self._accounted() < self.submitted and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self._accounted() >= self.submitted
+
+    def _accounted(self) -> int:
+        return (self.sent + self.dropped_queue_full + self.dropped_hwm + self.dropped_no_subscriber
+                + self.dropped_invalid + self.dropped_closed)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued, stop the sender thread (sentinel) and release the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)  # may wait for room: the sender thread is draining the queue
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("capture publisher: sender thread did not stop within %.1f s", timeout_s)
+            return
+        self._ctx.term()
+
+    def __enter__(self) -> "CapturePublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- sender thread ------------------------------------------------------------------------
+
+    def _sampled(self, request_id: str) -> bool:
+        f = self.cfg.sample_fraction
+        return f >= 1.0 or (f > 0.0 and sample_score(request_id, self.cfg.sample_salt) < f)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=0.1)
+                except queue.Empty:  # idle: keep `subscribed` fresh for stats()
+                    self._read_subscriptions()
+                    continue
+                if item is _STOP:
+                    break
+                try:
+                    self._send_item(item)
+                except Exception:  # keep serving: one bad record must not stop the stream
+                    self.send_errors += 1
+                    log.exception("capture publisher: failed to send a message; continuing")
+        finally:
+            self._sock.close()
+
+    def _send_item(self, item: CaptureRecord | EndOfRequest) -> None:
+        self._read_subscriptions()
+        is_end = isinstance(item, EndOfRequest)
+        if not self._topics:
+            if is_end:
+                self.end_markers_dropped += 1
+            else:
+                self.dropped_no_subscriber += 1
+            return
+        try:
+            frames = encode_end(item.request_id, item.timestamp) if is_end else encode(item, self.cfg.wire_dtype)
+        except WireError as e:
+            self.dropped_invalid += 1
+            self._warn("invalid", f"capture publisher: dropping an invalid record: {e}")
+            return
+        if not self._send(frames):
+            if is_end:
+                self.end_markers_dropped += 1
+            else:
+                self.dropped_hwm += 1
+                self._warn("hwm", "capture publisher: subscriber is slow, dropping records (send HWM reached)")
+            return
+        if is_end:
+            self.end_markers_sent += 1
+        else:
+            self.sent += 1
+        self.bytes_sent += frames_nbytes(frames)
+
+    def _send(self, frames: list) -> bool:
+        """False if ZMQ refused the message (HWM). Only the first frame can be refused: the HWM
+        counts whole messages, so once it is accepted the rest follow without waiting."""
+        try:
+            self._sock.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if len(frames) > 1 else 0), copy=False)
+        except zmq.Again:
+            return False
+        for i, frame in enumerate(frames[1:], start=2):
+            self._sock.send(frame, zmq.SNDMORE if i < len(frames) else 0, copy=False)
+        return True
+
+    def _read_subscriptions(self) -> None:
+        # XPUB delivers b"\x01topic" / b"\x00topic" when the first subscriber of a topic joins /
+        # the last one leaves (a killed subscriber counts as leaving).
+        while True:
+            try:
+                msg = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[:1] == b"\x01":
+                self._topics.add(msg[1:])
+            elif msg[:1] == b"\x00":
+                self._topics.discard(msg[1:])
+
+    def _warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warn.get(kind, -1e9) >= 10.0:
+            self._last_warn[kind] = now
+            log.warning(message)

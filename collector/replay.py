@@ -1,0 +1,341 @@
+"""`ReplayBuffer`: the trainer's store of captured spans, in memory and on disk, bounded in bytes.
+
+Spans come in with `add(span)` (wire it as the subscriber's `on_span`); the trainer reads with
+`sample_train(max_tokens)` and `heldout(max_tokens)`. "Tokens" here are rows: one row trains
+one next-token prediction.
+
+Layout under `root` (reopened as is after a restart, also after kill -9):
+
+    root/state.json                  counters and the next generation number (atomic rewrite)
+    root/gens/00000012/train/        a `datasets` shard (schema: `collector.shards`)
+    root/gens/00000012/heldout/      the held-out spans of the same generation, if any
+
+New spans gather in memory until `shard_bytes` of them are pending or `flush_interval_s` has
+passed since the first (checked at `add`; when traffic stops, the daemon calls `flush()`); then
+they are written as one generation (to a temporary directory,
+renamed into place, so a kill leaves no half generation; it loses at most the pending spans).
+When the bytes on disk plus pending exceed `budget_bytes`, whole generations are deleted,
+oldest first. The newest train spans (up to `memory_bytes`) are also kept in memory, the
+recent window; after a restart it is refilled from the newest generations.
+
+Held-out slice: a request goes to held-out iff a hash of its id falls in 1/`heldout_every` of
+the range, so every span of one request lands on the same side and no request is both trained
+on and evaluated on.
+
+Sampling (`sample_train`), with replacement and recent-biased: `recent_fraction` of the token
+budget is drawn from the recent window, the rest from all stored train spans (disk and
+pending); within each pool a span is drawn with probability proportional to its rows (uniform
+over tokens), and a span longer than what is left of the budget is cut to a random contiguous
+window of it. `heldout` is deterministic: held-out spans newest first (or oldest first), the
+last one cut to fit.
+
+All methods take a lock: the subscriber thread adds while the trainer thread samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from online_spec.config import check, doc
+
+from collector.shards import dir_bytes, read_shard, remove_partial, row_to_span, write_shard
+from collector.span import CaptureSpan
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "heldout")
+_COUNTERS = ("received", "received_tokens", "dropped", "malformed", "evicted", "evicted_tokens",
+             "evicted_generations", "flushes")
+
+
+@dataclass
+class ReplayConfig:
+    root: str = doc("directory of the buffer; created, and reopened with its contents after a restart", "replay")
+    budget_bytes: int = doc("bytes on disk plus pending; beyond it the oldest generations are deleted", 4 << 30)
+    shard_bytes: int = doc("pending bytes that trigger writing a generation of shards", 64 << 20)
+    memory_bytes: int = doc("bytes of the newest train spans also kept in memory (the recent window)", 256 << 20)
+    flush_interval_s: float = doc("write pending spans at least this often; bounds what a kill loses", 60.0)
+    heldout_every: int = doc("one request in N (by a hash of its id) is held out for evaluation; 0 = none", 20)
+    recent_fraction: float = doc("share of each sample_train token budget drawn from the recent window", 0.5)
+    seed: int = doc("seed of the sampling generator", 0)
+
+    def __post_init__(self) -> None:
+        check(bool(self.root), "root", "must not be empty")
+        check(self.shard_bytes >= 1, "shard_bytes", f"{self.shard_bytes} < 1")
+        check(self.budget_bytes >= 2 * self.shard_bytes, "budget_bytes",
+              f"{self.budget_bytes} < 2 * shard_bytes ({2 * self.shard_bytes}); eviction needs room for two")
+        check(0 <= self.memory_bytes <= self.budget_bytes - self.shard_bytes, "memory_bytes",
+              f"{self.memory_bytes} not in 0..budget_bytes - shard_bytes; the window must fit what is stored")
+        check(self.flush_interval_s > 0, "flush_interval_s", f"{self.flush_interval_s} <= 0")
+        check(self.heldout_every >= 0, "heldout_every", f"{self.heldout_every} < 0")
+        check(0.0 <= self.recent_fraction <= 1.0, "recent_fraction", f"{self.recent_fraction} not in [0, 1]")
+
+
+def is_heldout(request_id: str, every: int) -> bool:
+    """Whether a request belongs to the held-out slice (deterministic, about 1/every of ids)."""
+    if every <= 0:
+        return False
+    digest = hashlib.blake2b(f"heldout\0{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % every == 0
+
+
+@dataclass
+class _Pool:
+    """Spans to draw from: their row counts and a way to fetch span i."""
+
+    lens: np.ndarray
+    get: Callable[[int], CaptureSpan]
+
+
+class _Generation:
+    def __init__(self, index: int, path: Path):
+        self.index, self.path = index, path
+        self.nbytes = dir_bytes(path)
+        self.data = {s: read_shard(path / s) for s in SPLITS if (path / s).is_dir()}
+        self.lens = {s: np.asarray(self.data[s].data.column("num_rows").to_numpy(), dtype=np.int64)
+                     if s in self.data else np.zeros(0, dtype=np.int64) for s in SPLITS}
+
+    def span(self, split: str, i: int) -> CaptureSpan:
+        return row_to_span(self.data[split][int(i)])
+
+
+class ReplayBuffer:
+    def __init__(self, cfg: ReplayConfig):
+        self.cfg = cfg
+        self.root = Path(cfg.root)
+        self._gens_dir = self.root / "gens"
+        self._gens_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._rng = np.random.default_rng(cfg.seed)
+        self.counters = {name: 0 for name in _COUNTERS}
+        self._next_gen = 0
+        self._gens: list[_Generation] = []
+        self._pending: dict[str, list[CaptureSpan]] = {s: [] for s in SPLITS}
+        self._pending_bytes = 0
+        self._pending_since = 0.0
+        self._recent: deque[CaptureSpan] = deque()
+        self._recent_bytes = 0
+        self._reopen()
+
+    # ---- writing --------------------------------------------------------------------------------
+
+    def add(self, span: CaptureSpan) -> bool:
+        """Store a span; False if it was refused (malformed, or larger than a shard may be)."""
+        with self._lock:
+            try:
+                span.validate()
+            except ValueError as e:
+                self.counters["malformed"] += 1
+                log.warning("replay buffer: refusing a malformed span of %r: %s", span.request_id, e)
+                return False
+            if span.nbytes > self.cfg.budget_bytes - self.cfg.shard_bytes:
+                self.counters["dropped"] += 1
+                return False
+            self.counters["received"] += 1
+            self.counters["received_tokens"] += span.num_rows
+            split = "heldout" if is_heldout(span.request_id, self.cfg.heldout_every) else "train"
+            if self._pending_bytes == 0:
+                self._pending_since = time.monotonic()
+            self._pending[split].append(span)
+            self._pending_bytes += span.nbytes
+            if split == "train":
+                self._remember(span)
+            if (self._pending_bytes >= self.cfg.shard_bytes
+                    or time.monotonic() - self._pending_since >= self.cfg.flush_interval_s):
+                self.flush()
+            return True
+
+    def flush(self) -> None:
+        """Write the pending spans as a new generation, then evict down to the budget."""
+        with self._lock:
+            if self._pending_bytes == 0:
+                return
+            index = self._next_gen
+            final = self._gens_dir / f"{index:08d}"
+            tmp = self._gens_dir / f".tmp-{index:08d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for split in SPLITS:
+                if self._pending[split]:
+                    write_shard(self._pending[split], tmp / split)
+            os.replace(tmp, final)
+            self._next_gen = index + 1
+            self._gens.append(_Generation(index, final))
+            self._pending = {s: [] for s in SPLITS}
+            self._pending_bytes = 0
+            self.counters["flushes"] += 1
+            self._evict()
+            self._save_state()
+
+    def close(self) -> None:
+        self.flush()
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def sample_train(self, max_tokens: int, rng: np.random.Generator | None = None) -> list[CaptureSpan]:
+        """About `max_tokens` rows of train spans (exactly, unless the buffer is empty); see the
+        module docstring for the distribution."""
+        rng = self._rng if rng is None else rng
+        with self._lock:
+            out: list[CaptureSpan] = []
+            recent = list(self._recent)
+            recent_pool = [_Pool(np.array([s.num_rows for s in recent], dtype=np.int64), recent.__getitem__)]
+            got = _draw(out, round(max_tokens * self.cfg.recent_fraction), recent_pool, rng)
+            _draw(out, max_tokens - got, self._pools("train"), rng)
+            return out
+
+    def heldout(self, max_tokens: int, newest: bool = True) -> list[CaptureSpan]:
+        """Held-out spans, newest first (or oldest first), up to `max_tokens` rows in all."""
+        with self._lock:
+            out: list[CaptureSpan] = []
+            left = max_tokens
+            for span in self._iter_split("heldout", newest):
+                if left <= 0:
+                    break
+                if span.num_rows > left:
+                    span = span.slice(0, left)
+                out.append(span)
+                left -= span.num_rows
+            return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return (sum(len(g.lens[s]) for g in self._gens for s in SPLITS)
+                    + sum(len(v) for v in self._pending.values()))
+
+    @property
+    def num_tokens(self) -> int:
+        with self._lock:
+            return (sum(int(g.lens[s].sum()) for g in self._gens for s in SPLITS)
+                    + sum(s.num_rows for v in self._pending.values() for s in v))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes charged against the budget: generations on disk plus pending spans."""
+        with self._lock:
+            return sum(g.nbytes for g in self._gens) + self._pending_bytes
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counters)
+            out.update(spans=len(self), tokens=self.num_tokens, bytes=self.nbytes, pending_bytes=self._pending_bytes,
+                       generations=len(self._gens), recent_spans=len(self._recent),
+                       train_spans=sum(len(g.lens["train"]) for g in self._gens) + len(self._pending["train"]),
+                       heldout_spans=sum(len(g.lens["heldout"]) for g in self._gens) + len(self._pending["heldout"]))
+            return out
+
+    def state_dict(self) -> dict:
+        """Counters and generation number; the spans themselves live on disk under `root`."""
+        with self._lock:
+            return {"counters": dict(self.counters), "next_gen": self._next_gen}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self.counters.update({k: int(v) for k, v in state["counters"].items() if k in self.counters})
+            self._next_gen = max(self._next_gen, int(state["next_gen"]))
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _pools(self, split: str) -> list[_Pool]:
+        pools = [_Pool(g.lens[split], lambda i, g=g: g.span(split, i)) for g in self._gens if len(g.lens[split])]
+        pending = list(self._pending[split])
+        pools.append(_Pool(np.array([s.num_rows for s in pending], dtype=np.int64), pending.__getitem__))
+        return pools
+
+    def _iter_split(self, split: str, newest: bool):
+        pending = self._pending[split]
+        gens = self._gens
+        if newest:
+            yield from reversed(pending)
+            for g in reversed(gens):
+                for i in reversed(range(len(g.lens[split]))):
+                    yield g.span(split, i)
+        else:
+            for g in gens:
+                for i in range(len(g.lens[split])):
+                    yield g.span(split, i)
+            yield from pending
+
+    def _remember(self, span: CaptureSpan) -> None:
+        self._recent.append(span)
+        self._recent_bytes += span.nbytes
+        while self._recent and self._recent_bytes > self.cfg.memory_bytes:
+            self._recent_bytes -= self._recent.popleft().nbytes
+
+    def _evict(self) -> None:
+        while len(self._gens) > 1 and self.nbytes > self.cfg.budget_bytes:
+            g = self._gens.pop(0)
+            spans = sum(len(v) for v in g.lens.values())
+            self.counters["evicted"] += spans
+            self.counters["evicted_tokens"] += int(sum(v.sum() for v in g.lens.values()))
+            self.counters["evicted_generations"] += 1
+            g.data.clear()
+            shutil.rmtree(g.path, ignore_errors=True)
+            log.info("replay buffer: evicted generation %d (%d spans, %d bytes)", g.index, spans, g.nbytes)
+
+    def _save_state(self) -> None:
+        tmp = self.root / "state.json.tmp"
+        tmp.write_text(json.dumps(self.state_dict()))
+        os.replace(tmp, self.root / "state.json")
+
+    def _reopen(self) -> None:
+        remove_partial(self._gens_dir)
+        state_path = self.root / "state.json"
+        if state_path.exists():
+            try:
+                self.load_state_dict(json.loads(state_path.read_text()))
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("replay buffer: ignoring unreadable %s: %s", state_path, e)
+        for path in sorted(p for p in self._gens_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+            try:
+                self._gens.append(_Generation(int(path.name), path))
+            except Exception as e:  # a damaged generation must not keep the trainer from starting
+                log.warning("replay buffer: removing unreadable generation %s: %s", path, e)
+                shutil.rmtree(path, ignore_errors=True)
+        if self._gens:
+            self._next_gen = max(self._next_gen, self._gens[-1].index + 1)
+        self._refill_recent()
+
+    def _refill_recent(self) -> None:
+        newest_first: list[CaptureSpan] = []
+        size = 0
+        for span in self._iter_split("train", newest=True):
+            if size + span.nbytes > self.cfg.memory_bytes:
+                break
+            newest_first.append(span)
+            size += span.nbytes
+        for span in reversed(newest_first):
+            self._remember(span)
+
+
+def _draw(out: list[CaptureSpan], budget: int, pools: list[_Pool], rng: np.random.Generator) -> int:
+    """Append spans drawn token-uniformly from `pools` until `budget` rows; returns rows drawn."""
+    lens = np.concatenate([p.lens for p in pools]) if pools else np.zeros(0, dtype=np.int64)
+    if budget <= 0 or lens.sum() == 0:
+        return 0
+    cum = np.cumsum(lens)
+    pool_end = np.cumsum([len(p.lens) for p in pools])
+    got = 0
+    while got < budget:
+        flat = int(np.searchsorted(cum, rng.integers(0, cum[-1]), side="right"))
+        k = int(np.searchsorted(pool_end, flat, side="right"))
+        span = pools[k].get(flat - (int(pool_end[k - 1]) if k else 0))
+        take = min(span.num_rows, budget - got)
+        if take < span.num_rows:
+            lo = int(rng.integers(0, span.num_rows - take + 1))
+            span = span.slice(lo, lo + take)
+        out.append(span)
+        got += take
+    return got

@@ -1,0 +1,168 @@
+"""`CaptureSpan`: a contiguous run of one request's captured rows, what the trainer consumes.
+
+The stream delivers one `CaptureRecord` per request per round; the subscriber joins the records
+of a request whose positions follow each other into one span (never across a gap: a record
+lost on the way closes the span and the next record starts a new one). A span of n rows holds
+
+    tokens        int64 [n + 1]  tokens at positions first_pos .. first_pos + n (the last one is
+                                 the token the target committed after the last row)
+    features      [n, 3H]        EAGLE-3 target features of row i (input token tokens[i])
+    final_hidden  [n, H]         post-norm final hidden; lm_head of row i predicts tokens[i + 1]
+
+and per-row information about the round that produced each row:
+
+    accepted      int8  [n]  1: the live head drafted tokens[i + 1] and it was accepted;
+                             0: the live head drafted draft_token[i] != tokens[i + 1] (rejected);
+                            -1: nothing was drafted for this row (prefill rows, plain decode,
+                                and the bonus row of a round whose drafts were all accepted)
+    draft_token   int64 [n]  the token the live head drafted for position first_pos + i + 1, or -1
+    draft_prob    f32   [n]  the head's probability of that draft, 0 where there is none
+    num_steps     int32 [n]  K of the round;  batch_size int32 [n];  draft_version int64 [n]
+    is_prefill    bool  [n]; timestamp float64 [n] (rows of one round share it)
+
+Drafts after the first rejected one were conditioned on a wrong prefix and belong to no
+committed row; they are not kept. `CaptureSpan.from_records(records)` builds a span and raises
+ValueError unless the records are adjacent (each starts at the previous one's `end_pos` and
+its first token is the previous record's last token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+from online_spec.capture import CaptureRecord
+
+PER_ROW = ("accepted", "draft_token", "draft_prob", "num_steps", "batch_size", "draft_version",
+           "is_prefill", "timestamp")
+PER_ROW_DTYPES: dict[str, torch.dtype] = {
+    "accepted": torch.int8, "draft_token": torch.int64, "draft_prob": torch.float32,
+    "num_steps": torch.int32, "batch_size": torch.int32, "draft_version": torch.int64,
+    "is_prefill": torch.bool, "timestamp": torch.float64,
+}
+
+
+@dataclass
+class CaptureSpan:
+    request_id: str
+    first_pos: int
+    tokens: torch.Tensor  # int64 [n + 1]
+    features: torch.Tensor  # [n, 3H]
+    final_hidden: torch.Tensor  # [n, H]
+    accepted: torch.Tensor  # int8 [n]
+    draft_token: torch.Tensor  # int64 [n]
+    draft_prob: torch.Tensor  # float32 [n]
+    num_steps: torch.Tensor  # int32 [n]
+    batch_size: torch.Tensor  # int32 [n]
+    draft_version: torch.Tensor  # int64 [n]
+    is_prefill: torch.Tensor  # bool [n]
+    timestamp: torch.Tensor  # float64 [n]
+    tag: str = ""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def end_pos(self) -> int:
+        """First position after the span's rows."""
+        return self.first_pos + self.num_rows
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.final_hidden.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data: what the replay buffer charges against its budget."""
+        return sum(t.nbytes for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    @classmethod
+    def from_records(cls, records: Sequence[CaptureRecord]) -> "CaptureSpan":
+        """Join adjacent records of one request; ValueError if they are not adjacent."""
+        if not records:
+            raise ValueError("a span needs at least one record")
+        first = records[0]
+        for prev, rec in zip(records, records[1:]):
+            if rec.request_id != first.request_id:
+                raise ValueError(f"records of requests {first.request_id!r} and {rec.request_id!r} in one span")
+            if rec.first_pos != prev.end_pos:
+                raise ValueError(f"request {rec.request_id!r}: record at position {rec.first_pos} does not "
+                                 f"follow the previous record ending at {prev.end_pos}")
+            if int(rec.tokens[0]) != int(prev.tokens[-1]):
+                raise ValueError(f"request {rec.request_id!r}: token at position {rec.first_pos} is "
+                                 f"{int(rec.tokens[0])} here but {int(prev.tokens[-1])} in the previous record")
+            if rec.features.dtype != first.features.dtype or rec.final_hidden.shape[1] != first.final_hidden.shape[1]:
+                raise ValueError(f"request {rec.request_id!r}: records differ in hidden size or dtype")
+        tokens = torch.cat([r.tokens[:-1].to(torch.int64) for r in records] + [records[-1].tokens[-1:].to(torch.int64)])
+        rows = [_row_info(r) for r in records]
+        return cls(
+            request_id=first.request_id,
+            first_pos=int(first.first_pos),
+            tokens=tokens,
+            features=torch.cat([r.features for r in records]),
+            final_hidden=torch.cat([r.final_hidden for r in records]),
+            tag=first.tag,
+            **{name: torch.cat([info[name] for info in rows]) for name in PER_ROW},
+        )
+
+    def slice(self, lo: int, hi: int) -> "CaptureSpan":
+        """Rows lo..hi-1 as a span of their own (still contiguous, so still a valid span)."""
+        if not 0 <= lo < hi <= self.num_rows:
+            raise ValueError(f"slice {lo}:{hi} outside a span of {self.num_rows} rows")
+        return CaptureSpan(
+            request_id=self.request_id, first_pos=self.first_pos + lo, tokens=self.tokens[lo:hi + 1],
+            features=self.features[lo:hi], final_hidden=self.final_hidden[lo:hi], tag=self.tag,
+            **{name: getattr(self, name)[lo:hi] for name in PER_ROW},
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistency (shapes, dtypes, non-finite values)."""
+        n = self.num_rows
+        if n < 1:
+            raise ValueError("span has no rows")
+        if self.first_pos < 0:
+            raise ValueError(f"first_pos {self.first_pos} < 0")
+        if self.tokens.shape != (n + 1,):
+            raise ValueError(f"tokens shape {tuple(self.tokens.shape)}, expected ({n + 1},)")
+        if self.final_hidden.dim() != 2 or self.final_hidden.shape[0] != n:
+            raise ValueError(f"final_hidden shape {tuple(self.final_hidden.shape)} does not match {n} rows")
+        if self.features.shape != (n, 3 * self.hidden_size):
+            raise ValueError(f"features shape {tuple(self.features.shape)}, expected ({n}, {3 * self.hidden_size})")
+        for name in PER_ROW:
+            t = getattr(self, name)
+            if t.shape != (n,) or t.dtype != PER_ROW_DTYPES[name]:
+                raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected {PER_ROW_DTYPES[name]} ({n},)")
+        for name in ("features", "final_hidden", "draft_prob"):
+            if not bool(torch.isfinite(getattr(self, name)).all()):
+                raise ValueError(f"{name} has non-finite values")
+
+
+def _row_info(r: CaptureRecord) -> dict[str, torch.Tensor]:
+    """Per-row arrays of one record. Row j of a verify round with a accepted drafts (a+1 rows):
+    j < a predicted an accepted draft; j == a predicted the rejected draft d[a] if a < K, and
+    nothing if all K drafts were accepted (its label is the bonus token)."""
+    n = r.num_rows
+    accepted = torch.full((n,), -1, dtype=torch.int8)
+    draft_token = torch.full((n,), -1, dtype=torch.int64)
+    draft_prob = torch.zeros(n, dtype=torch.float32)
+    if not r.is_prefill and r.num_steps > 0:
+        m = min(r.accept_len + 1, r.num_steps)  # rows that had a draft for their next token
+        accepted[:r.accept_len] = 1
+        if r.accept_len < r.num_steps:
+            accepted[r.accept_len] = 0
+        draft_token[:m] = r.draft_tokens[:m].to(torch.int64)
+        draft_prob[:m] = r.draft_probs[:m].to(torch.float32)
+    return {
+        "accepted": accepted, "draft_token": draft_token, "draft_prob": draft_prob,
+        "num_steps": torch.full((n,), r.num_steps, dtype=torch.int32),
+        "batch_size": torch.full((n,), r.batch_size, dtype=torch.int32),
+        "draft_version": torch.full((n,), r.draft_version, dtype=torch.int64),
+        "is_prefill": torch.full((n,), r.is_prefill, dtype=torch.bool),
+        "timestamp": torch.full((n,), r.timestamp, dtype=torch.float64),
+    }

@@ -1,0 +1,304 @@
+"""Wire format of the capture stream: `CaptureRecord` <-> a list of ZMQ frames (contract 2).
+
+One message is a multipart ZMQ message. Frame 0 is a header; the tensors follow as raw
+little-endian buffers, one frame each, so the sender can hand torch memory to ZMQ without
+copying it again (`send(..., copy=False)`) and nothing is pickled.
+
+    frame 0  header  = struct "<4sHBBI" (magic b"OSCP", version u16, kind u8, nframes u8,
+                       meta_len u32) followed by meta_len bytes of UTF-8 JSON metadata
+                       (scalars only: ids, positions, shapes, dtypes; never lists of floats)
+    frame 1  tokens        [num_rows + 1]      int32 (int64 if an id does not fit)
+    frame 2  features      [num_rows, 3H]      bfloat16 | float16 | float32 (the wire dtype)
+    frame 3  final_hidden  [num_rows, H]       same dtype as features
+    frame 4  draft_tokens  [num_steps]         int32
+    frame 5  draft_probs   [num_steps]         float32
+
+A second kind of message, `EndOfRequest` (kind 2, the header frame alone), tells the
+subscriber that a request finished so it can hand the request's span over at once.
+
+`decode` accepts a message only if every frame has exactly the length its header implies and
+the values make sense (finite features and hidden states, probabilities in [0, 1], non-negative
+token ids, `CaptureRecord.validate()` passes); anything else raises `WireError` naming the
+problem. NaN or inf features are a data problem (an fp16 overflow, a broken kernel): they are
+rejected here, at the border, rather than poisoning the trainer. `encode` runs the same checks,
+so a sender never ships what a receiver would refuse. A round trip is bit-exact for the wire
+dtype: `decode(encode(r, d)).features == r.features.to(d)` bit for bit.
+
+    frames = encode(record, wire_dtype="bfloat16")
+    record2 = decode(frames)          # CaptureRecord | EndOfRequest, or raises WireError
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from online_spec.capture import CaptureRecord
+
+MAGIC = b"OSCP"
+VERSION = 1
+KIND_RECORD = 1
+KIND_END = 2
+HEADER = struct.Struct("<4sHBBI")  # magic, version, kind, nframes, meta_len
+RECORD_FRAMES = 6
+MAX_META_BYTES = 1 << 16
+MAX_ID_CHARS = 1024
+
+# Names used in the metadata and in configs -> torch dtypes.
+FLOAT_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+TOKEN_DTYPES: dict[str, torch.dtype] = {"int32": torch.int32, "int64": torch.int64}
+_INT32_MAX = 2**31 - 1
+
+
+class WireError(ValueError):
+    """A message that is not a valid capture-stream message; the text says why."""
+
+
+@dataclass(frozen=True)
+class EndOfRequest:
+    """Control message: the publisher will send no more records of `request_id`."""
+
+    request_id: str
+    timestamp: float
+
+
+def encode(record: CaptureRecord, wire_dtype: str = "bfloat16") -> list[memoryview]:
+    """Frames of one record. Always copies the tensors into fresh contiguous CPU buffers (the
+    caller may hold views of larger engine tensors), converting features and final_hidden to
+    `wire_dtype`. Raises WireError if the record is inconsistent or has non-finite values."""
+    if wire_dtype not in FLOAT_DTYPES:
+        raise WireError(f"wire dtype {wire_dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
+    try:
+        record.validate()
+    except ValueError as e:
+        raise WireError(f"invalid record {record.request_id!r}: {e}") from None
+    fdt = FLOAT_DTYPES[wire_dtype]
+    tokens = _fresh(record.tokens, torch.int64)
+    token_dtype = "int32" if tokens.numel() == 0 or int(tokens.max()) <= _INT32_MAX else "int64"
+    parts = {
+        "tokens": tokens.to(TOKEN_DTYPES[token_dtype]),
+        "features": _fresh(record.features, fdt),
+        "final_hidden": _fresh(record.final_hidden, fdt),
+        "draft_tokens": _fresh(record.draft_tokens, torch.int32),
+        "draft_probs": _fresh(record.draft_probs, torch.float32),
+    }
+    _check_values(parts, record.request_id)
+    meta = {
+        "request_id": record.request_id,
+        "first_pos": int(record.first_pos),
+        "num_rows": record.num_rows,
+        "hidden_size": int(record.final_hidden.shape[1]),
+        "num_steps": int(record.num_steps),
+        "accept_len": int(record.accept_len),
+        "batch_size": int(record.batch_size),
+        "draft_version": int(record.draft_version),
+        "is_prefill": bool(record.is_prefill),
+        "timestamp": float(record.timestamp),
+        "tag": record.tag,
+        "float_dtype": wire_dtype,
+        "token_dtype": token_dtype,
+    }
+    frames = [_header(KIND_RECORD, RECORD_FRAMES, meta)]
+    frames += [_raw(parts[k]) for k in ("tokens", "features", "final_hidden", "draft_tokens", "draft_probs")]
+    return frames
+
+
+def encode_end(request_id: str, timestamp: float) -> list[memoryview]:
+    """The single-frame end-of-request control message."""
+    return [_header(KIND_END, 1, {"request_id": request_id, "timestamp": float(timestamp)})]
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    """Total payload bytes of a message (what goes on the wire, ZMQ framing aside)."""
+    return sum(_view(f).nbytes for f in frames)
+
+
+def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
+    """Parse one message (bytes, memoryviews or zmq.Frames). Raises WireError naming the
+    problem for truncated frames, wrong magic or version, inconsistent shapes, garbage bytes
+    or non-finite values. Returned tensors own their memory (they are copies)."""
+    bufs = [_view(f) for f in frames]
+    if not bufs:
+        raise WireError("empty message")
+    kind, meta = _parse_header(bufs[0], len(bufs))
+    if kind == KIND_END:
+        return EndOfRequest(_get_str(meta, "request_id", nonempty=True), _get_float(meta, "timestamp"))
+    if kind != KIND_RECORD:
+        raise WireError(f"unknown message kind {kind}")
+    if len(bufs) != RECORD_FRAMES:
+        raise WireError(f"a record message has {RECORD_FRAMES} frames, got {len(bufs)}")
+    rows = _get_int(meta, "num_rows", 1, 1 << 24)
+    hidden = _get_int(meta, "hidden_size", 1, 1 << 20)
+    steps = _get_int(meta, "num_steps", 0, 1 << 16)
+    fname, tname = _get_str(meta, "float_dtype"), _get_str(meta, "token_dtype")
+    if fname not in FLOAT_DTYPES:
+        raise WireError(f"unknown float_dtype {fname!r}")
+    if tname not in TOKEN_DTYPES:
+        raise WireError(f"unknown token_dtype {tname!r}")
+    fdt, tdt = FLOAT_DTYPES[fname], TOKEN_DTYPES[tname]
+    parts = {
+        "tokens": _tensor(bufs[1], tdt, (rows + 1,), "tokens"),
+        "features": _tensor(bufs[2], fdt, (rows, 3 * hidden), "features"),
+        "final_hidden": _tensor(bufs[3], fdt, (rows, hidden), "final_hidden"),
+        "draft_tokens": _tensor(bufs[4], torch.int32, (steps,), "draft_tokens"),
+        "draft_probs": _tensor(bufs[5], torch.float32, (steps,), "draft_probs"),
+    }
+    request_id = _get_str(meta, "request_id", nonempty=True)
+    _check_values(parts, request_id)
+    record = CaptureRecord(
+        request_id=request_id,
+        first_pos=_get_int(meta, "first_pos", 0, 1 << 40),
+        tokens=parts["tokens"].to(torch.int64),
+        features=parts["features"],
+        final_hidden=parts["final_hidden"],
+        draft_tokens=parts["draft_tokens"].to(torch.int64),
+        draft_probs=parts["draft_probs"],
+        accept_len=_get_int(meta, "accept_len", 0, steps),
+        num_steps=steps,
+        batch_size=_get_int(meta, "batch_size", 1, 1 << 20),
+        draft_version=_get_int(meta, "draft_version", 0, 1 << 62),
+        is_prefill=_get_bool(meta, "is_prefill"),
+        timestamp=_get_float(meta, "timestamp"),
+        tag=_get_str(meta, "tag"),
+    )
+    try:
+        record.validate()
+    except ValueError as e:
+        raise WireError(f"inconsistent record {request_id!r}: {e}") from None
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # One copy that also converts dtype, gathers a strided view and leaves the device.
+    return torch.empty(tuple(t.shape), dtype=dtype).copy_(t.detach())
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    # Bytes of a contiguous tensor without a copy; bf16 has no numpy dtype, uint8 always does.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _view(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    try:
+        return memoryview(buf).cast("B")
+    except TypeError as e:
+        raise WireError(f"frame of type {type(frame).__name__} is not a byte buffer: {e}") from None
+
+
+def _header(kind: int, nframes: int, meta: dict) -> memoryview:
+    blob = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    return memoryview(HEADER.pack(MAGIC, VERSION, kind, nframes, len(blob)) + blob)
+
+
+def _reject_constant(name: str) -> Any:
+    raise WireError(f"metadata contains the non-JSON constant {name}")
+
+
+def _parse_header(head: memoryview, nframes_got: int) -> tuple[int, dict]:
+    if head.nbytes < HEADER.size:
+        raise WireError(f"header frame has {head.nbytes} bytes, shorter than the {HEADER.size}-byte fixed header")
+    magic, version, kind, nframes, meta_len = HEADER.unpack_from(head)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"wire version {version}, this reader understands version {VERSION}")
+    if nframes != nframes_got:
+        raise WireError(f"header announces {nframes} frames, message has {nframes_got}")
+    if meta_len > MAX_META_BYTES:
+        raise WireError(f"metadata length {meta_len} exceeds {MAX_META_BYTES}")
+    if head.nbytes != HEADER.size + meta_len:
+        raise WireError(f"header frame has {head.nbytes} bytes, expected {HEADER.size + meta_len} (truncated or padded)")
+    try:
+        meta = json.loads(bytes(head[HEADER.size:]).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WireError(f"metadata is not UTF-8 JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise WireError(f"metadata is a JSON {type(meta).__name__}, expected an object")
+    return kind, meta
+
+
+def _get(meta: dict, key: str) -> Any:
+    if key not in meta:
+        raise WireError(f"metadata lacks {key!r}")
+    return meta[key]
+
+
+def _get_int(meta: dict, key: str, lo: int, hi: int) -> int:
+    v = _get(meta, key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise WireError(f"metadata {key}={v!r} is not an integer in {lo}..{hi}")
+    return v
+
+
+def _get_float(meta: dict, key: str) -> float:
+    v = _get(meta, key)
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise WireError(f"metadata {key}={v!r} is not a finite number")
+    return float(v)
+
+
+def _get_bool(meta: dict, key: str) -> bool:
+    v = _get(meta, key)
+    if type(v) is not bool:
+        raise WireError(f"metadata {key}={v!r} is not a boolean")
+    return v
+
+
+def _get_str(meta: dict, key: str, nonempty: bool = False) -> str:
+    v = _get(meta, key)
+    if not isinstance(v, str) or len(v) > MAX_ID_CHARS or (nonempty and not v):
+        raise WireError(f"metadata {key}={str(v)[:80]!r} is not a{' non-empty' if nonempty else ''} string "
+                        f"of at most {MAX_ID_CHARS} characters")
+    return v
+
+
+def _tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    expected = math.prod(shape) * dtype.itemsize
+    if buf.nbytes != expected:
+        raise WireError(f"{name} frame has {buf.nbytes} bytes, expected {expected} for shape {list(shape)} {dtype}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    # bytearray copies the frame: the tensor owns writable memory independent of ZMQ's buffer.
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# Exponent bits of the 16-bit floats: all ones means inf or NaN.
+_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # On the bit pattern with numpy: several times faster than torch.isfinite on bf16 here.
+    mask = _EXPONENT_MASK.get(t.dtype)
+    if mask is None:
+        return bool(np.isfinite(t.numpy()).all())
+    bits = t.reshape(-1).view(torch.int16).numpy()
+    return not bool(((bits & mask) == mask).any())
+
+
+def _check_values(parts: dict[str, torch.Tensor], request_id: str) -> None:
+    for name in ("features", "final_hidden"):
+        if not _all_finite(parts[name]):
+            raise WireError(f"record {request_id!r}: {name} has non-finite values (NaN/inf)")
+    # The small arrays go through numpy: a torch op costs microseconds of dispatch each.
+    p = parts["draft_probs"].numpy()
+    if p.size and not ((p >= 0) & (p <= 1)).all():  # NaN fails both comparisons
+        raise WireError(f"record {request_id!r}: draft_probs not finite or outside [0, 1]")
+    for name in ("tokens", "draft_tokens"):
+        t = parts[name].numpy()
+        if t.size and t.min() < 0:
+            raise WireError(f"record {request_id!r}: {name} has a negative token id")

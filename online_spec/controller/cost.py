@@ -1,0 +1,514 @@
+"""Cost-model step policy (AdaSpec-style): pick K to maximize committed tokens per second.
+
+In: per verify round, the batch size, accepted drafts per request (bonus excluded), the K used,
+the mean context length and, when the engine measured them, the round's draft and verify
+seconds and the head's confidence in each draft. Out: K for the next round, an early-stop
+verdict inside a round, and per-request verify lengths. Pure arithmetic: no torch, no I/O.
+
+Three parts:
+  - `CostModel`: least-squares fit of the draft-step time, (1, b, b*ctx), and of the verify
+    time, (1, b, b*n, b*ctx) with n = K + 1 tokens verified per request and ctx in thousands
+    of tokens; refined online with exponential forgetting, pulled toward a prior where the
+    data say nothing.
+  - `AcceptanceEstimate` (one per batch-size slot): EMA of a_i = P(draft i accepted | drafts
+    < i accepted), so the expected committed tokens of K drafts, E(K) = 1 + sum_{i<=K}
+    prod_{j<=i} a_j, is known before drafting. Positions never tried borrow the deepest tried
+    estimate to their left, which lets the policy look one tier deeper.
+  - `ConfidenceCalibrator`: maps the head's draft confidence to an acceptance probability
+    (binned, starting at the identity), used once a round's drafts exist.
+
+    policy = CostModelPolicy(load_adaptive_config(path))
+    k = policy.steps_for(b, ctx_len)                                   # before drafting
+    while i < k and policy.should_continue(i, conf_i, b, ctx_len): ...  # optional early stop
+    lens = policy.verify_lengths(confidences, ctx_len)                 # optional truncation
+    policy.update(b, accepted, num_steps=lens or k, ctx_len=ctx_len, draft_s=.., verify_s=..)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from online_spec.config import ConfigError, check, doc
+from online_spec.controller.config import AdaptiveConfig
+
+CTX_SCALE = 1000.0  # context length enters the model in thousands of tokens (conditioning)
+
+
+def draft_features(batch_size: float, ctx_len: float) -> tuple[float, float, float]:
+    """Features of one draft step's time."""
+    return (1.0, batch_size, batch_size * ctx_len / CTX_SCALE)
+
+
+def verify_features(batch_size: float, tokens_per_request: float, ctx_len: float) -> tuple[float, ...]:
+    """Features of one verify forward's time (tokens_per_request = K + 1)."""
+    return (1.0, batch_size, batch_size * tokens_per_request, batch_size * ctx_len / CTX_SCALE)
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float]:
+    """Solve m x = v by Gaussian elimination with partial pivoting (m is small and SPD)."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        a[c], a[p] = a[p], a[c]
+        piv = a[c][c]
+        for r in range(c + 1, n):
+            f = a[r][c] / piv
+            if f:
+                for j in range(c, n + 1):
+                    a[r][j] -= f * a[c][j]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][j] * x[j] for j in range(r + 1, n))) / a[r][r]
+    return x
+
+
+class _RidgeLeastSquares:
+    """Exponentially weighted least squares, ridge-pulled toward `prior` (sufficient statistics)."""
+
+    def __init__(self, prior: Sequence[float], ridge: float, decay: float):
+        self.prior, self.ridge, self.decay = list(prior), ridge, decay
+        d = len(prior)
+        self.gram = [[0.0] * d for _ in range(d)]
+        self.moment = [0.0] * d
+        self.count = 0
+
+    def add(self, x: Sequence[float], y: float, decay: float | None = None) -> None:
+        g = self.decay if decay is None else decay
+        for i, xi in enumerate(x):
+            row = self.gram[i]
+            for j, xj in enumerate(x):
+                row[j] = g * row[j] + xi * xj
+            self.moment[i] = g * self.moment[i] + xi * y
+        self.count += 1
+
+    def solve(self) -> list[float]:
+        d = len(self.prior)
+        m = [[self.gram[i][j] + (self.ridge if i == j else 0.0) for j in range(d)] for i in range(d)]
+        v = [self.moment[i] + self.ridge * self.prior[i] for i in range(d)]
+        # Jacobi scaling: features span ~1 to ~1e4, so solve the unit-diagonal system.
+        s = [1.0 / math.sqrt(m[i][i]) for i in range(d)]
+        z = _solve([[m[i][j] * s[i] * s[j] for j in range(d)] for i in range(d)], [v[i] * s[i] for i in range(d)])
+        return [z[i] * s[i] for i in range(d)]
+
+    def state_dict(self) -> dict:
+        return {"gram": [r[:] for r in self.gram], "moment": self.moment[:], "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gram = [[float(x) for x in r] for r in state["gram"]]
+        self.moment = [float(x) for x in state["moment"]]
+        self.count = int(state["count"])
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """How the round-time model starts and how fast it forgets."""
+
+    prior_draft_step_s: float = doc("draft-step seconds assumed before any measurement", 0.004)
+    prior_verify_s: float = doc("verify seconds assumed before any measurement", 0.02)
+    decay: float = doc("weight an observation keeps per newer one (1 = plain least squares)", 0.999)
+    ridge: float = doc("pull toward the prior in directions the data do not constrain", 1e-6)
+    refit_interval: int = doc("observations between two online refits of the coefficients", 16)
+
+    def __post_init__(self) -> None:
+        for f in ("prior_draft_step_s", "prior_verify_s"):
+            check(math.isfinite(getattr(self, f)) and getattr(self, f) > 0, f, f"must be > 0, got {getattr(self, f)!r}")
+        check(0 < self.decay <= 1, "decay", f"must be in (0, 1], got {self.decay!r}")
+        check(math.isfinite(self.ridge) and self.ridge > 0, "ridge", f"must be > 0, got {self.ridge!r}")
+        check(isinstance(self.refit_interval, int) and self.refit_interval >= 1, "refit_interval",
+              f"must be an int >= 1, got {self.refit_interval!r}")
+
+
+class CostModel:
+    """Predicts a round's seconds from batch size, K and context length; learns from measurements."""
+
+    def __init__(self, config: CostModelConfig | None = None):
+        self.config = cfg = config or CostModelConfig()
+        self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0), cfg.ridge, cfg.decay)
+        self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
+        self.draft_coef = list(self._draft.prior)
+        self.verify_coef = list(self._verify.prior)
+        self._pending = 0
+
+    @classmethod
+    def with_coefficients(cls, draft_coef: Sequence[float], verify_coef: Sequence[float],
+                          config: CostModelConfig | None = None) -> "CostModel":
+        """A model with known coefficients (e.g. from a benchmark), in `draft_features`/`verify_features` order."""
+        model = cls(config)
+        check(len(draft_coef) == 3, "draft_coef", f"needs 3 values (1, b, b*ctx), got {len(draft_coef)}")
+        check(len(verify_coef) == 4, "verify_coef", f"needs 4 values (1, b, b*n, b*ctx), got {len(verify_coef)}")
+        model.draft_coef, model.verify_coef = [float(c) for c in draft_coef], [float(c) for c in verify_coef]
+        return model
+
+    def observe(self, batch_size: int, num_steps: int, ctx_len: float, draft_s: float | None,
+                verify_s: float | None, *, verify_tokens: int | None = None, _decay: float | None = None) -> None:
+        """One measured round; `verify_tokens` = total tokens verified if not batch_size * (K + 1)."""
+        if batch_size <= 0:
+            return
+        if draft_s is not None and num_steps > 0:
+            self._draft.add([num_steps * f for f in draft_features(batch_size, ctx_len)], draft_s, _decay)
+        if verify_s is not None:
+            per_req = (verify_tokens / batch_size) if verify_tokens is not None else num_steps + 1
+            self._verify.add(verify_features(batch_size, per_req, ctx_len), verify_s, _decay)
+        self._pending += 1
+        if _decay is None and self._pending >= self.config.refit_interval:
+            self.refit()
+
+    def fit(self, observations: Iterable[Sequence[float]]) -> "CostModel":
+        """Plain least-squares fit (no forgetting) to (batch_size, num_steps, ctx_len, draft_s, verify_s)."""
+        for b, k, ctx, d, v in observations:
+            self.observe(int(b), int(k), ctx, d, v, _decay=1.0)
+        self.refit()
+        return self
+
+    def refit(self) -> None:
+        self.draft_coef = self._draft.solve()
+        self.verify_coef = self._verify.solve()
+        self._pending = 0
+
+    def draft_step_s(self, batch_size: float, ctx_len: float = 0) -> float:
+        return max(0.0, _dot(self.draft_coef, draft_features(batch_size, ctx_len)))
+
+    def verify_s(self, batch_size: float, num_steps: float, ctx_len: float = 0) -> float:
+        """Verify seconds with num_steps drafts (+ 1) per request; num_steps may be a mean."""
+        return max(0.0, _dot(self.verify_coef, verify_features(batch_size, num_steps + 1, ctx_len)))
+
+    def verify_token_s(self) -> float:
+        """Extra verify seconds for one more token in the batch."""
+        return max(0.0, self.verify_coef[2])
+
+    def predict_round_s(self, batch_size: float, k: float, ctx_len: float = 0) -> float:
+        """Draft K steps then verify K + 1 tokens per request."""
+        return k * self.draft_step_s(batch_size, ctx_len) + self.verify_s(batch_size, k, ctx_len)
+
+    @property
+    def observations(self) -> int:
+        return self._verify.count
+
+    def state_dict(self) -> dict:
+        return {"draft": self._draft.state_dict(), "verify": self._verify.state_dict(),
+                "draft_coef": self.draft_coef[:], "verify_coef": self.verify_coef[:], "pending": self._pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._draft.load_state_dict(state["draft"])
+        self._verify.load_state_dict(state["verify"])
+        self.draft_coef = [float(c) for c in state["draft_coef"]]
+        self.verify_coef = [float(c) for c in state["verify_coef"]]
+        self._pending = int(state["pending"])
+
+
+class AcceptanceEstimate:
+    """EMA of the conditional acceptance of each draft position, for one batch-size slot."""
+
+    def __init__(self, depth: int, prior: float, alpha: float):
+        self.depth, self.prior, self.alpha = depth, prior, alpha
+        self.rates = [prior] * depth
+        self.seen = [0] * depth
+        self._filled: list[float] | None = None
+
+    def observe(self, accepted: Sequence[int], num_steps: int | Sequence[int]) -> None:
+        """One round: request r drafted num_steps (or num_steps[r]) and had accepted[r] accepted."""
+        if isinstance(num_steps, int):
+            k = min(num_steps, self.depth)
+            if k <= 0:
+                return
+            reach = [0] * (k + 1)  # reach[i] = requests whose first i drafts were all accepted
+            for a in accepted:
+                reach[min(a, k)] += 1
+            for i in range(k - 1, -1, -1):
+                reach[i] += reach[i + 1]
+            trials, hits = reach[:k], reach[1:]
+        else:
+            k = min(max(num_steps, default=0), self.depth)
+            if k <= 0:
+                return
+            trials, hits = [0] * k, [0] * k
+            for a, kr in zip(accepted, num_steps):
+                kr = min(kr, k)
+                a = min(a, kr)
+                for i in range(min(a + 1, kr)):
+                    trials[i] += 1
+                    if i < a:
+                        hits[i] += 1
+        for i in range(k):
+            if trials[i]:
+                self.rates[i] = (1 - self.alpha) * self.rates[i] + self.alpha * (hits[i] / trials[i])
+                self.seen[i] += 1
+        self._filled = None
+
+    def estimates(self) -> list[float]:
+        """a_1..a_depth; a position never tried takes the deepest tried estimate to its left."""
+        if self._filled is None:
+            out, last = [], self.prior
+            for rate, seen in zip(self.rates, self.seen):
+                last = rate if seen else last
+                out.append(last)
+            self._filled = out
+        return self._filled
+
+    def reset(self) -> None:
+        self.rates = [self.prior] * self.depth
+        self.seen = [0] * self.depth
+        self._filled = None
+
+
+class ConfidenceCalibrator:
+    """Draft confidence -> P(accepted | earlier drafts accepted), per confidence bin.
+
+    Each bin starts at its midpoint with `prior_weight` pseudo-observations (the identity map).
+    """
+
+    def __init__(self, bins: int, prior_weight: float):
+        self.bins, self.prior_weight = bins, prior_weight
+        self.hits = [0.0] * bins
+        self.trials = [0.0] * bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def __call__(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        mid = (b + 0.5) / self.bins
+        return (self.hits[b] + self.prior_weight * mid) / (self.trials[b] + self.prior_weight)
+
+    def observe(self, confidences: Sequence[Sequence[float]], accepted: Sequence[int]) -> None:
+        for row, a in zip(confidences, accepted):
+            for i, c in enumerate(row[: a + 1]):  # drafts after the first rejection were never judged
+                b = self._bin(c)
+                self.trials[b] += 1
+                self.hits[b] += i < a
+
+    def reset(self) -> None:
+        self.hits = [0.0] * self.bins
+        self.trials = [0.0] * self.bins
+
+
+@dataclass(frozen=True)
+class CostPolicyConfig:
+    """Knobs of the cost-model policy (its K tiers come from the adaptive config's slots)."""
+
+    accept_alpha: float = doc("EMA factor of the per-position acceptance estimates", 0.2)
+    prior_accept: float = doc("per-position acceptance assumed before any round", 0.6)
+    tpot_slo_s: float | None = doc("never pick a K whose predicted round seconds exceed this (None = off)", None)
+    calib_bins: int = doc("confidence bins of the calibrator", 10)
+    calib_prior_weight: float = doc("pseudo-observations holding each bin at its midpoint", 4.0)
+
+    def __post_init__(self) -> None:
+        check(0 < self.accept_alpha <= 1, "accept_alpha", f"must be in (0, 1], got {self.accept_alpha!r}")
+        check(0 <= self.prior_accept <= 1, "prior_accept", f"must be in [0, 1], got {self.prior_accept!r}")
+        check(self.tpot_slo_s is None or (math.isfinite(self.tpot_slo_s) and self.tpot_slo_s > 0), "tpot_slo_s",
+              f"must be > 0 seconds or None, got {self.tpot_slo_s!r}")
+        check(isinstance(self.calib_bins, int) and self.calib_bins >= 1, "calib_bins",
+              f"must be an int >= 1, got {self.calib_bins!r}")
+        check(self.calib_prior_weight > 0, "calib_prior_weight", f"must be > 0, got {self.calib_prior_weight!r}")
+
+
+class CostModelPolicy:
+    """K maximizing expected committed tokens per predicted second, per batch-size slot."""
+
+    name = "cost_model"
+
+    def __init__(self, adaptive: AdaptiveConfig, config: CostPolicyConfig | None = None,
+                 cost_model: CostModel | None = None):
+        self.adaptive = adaptive
+        self.config = cfg = config or CostPolicyConfig()
+        self.cost = cost_model or CostModel()
+        self._slots = adaptive.slots
+        self._accept = [AcceptanceEstimate(max(s.candidate_steps), cfg.prior_accept, cfg.accept_alpha)
+                        for s in self._slots]
+        self._calib = ConfidenceCalibrator(cfg.calib_bins, cfg.calib_prior_weight)
+        self._last: list[int | None] = [None] * len(self._slots)
+        self._decisions = [0] * len(self._slots)
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return self.adaptive.candidate_steps
+
+    # -- before drafting ---------------------------------------------------------------------
+
+    def expected_tokens(self, batch_size: int, k: int) -> float:
+        """E(K): committed tokens per request (bonus included) with K drafts, from the estimates."""
+        a = self._accept[self.adaptive.slot_index(batch_size)].estimates()
+        total, surv = 1.0, 1.0
+        for i in range(min(k, len(a))):
+            surv *= a[i]
+            total += surv
+        return total
+
+    def choose_steps(self, batch_size: int, ctx_len: float = 0) -> int:
+        """The slot's tier maximizing E(K) / round seconds; ties go to the smaller K. Under a
+        TPOT SLO, tiers predicted slower than it are skipped; if none fits, the smallest tier."""
+        i = self.adaptive.slot_index(batch_size)
+        a = self._accept[i].estimates()
+        slo = self.config.tpot_slo_s
+        cost = self.cost
+        step_s = cost.draft_step_s(batch_size, ctx_len)
+        best_k, best_rate = None, -1.0
+        expected, surv, pos = 1.0, 1.0, 0
+        for k in self._slots[i].candidate_steps:
+            while pos < k:
+                surv *= a[pos]
+                expected += surv
+                pos += 1
+            t = k * step_s + cost.verify_s(batch_size, k, ctx_len)
+            if slo is not None and t > slo:
+                continue
+            rate = expected / max(t, 1e-12)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return self._slots[i].candidate_steps[0] if best_k is None else best_k
+
+    def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
+        """`choose_steps`, remembered as this slot's K for an `update` that omits num_steps."""
+        i = self.adaptive.slot_index(batch_size)
+        k = self.choose_steps(batch_size, ctx_len)
+        self._last[i] = k
+        self._decisions[i] += 1
+        return k
+
+    # -- inside a round ----------------------------------------------------------------------
+
+    def should_continue(self, step_index: int, draft_confidence: float | Sequence[float],
+                        batch_size: int, ctx_len: float = 0) -> bool:
+        """After `step_index` drafts (the last with `draft_confidence`, a value or one per
+        request), is drafting one more predicted to raise tokens per second? The next draft
+        adds P(drafts 1..step_index accepted) * a_{step_index+1} tokens per request and costs
+        one draft step plus one verified token per request."""
+        check(isinstance(step_index, int) and step_index >= 1, "step_index", f"must be an int >= 1, got {step_index!r}")
+        a = self._accept[self.adaptive.slot_index(batch_size)].estimates()
+        if step_index >= len(a):
+            return False
+        cost = self.cost
+        t_now = cost.predict_round_s(batch_size, step_index, ctx_len)
+        t_next = cost.predict_round_s(batch_size, step_index + 1, ctx_len)
+        if self.config.tpot_slo_s is not None and t_next > self.config.tpot_slo_s:
+            return False
+        if isinstance(draft_confidence, (int, float)):
+            p_last = self._calib(draft_confidence)
+        else:
+            p_last = sum(self._calib(c) for c in draft_confidence) / max(1, len(draft_confidence))
+        expected, surv = 1.0, 1.0
+        for j in range(step_index - 1):
+            surv *= a[j]
+            expected += surv
+        surv *= p_last
+        expected += surv
+        gain = surv * a[step_index]
+        # (E + gain) / t_next > E / t_now, cross-multiplied (both times are >= 0).
+        return gain * t_now > expected * (t_next - t_now)
+
+    def verify_lengths(self, confidences: Sequence[Sequence[float]], ctx_len: float = 0) -> list[int]:
+        """Drafts to verify per request (AdaSpec's confidence-prior verifier): keep draft m of
+        request r while its survival S_rm = prod_{j<=m} p(conf_rj) pays for its verify token
+        at the round's throughput, S_rm >= (expected tokens / round seconds) * (seconds per
+        verified token). Drafting is already spent; only verify tokens are saved."""
+        b = len(confidences)
+        if b == 0:
+            return []
+        full = [len(row) for row in confidences]
+        tok_s = self.cost.verify_token_s()
+        if tok_s <= 0:
+            return full
+        surv = []
+        for row in confidences:
+            s, out = 1.0, []
+            for c in row:
+                s *= self._calib(c)
+                out.append(s)
+            surv.append(out)
+        draft_s = max(full) * self.cost.draft_step_s(b, ctx_len)  # already spent, part of the round
+        # Dinkelbach: keep the drafts that pay at the current throughput, recompute the
+        # throughput of what is kept, repeat; it stops at the best tokens/second selection.
+        lengths: list[int] = full
+        for _ in range(8):
+            tokens = sum(1.0 + sum(s[:n]) for s, n in zip(surv, lengths))
+            round_s = draft_s + self.cost.verify_s(b, sum(lengths) / b, ctx_len)
+            threshold = tokens / max(round_s, 1e-12) * tok_s
+            new = []
+            for s in surv:
+                n = 0
+                while n < len(s) and s[n] >= threshold:
+                    n += 1
+                new.append(n)
+            if new == lengths:
+                break
+            lengths = new
+        return lengths
+
+    # -- after verify ------------------------------------------------------------------------
+
+    def update(self, batch_size: int, accepted: Sequence[int], *, num_steps: int | Sequence[int] | None = None,
+               ctx_len: float = 0, draft_s: float | None = None, verify_s: float | None = None,
+               confidences: Sequence[Sequence[float]] | None = None) -> int:
+        """Learn from one verify round; returns `choose_steps` for the same batch size and context.
+
+        num_steps: K drafted (or drafts verified per request, after `verify_lengths` or an early
+        stop); defaults to the slot's last `steps_for`. draft_s / verify_s: measured seconds.
+        confidences: the head's confidence per draft per request, to calibrate.
+        """
+        i = self.adaptive.slot_index(batch_size)
+        if num_steps is None:
+            num_steps = self._last[i]
+            if num_steps is None:
+                raise ConfigError("num_steps: required until steps_for has been called for this batch size")
+        if accepted:
+            self._accept[i].observe(accepted, num_steps)
+            if confidences is not None:
+                self._calib.observe(confidences, accepted)
+        if draft_s is not None or verify_s is not None:
+            if isinstance(num_steps, int):
+                self.cost.observe(batch_size, num_steps, ctx_len, draft_s, verify_s)
+            else:
+                self.cost.observe(batch_size, max(num_steps, default=0), ctx_len, draft_s, verify_s,
+                                  verify_tokens=sum(k + 1 for k in num_steps))
+        return self.choose_steps(batch_size, ctx_len)
+
+    def rewarm(self) -> None:
+        """A new head went live: acceptance and calibration start over; round costs are kept."""
+        for acc in self._accept:
+            acc.reset()
+        self._calib.reset()
+
+    def info(self) -> dict:
+        slots = {}
+        for slot, acc, last, n in zip(self._slots, self._accept, self._last, self._decisions):
+            slots[str(slot.min_batch_size)] = {
+                "steps": last, "decisions": n, "accept": list(acc.estimates()),
+                "expected_tokens": {str(k): self.expected_tokens(slot.min_batch_size, k) for k in slot.candidate_steps}}
+        return {"policy": self.name, "slots": slots,
+                "cost": {"draft_coef": list(self.cost.draft_coef), "verify_coef": list(self.cost.verify_coef),
+                         "observations": self.cost.observations}}
+
+    def state_dict(self) -> dict:
+        return {"policy": self.name, "cost": self.cost.state_dict(),
+                "calibrator": {"hits": self._calib.hits[:], "trials": self._calib.trials[:]},
+                "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:], "steps": last,
+                                                  "decisions": n}
+                          for s, acc, last, n in zip(self._slots, self._accept, self._last, self._decisions)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        check(state.get("policy") == self.name, "state.policy", f"expected {self.name!r}, got {state.get('policy')!r}")
+        saved = state.get("slots", {})
+        want = [str(s.min_batch_size) for s in self._slots]
+        check(sorted(saved) == sorted(want), "state.slots", f"has slots {sorted(saved)}, the config has {want}")
+        for j, (key, acc) in enumerate(zip(want, self._accept)):
+            entry = saved[key]
+            check(len(entry["rates"]) == acc.depth, f'state.slots["{key}"].rates',
+                  f"has {len(entry['rates'])} positions, the slot drafts up to {acc.depth}")
+            acc.rates = [float(r) for r in entry["rates"]]
+            acc.seen = [int(s) for s in entry["seen"]]
+            acc._filled = None
+            self._last[j] = entry["steps"]
+            self._decisions[j] = int(entry["decisions"])
+        calib = state["calibrator"]
+        check(len(calib["hits"]) == self._calib.bins, "state.calibrator.hits",
+              f"has {len(calib['hits'])} bins, the config has {self._calib.bins}")
+        self._calib.hits = [float(x) for x in calib["hits"]]
+        self._calib.trials = [float(x) for x in calib["trials"]]
+        self.cost.load_state_dict(state["cost"])

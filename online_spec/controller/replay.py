@@ -1,0 +1,140 @@
+"""`online-spec controller replay`: run a recorded trace of verify rounds through the EMA policy.
+
+A trace is JSON lines, one verify round each (extra keys are ignored):
+
+    {"batch_size": 8, "accepted": [3, 0, 2, 1, 3, 3, 0, 1]}
+
+`accepted` is drafts accepted per request, bonus excluded; the round goes to the slot with the
+largest key <= batch_size. Each output line is `{"steps": k}`, that slot's K after the round,
+so a trace replayed here and through SGLang's `AdaptiveSpeculativeParams` gives the same lines.
+
+    online-spec controller replay --config configs/adaptive/sglang_default.json \\
+        --initial-steps 3 --trace rounds.jsonl [--out steps.jsonl]
+
+`TraceRecorder` is what the engine calls once per round to write such a trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterable, Iterator, Sequence
+
+from online_spec.config import ConfigError, add_config_args, check, config_from_args, doc
+from online_spec.controller.config import adaptive_config_path, load_adaptive_config
+from online_spec.controller.ema import EmaTierPolicy
+
+
+class TraceError(ValueError):
+    """A trace line is malformed; the message names the line and the field."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Inputs of `controller replay`."""
+
+    config: Path | None = doc("adaptive JSON config (SGLang format); default: configs/adaptive/sglang_default.json", None)
+    initial_steps: int | None = doc("initial K of every slot (SGLang's --speculative-num-steps; a slot "
+                                    "without it starts at its middle tier); default: middle of all tiers", None)
+    trace: Path | None = doc("JSON-lines trace, one verify round per line (required)", None)
+    out: Path | None = doc("where to write {\"steps\": k} lines; default: stdout", None)
+
+    def __post_init__(self) -> None:
+        check(self.trace is not None, "trace", "is required (--trace TRACE.jsonl)")
+
+
+def read_trace(lines: Iterable[str], source: str = "trace") -> Iterator[tuple[int, list[int]]]:
+    """(batch_size, accepted) per non-blank line; raises TraceError naming line and field."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not valid JSON ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise TraceError(f"{where}: must be a JSON object, got {type(row).__name__}")
+        b = row.get("batch_size")
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise TraceError(f"{where}: batch_size: must be an int >= 1, got {b!r}")
+        acc = row.get("accepted")
+        if not isinstance(acc, list) or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0
+                                                for a in acc):
+            raise TraceError(f"{where}: accepted: must be a list of non-negative ints, got {acc!r}")
+        yield b, acc
+
+
+def replay_trace(policy, rounds: Iterable[tuple[int, Sequence[int]]]) -> Iterator[int]:
+    """The routed slot's K after each round."""
+    for batch_size, accepted in rounds:
+        yield policy.update(batch_size, accepted)
+
+
+class TraceRecorder:
+    """Writes one trace line per verify round; `replay` reads them back.
+
+        with TraceRecorder.open(path) as rec:
+            rec.record(batch_size, accept_lens, num_steps=k)   # after each verify
+    """
+
+    def __init__(self, stream: IO[str], owns_stream: bool = False):
+        self._stream, self._owns = stream, owns_stream
+        self.rounds = 0
+
+    @classmethod
+    def open(cls, path: str | Path) -> "TraceRecorder":
+        return cls(open(path, "w", encoding="utf-8"), owns_stream=True)
+
+    def record(self, batch_size: int, accepted: Sequence[int], **extra) -> None:
+        """One round; `extra` (num_steps, ctx_len, draft_s, ...) is written where not None."""
+        row = {"batch_size": int(batch_size), "accepted": [int(a) for a in accepted]}
+        row.update({k: v for k, v in extra.items() if v is not None})
+        self._stream.write(json.dumps(row) + "\n")
+        self.rounds += 1
+
+    def close(self) -> None:
+        self._stream.flush()
+        if self._owns:
+            self._stream.close()
+
+    def __enter__(self) -> "TraceRecorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="controller_command", required=True, metavar="SUBCOMMAND")
+    help_text = "replay a recorded trace of verify rounds through the EMA step policy"
+    add_config_args(sub.add_parser("replay", help=help_text, description=help_text), ReplayConfig)
+
+
+def _replay(cfg: ReplayConfig) -> None:
+    adaptive = load_adaptive_config(cfg.config or adaptive_config_path())
+    policy = EmaTierPolicy(adaptive, initial_steps=cfg.initial_steps)
+    with open(cfg.trace, encoding="utf-8") as trace:
+        out = open(cfg.out, "w", encoding="utf-8") if cfg.out is not None else sys.stdout
+        try:
+            for k in replay_trace(policy, read_trace(trace, source=str(cfg.trace))):
+                out.write(json.dumps({"steps": k}) + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = f"online-spec controller {args.controller_command}"
+    try:
+        _replay(config_from_args(ReplayConfig, args))
+    except (ConfigError, TraceError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{prog}: error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    return 0

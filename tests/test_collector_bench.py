@@ -1,0 +1,24 @@
+"""The collector bench end to end through the command line, on a tiny configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from online_spec.cli import main
+
+
+def test_bench_collector_writes_its_figures(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "collector", "--quick", "--hidden-size", "16", "--batch-size", "8",
+               "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["quick"] is True and res["config"]["burst_records"] == 64
+    assert res["throughput_records_received"] == res["throughput_records_sent"] == 64
+    assert res["throughput_malformed"] == 0
+    assert res["records_per_s_max"] > 0 and res["mb_per_s_max"] > 0
+    stalled = res["stalled_publisher_stats"]
+    assert stalled["submitted"] == 4 * 8 == stalled["sent"] + res["dropped_when_subscriber_stalled"]
+    assert res["decode_stall_ms_max_when_subscriber_stalled"] >= res["submit_ms_p50_when_subscriber_stalled"] > 0
+    assert res["serving_overhead"] is None

@@ -1,0 +1,183 @@
+"""Replay buffer and span shards on a real disk: budget eviction, held-out split, restarts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from collector.replay import ReplayBuffer, ReplayConfig, is_heldout
+from collector.shards import load_dataset_dir, load_spans, save_spans, shard_paths
+from collector.span import CaptureSpan
+from collector_records import bits, request_records
+from online_spec.config import ConfigError
+
+H = 16
+
+
+def make_span(i: int, rounds: int = 4, dtype: torch.dtype = torch.bfloat16) -> CaptureSpan:
+    return CaptureSpan.from_records(request_records(f"req-{i}", num_rounds=rounds, hidden=H, seed=i, dtype=dtype))
+
+
+def assert_spans_equal(a: CaptureSpan, b: CaptureSpan) -> None:
+    assert (a.request_id, a.first_pos, a.tag) == (b.request_id, b.first_pos, b.tag)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(bits(a.features), bits(b.features)) and torch.equal(bits(a.final_hidden), bits(b.final_hidden))
+    for name in ("accepted", "draft_token", "draft_prob", "num_steps", "batch_size", "draft_version",
+                 "is_prefill", "timestamp"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+SPAN_BYTES = make_span(0).nbytes
+
+
+def small_cfg(root: Path, **kw) -> ReplayConfig:
+    args = dict(root=str(root), shard_bytes=4 * SPAN_BYTES, budget_bytes=400 * SPAN_BYTES,
+                memory_bytes=8 * SPAN_BYTES, heldout_every=4, flush_interval_s=3600.0)
+    args.update(kw)
+    return ReplayConfig(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_save_and_load_spans_round_trip_across_shards(tmp_path: Path, dtype):
+    spans = [make_span(i, rounds=i % 5, dtype=dtype) for i in range(9)]
+    written = save_spans(iter(spans), tmp_path / "pretrain", shard_bytes=3 * spans[0].nbytes)
+    assert len(written) >= 3 and shard_paths(tmp_path / "pretrain") == written
+    loaded = load_spans(tmp_path / "pretrain")
+    assert len(loaded) == len(spans)
+    for a, b in zip(spans, loaded):
+        assert_spans_equal(a, b)
+    ds = load_dataset_dir(tmp_path / "pretrain")
+    assert len(ds) == 9 and ds[4]["request_id"] == "req-4" and ds[4]["num_rows"] == spans[4].num_rows
+    more = save_spans([make_span(100, dtype=dtype)], tmp_path / "pretrain")  # appends after the others
+    assert more[0].name == f"shard-{len(written):05d}" and len(load_spans(tmp_path / "pretrain")) == 10
+
+
+def test_heldout_and_train_are_split_by_request(tmp_path: Path):
+    buf = ReplayBuffer(small_cfg(tmp_path))
+    spans = [make_span(i) for i in range(24)]
+    for s in spans:
+        assert buf.add(s)
+    held_ids = {s.request_id for s in spans if is_heldout(s.request_id, 4)}
+    assert 0 < len(held_ids) < len(spans)
+    held = buf.heldout(max_tokens=10**9)
+    assert [s.request_id for s in held] == [s.request_id for s in reversed(spans) if s.request_id in held_ids]
+    oldest = buf.heldout(max_tokens=10**9, newest=False)
+    assert [s.request_id for s in oldest] == [s.request_id for s in held][::-1]
+    sample = buf.sample_train(max_tokens=500, rng=np.random.default_rng(1))
+    assert sum(s.num_rows for s in sample) == 500
+    assert not {s.request_id for s in sample} & held_ids
+    by_id = {s.request_id: s for s in spans}
+    for s in sample:  # every sampled piece is the original rows at its positions
+        s.validate()
+        ref = by_id[s.request_id].slice(s.first_pos, s.end_pos)
+        assert_spans_equal(s, ref)
+    cut = buf.heldout(max_tokens=5)
+    assert sum(s.num_rows for s in cut) == 5 and cut[0].request_id == held[0].request_id
+
+
+def test_byte_budget_evicts_whole_generations_oldest_first(tmp_path: Path):
+    cfg = small_cfg(tmp_path, heldout_every=0, budget_bytes=40 * SPAN_BYTES)
+    buf = ReplayBuffer(cfg)
+    for i in range(120):
+        buf.add(make_span(i))
+        assert buf.nbytes <= cfg.budget_bytes + cfg.shard_bytes
+    stats = buf.stats()
+    assert stats["evicted"] > 0 and stats["evicted_generations"] > 0
+    assert stats["received"] == 120 and stats["spans"] == 120 - stats["evicted"]
+    gens = sorted(p.name for p in (tmp_path / "gens").iterdir())
+    assert len(gens) == stats["generations"] and int(gens[0]) == stats["evicted_generations"]
+    kept = {s.request_id for s in buf.sample_train(max_tokens=20_000, rng=np.random.default_rng(0))}
+    oldest_kept = min(int(r.split("-")[1]) for r in kept)
+    assert oldest_kept >= stats["evicted"]  # nothing evicted is ever sampled again
+    assert f"req-{119}" in {s.request_id for s in buf.sample_train(max_tokens=50_000)}
+
+
+def test_reopening_after_a_crash_keeps_every_flushed_span(tmp_path: Path):
+    cfg = small_cfg(tmp_path)
+    buf = ReplayBuffer(cfg)
+    spans = [make_span(i) for i in range(10)]
+    for s in spans:
+        buf.add(s)
+    flushed = buf.stats()
+    assert flushed["generations"] >= 2 and flushed["pending_bytes"] > 0
+    on_disk = len(buf) - sum(1 for _ in buf._pending["train"]) - len(buf._pending["heldout"])
+    del buf  # no close(): what a kill leaves behind
+
+    again = ReplayBuffer(cfg)
+    assert len(again) == on_disk and again.stats()["pending_bytes"] == 0
+    assert again.stats()["flushes"] == flushed["flushes"]
+    assert again.stats()["recent_spans"] > 0
+    n = again.num_tokens
+    new = next(i for i in range(50, 100) if not is_heldout(f"req-{i}", cfg.heldout_every))
+    again.add(make_span(new))
+    again.close()
+    third = ReplayBuffer(cfg)
+    assert third.num_tokens == n + make_span(new).num_rows
+    assert any(s.request_id == f"req-{new}" for s in third.sample_train(max_tokens=10_000))
+
+
+_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_collector_replay import make_span, small_cfg
+from collector.replay import ReplayBuffer
+from pathlib import Path
+buf = ReplayBuffer(small_cfg(Path(sys.argv[1])))
+i = 0
+while True:
+    before = buf.stats()["flushes"]
+    buf.add(make_span(i)); i += 1
+    if buf.stats()["flushes"] != before:
+        print(buf.stats()["flushes"], flush=True)
+"""
+
+
+def test_a_buffer_killed_mid_write_reopens_clean(tmp_path: Path):
+    root = tmp_path / "buf"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root), str(Path(__file__).parent)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(6):  # let it write a few generations (and evict), then kill it mid-stream
+            assert proc.stdout.readline().strip()
+        proc.kill()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    buf = ReplayBuffer(small_cfg(root))
+    assert buf.stats()["generations"] >= 1 and len(buf) > 0
+    assert not list((root / "gens").glob(".tmp-*"))
+    for s in buf.sample_train(max_tokens=200) + buf.heldout(max_tokens=200):
+        s.validate()
+
+
+def test_malformed_and_oversized_spans_are_refused_and_counted(tmp_path: Path):
+    buf = ReplayBuffer(small_cfg(tmp_path))
+    bad = make_span(1)
+    bad.features[0, 0] = float("nan")
+    assert not buf.add(bad) and buf.stats()["malformed"] == 1
+    huge = CaptureSpan.from_records(request_records("huge", num_rounds=400, hidden=H, prefill_rows=6000,
+                                                    dtype=torch.bfloat16))
+    assert huge.nbytes > 396 * SPAN_BYTES
+    assert not buf.add(huge) and buf.stats()["dropped"] == 1
+    assert len(buf) == 0
+
+
+def test_empty_buffer_samples_nothing(tmp_path: Path):
+    buf = ReplayBuffer(small_cfg(tmp_path))
+    assert buf.sample_train(100) == [] and buf.heldout(100) == [] and len(buf) == 0 and buf.num_tokens == 0
+
+
+@pytest.mark.parametrize("field,kw", [("budget_bytes", dict(budget_bytes=10, shard_bytes=8)),
+                                      ("memory_bytes", dict(memory_bytes=10**12)),
+                                      ("heldout_every", dict(heldout_every=-1)),
+                                      ("recent_fraction", dict(recent_fraction=2.0)),
+                                      ("root", dict(root=""))])
+def test_replay_config_names_the_bad_field(tmp_path: Path, field, kw):
+    with pytest.raises(ConfigError, match=field):
+        ReplayConfig(**{"root": str(tmp_path), **kw})

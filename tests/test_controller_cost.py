@@ -1,0 +1,351 @@
+"""CostModelPolicy: the round-time fit, acceptance estimates, and the choose / early-stop /
+verify-length rules on named boundary cases, each checked against a naive reference."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from online_spec.config import ConfigError
+from online_spec.controller import (AdaptiveConfig, CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig,
+                                    StepPolicy, measure_decision_cost_us)
+from online_spec.controller.cost import AcceptanceEstimate, ConfidenceCalibrator
+
+# Synthetic costs of the model's own form (seconds): draft step and verify.
+TRUE_DRAFT = (0.002, 0.0001, 0.00005)  # 1, b, b*ctx/1000
+TRUE_VERIFY = (0.010, 0.0002, 0.00003, 0.0001)  # 1, b, b*n, b*ctx/1000
+
+
+def true_times(b, k, ctx):
+    step = TRUE_DRAFT[0] + TRUE_DRAFT[1] * b + TRUE_DRAFT[2] * b * ctx / 1000
+    verify = TRUE_VERIFY[0] + TRUE_VERIFY[1] * b + TRUE_VERIFY[2] * b * (k + 1) + TRUE_VERIFY[3] * b * ctx / 1000
+    return k * step, verify
+
+
+def grid(noise=0.0, seed=0):
+    rng = random.Random(seed)
+    for b, k, ctx in itertools.product([1, 2, 4, 8, 16, 32], [0, 1, 3, 5, 7], [128, 1024, 4096]):
+        d, v = true_times(b, k, ctx)
+        yield b, k, ctx, d * (1 + rng.uniform(-noise, noise)), v * (1 + rng.uniform(-noise, noise))
+
+
+HELD_OUT = [(12, 4, 2000), (3, 2, 300), (24, 6, 3500)]
+
+
+# -- cost model ------------------------------------------------------------------------------
+
+def test_fit_recovers_exact_timings():
+    model = CostModel().fit(grid())
+    for b, k, ctx in HELD_OUT:
+        assert model.predict_round_s(b, k, ctx) == pytest.approx(sum(true_times(b, k, ctx)), rel=1e-6)
+
+
+def test_fit_with_noise_predicts_within_3_percent():
+    model = CostModel().fit(grid(noise=0.05, seed=1))  # +-5% noise per measurement
+    for b, k, ctx in HELD_OUT:
+        assert model.predict_round_s(b, k, ctx) == pytest.approx(sum(true_times(b, k, ctx)), rel=0.03)
+
+
+def test_online_observe_tracks_a_cost_change():
+    model = CostModel(CostModelConfig(decay=0.98, refit_interval=8))
+    rows = list(grid(noise=0.02, seed=2))
+    for row in rows:
+        model.observe(*row)
+    assert model.predict_round_s(12, 4, 2000) == pytest.approx(sum(true_times(12, 4, 2000)), rel=0.05)
+    for b, k, ctx, d, v in rows * 2:  # everything becomes twice as slow
+        model.observe(b, k, ctx, 2 * d, 2 * v)
+    assert model.predict_round_s(12, 4, 2000) == pytest.approx(2 * sum(true_times(12, 4, 2000)), rel=0.05)
+
+
+def test_prior_before_any_observation():
+    model = CostModel(CostModelConfig(prior_draft_step_s=0.25, prior_verify_s=0.5))
+    assert model.predict_round_s(8, 3, 100) == 3 * 0.25 + 0.5
+
+
+def test_refit_waits_for_the_interval():
+    model = CostModel(CostModelConfig(refit_interval=3))
+    rows = list(grid())
+    for row in rows[:2]:
+        model.observe(*row)
+    assert model.verify_coef == [0.02, 0.0, 0.0, 0.0]
+    model.observe(*rows[2])
+    assert model.verify_coef != [0.02, 0.0, 0.0, 0.0]
+
+
+def test_cost_model_state_round_trip():
+    a = CostModel().fit(grid(noise=0.05))
+    b = CostModel()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for row in list(grid(seed=4))[:40]:
+        a.observe(*row)
+        b.observe(*row)
+    assert b.predict_round_s(5, 3, 900) == a.predict_round_s(5, 3, 900)
+
+
+@pytest.mark.parametrize("field, kw", [("prior_verify_s", {"prior_verify_s": 0}), ("decay", {"decay": 1.5}),
+                                       ("refit_interval", {"refit_interval": 0}), ("ridge", {"ridge": -1})])
+def test_cost_config_errors_name_the_field(field, kw):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        CostModelConfig(**kw)
+
+
+# -- acceptance estimates --------------------------------------------------------------------
+
+def test_acceptance_counts_trials_up_to_the_first_rejection():
+    acc = AcceptanceEstimate(depth=5, prior=0.5, alpha=1.0)
+    acc.observe([0, 1, 3, 3], 3)  # trials per position 4, 3, 2; hits 3, 2, 2
+    assert acc.estimates() == [0.75, 2 / 3, 1.0, 1.0, 1.0]  # positions 4-5 never tried: borrow position 3
+
+
+def test_acceptance_per_request_lengths_match_the_uniform_case():
+    a, b = AcceptanceEstimate(4, 0.5, 0.3), AcceptanceEstimate(4, 0.5, 0.3)
+    a.observe([0, 1, 3, 2], 3)
+    b.observe([0, 1, 3, 2], [3, 3, 3, 3])
+    assert a.estimates() == b.estimates()
+    c = AcceptanceEstimate(4, 0.5, 1.0)
+    c.observe([1, 2], [1, 3])  # request 0 verified 1 draft: it says nothing about position 2
+    assert c.estimates()[:3] == [1.0, 1.0, 0.0]
+
+
+def test_k0_round_teaches_nothing():
+    acc = AcceptanceEstimate(3, 0.6, 1.0)
+    acc.observe([0, 0], 0)
+    assert acc.estimates() == [0.6, 0.6, 0.6]
+
+
+def test_calibrator_starts_at_identity_and_learns():
+    cal = ConfidenceCalibrator(bins=10, prior_weight=4.0)
+    assert cal(0.93) == pytest.approx(0.95) and cal(1.0) == pytest.approx(0.95) and cal(0.0) == pytest.approx(0.05)
+    cal.observe([[0.95, 0.95]] * 20, [0] * 20)  # first draft always rejected, second never judged
+    assert cal(0.95) == pytest.approx(4 * 0.95 / 24)
+
+
+# -- choose_steps ----------------------------------------------------------------------------
+
+def policy(steps, accept, draft=(0.25, 0, 0), verify=(0.5, 0, 0, 0), **cfg) -> CostModelPolicy:
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": steps}})
+    return CostModelPolicy(adaptive, CostPolicyConfig(prior_accept=accept, **cfg),
+                           CostModel.with_coefficients(draft, verify))
+
+
+def naive_best(steps, a, step_s, verify_s):
+    rates = {k: (1 + sum(math.prod(a[: i + 1]) for i in range(k))) / (k * step_s + verify_s) for k in steps}
+    return max(sorted(steps), key=lambda k: rates[k])
+
+
+@pytest.mark.parametrize("accept", [0.3, 0.6, 0.8, 0.95])
+def test_choose_matches_naive_argmax(accept):
+    p = policy(list(range(8)), accept, draft=(0.1, 0, 0), verify=(1.0, 0, 0, 0))
+    assert p.choose_steps(1) == naive_best(range(8), [accept] * 7, 0.1, 1.0)
+
+
+def test_perfect_acceptance_and_free_drafts_take_the_deepest_tier():
+    assert policy([0, 1, 3, 7], 1.0, draft=(0, 0, 0)).choose_steps(4) == 7
+
+
+def test_zero_acceptance_takes_the_smallest_tier():
+    assert policy([0, 1, 3], 0.0).choose_steps(4) == 0
+    assert policy([2, 5], 0.0).choose_steps(4) == 2
+
+
+def test_exact_tie_goes_to_the_smaller_k():
+    # E(1)/t(1) = 1.5 / 0.75 = 2 = E(0)/t(0) = 1 / 0.5
+    assert policy([0, 1], 0.5).choose_steps(1) == 0
+    assert policy([0, 1], 0.51).choose_steps(1) == 1
+
+
+@pytest.mark.parametrize("slo, expected", [
+    (None, 7),
+    (0.5 + 3 * 0.25, 3),  # exactly K = 3's round time: allowed
+    (0.5 + 3 * 0.25 - 1e-9, 1),
+    (0.1, 0),  # nothing fits: the smallest tier
+])
+def test_tpot_slo(slo, expected):
+    assert policy([0, 1, 3, 7], 1.0, tpot_slo_s=slo).choose_steps(1) == expected
+
+
+def test_learns_from_rounds_and_moves_k():
+    p = policy([1, 3, 7], 0.6, draft=(0.05, 0, 0), verify=(0.5, 0, 0, 0))
+    for _ in range(40):
+        k = p.steps_for(4)
+        p.update(4, [k] * 4)
+    assert p.steps_for(4) == 7
+    for _ in range(40):
+        k = p.steps_for(4)
+        p.update(4, [0] * 4)
+    assert p.steps_for(4) == 1
+
+
+def test_update_without_num_steps_uses_the_last_choice():
+    p = policy([1, 3], 0.6)
+    with pytest.raises(ConfigError, match="num_steps"):
+        p.update(1, [1])
+    k = p.steps_for(1)
+    p.update(1, [k])
+    assert p.info()["slots"]["1"]["accept"][0] > 0.6
+
+
+def test_update_feeds_measured_times_to_the_cost_model():
+    p = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 3]}}),
+                        cost_model=CostModel(CostModelConfig(refit_interval=1)))
+    for b, k, ctx, d, v in grid():
+        p.update(b, [0] * b, num_steps=k, ctx_len=ctx, draft_s=d, verify_s=v)
+    assert p.cost.predict_round_s(12, 4, 2000) == pytest.approx(sum(true_times(12, 4, 2000)), rel=1e-3)
+
+
+# -- should_continue -------------------------------------------------------------------------
+
+def test_stops_at_the_deepest_tier():
+    assert policy([1, 3], 1.0, draft=(0, 0, 0)).should_continue(3, 0.99, 1) is False
+
+
+def test_confident_draft_continues():
+    assert policy([1, 3, 7], 0.9, draft=(0.05, 0, 0)).should_continue(1, 0.95, 1) is True
+
+
+def test_hopeless_draft_stops():
+    # p = 0.05: the next draft adds 0.045 tokens for a tenth of the round's time.
+    assert policy([1, 3, 7], 0.9, draft=(0.05, 0, 0)).should_continue(1, 0.01, 1) is False
+
+
+def test_hopeless_draft_continues_when_steps_are_nearly_free():
+    assert policy([1, 3, 7], 0.9, draft=(0.001, 0, 0)).should_continue(1, 0.01, 1) is True
+
+
+@pytest.mark.parametrize("step_s, expected", [
+    (0.75, False),  # gain * t_now == E * dt: 0.75 * 1.75 == 1.75 * 0.75, no gain, stop
+    (0.5, True),
+])
+def test_continue_boundary_is_strict(step_s, expected):
+    # After draft 1 (confidence 0.75 -> 0.75), a_2 = 1: gain 0.75, E 1.75; verify 1 s.
+    assert policy([1, 2, 3], 1.0, draft=(step_s, 0, 0), verify=(1.0, 0, 0, 0)).should_continue(1, 0.75, 1) is expected
+
+
+def test_continue_respects_the_slo():
+    p = policy([1, 3, 7], 1.0, draft=(0.1, 0, 0), verify=(0.5, 0, 0, 0), tpot_slo_s=0.75)
+    assert p.should_continue(1, 0.95, 1) is True  # 2 drafts: 0.7 s
+    assert p.should_continue(2, 0.95, 1) is False  # 3 drafts: 0.8 s > SLO
+
+
+def test_continue_takes_one_confidence_per_request():
+    p = policy([1, 3, 7], 0.9, draft=(0.3, 0, 0))  # the batch's mean calibrated confidence decides
+    assert p.should_continue(1, [0.95, 0.95], 2) is True
+    assert p.should_continue(1, [0.95, 0.01], 2) is False
+
+
+def test_continue_refuses_step_zero():
+    with pytest.raises(ConfigError, match="step_index"):
+        policy([1, 3], 0.5).should_continue(0, 0.9, 1)
+
+
+# -- verify_lengths --------------------------------------------------------------------------
+
+def best_ratio_brute(policy_, rows, ctx=0):
+    """Max tokens/second over every choice of per-request prefix lengths (naive reference)."""
+    cal, cost, b = policy_._calib, policy_.cost, len(rows)
+    draft_s = max(len(r) for r in rows) * cost.draft_step_s(b, ctx)
+    best = 0.0
+    for lengths in itertools.product(*[range(len(r) + 1) for r in rows]):
+        tokens = sum(1 + sum(math.prod(cal(c) for c in r[: m + 1]) for m in range(n)) for r, n in zip(rows, lengths))
+        best = max(best, tokens / (draft_s + cost.verify_s(b, sum(lengths) / b, ctx)))
+    return best
+
+
+def ratio_of(policy_, rows, lengths, ctx=0):
+    cal, cost, b = policy_._calib, policy_.cost, len(rows)
+    tokens = sum(1 + sum(math.prod(cal(c) for c in r[: m + 1]) for m in range(n)) for r, n in zip(rows, lengths))
+    return tokens / (max(len(r) for r in rows) * cost.draft_step_s(b, ctx) + cost.verify_s(b, sum(lengths) / b, ctx))
+
+
+def test_free_verify_tokens_keep_every_draft():
+    p = policy([3], 0.5, verify=(0.5, 0, 0.0, 0))
+    assert p.verify_lengths([[0.01, 0.01, 0.01], [0.9]]) == [3, 1]
+
+
+def test_a_weak_draft_cuts_the_rest_of_its_row():
+    p = policy([3], 0.5, draft=(0.0, 0, 0), verify=(0.2, 0, 0.1, 0))
+    assert p.verify_lengths([[0.95, 0.05, 0.95], [0.95, 0.95, 0.95]]) == [1, 3]
+
+
+def test_worked_example():
+    # S = 0.95, 0.5225, 0.078 per row; verify 0.2 + 0.1 per token. Lengths 0, 1, 2, 3 give
+    # 5.0, 6.5, 6.18, 5.10 tokens/s: one draft each is best.
+    p = policy([3], 0.5, draft=(0.0, 0, 0), verify=(0.2, 0, 0.1, 0))
+    assert p.verify_lengths([[0.95, 0.55, 0.15]] * 2) == [1, 1]
+
+
+def test_verify_lengths_reach_the_brute_force_optimum():
+    rng = random.Random(7)
+    for _ in range(40):
+        p = policy([3], 0.5, draft=(rng.uniform(0, 0.1), 0, 0), verify=(rng.uniform(0.05, 0.5), 0, rng.uniform(0.01, 0.2), 0))
+        rows = [[rng.random() for _ in range(rng.randint(0, 3))] for _ in range(rng.randint(1, 3))]
+        if max(len(r) for r in rows) == 0:
+            continue
+        lengths = p.verify_lengths(rows)
+        assert all(0 <= n <= len(r) for n, r in zip(lengths, rows))
+        assert ratio_of(p, rows, lengths) == pytest.approx(best_ratio_brute(p, rows), rel=1e-12)
+
+
+def test_empty_batch():
+    assert policy([3], 0.5).verify_lengths([]) == []
+
+
+# -- lifecycle -------------------------------------------------------------------------------
+
+def test_rewarm_forgets_acceptance_but_keeps_costs():
+    p = policy([1, 3, 7], 0.6)
+    for _ in range(20):
+        p.update(1, [7], num_steps=7, confidences=[[0.95] * 7])
+    coefs = (list(p.cost.draft_coef), list(p.cost.verify_coef))
+    assert p.info()["slots"]["1"]["accept"][0] > 0.9
+    p.rewarm()
+    assert p.info()["slots"]["1"]["accept"] == [0.6] * 7
+    assert p._calib(0.95) == pytest.approx(0.95)
+    assert (p.cost.draft_coef, p.cost.verify_coef) == coefs
+
+
+def test_policy_state_round_trip():
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 3, 7]}, "16": {"candidate_steps": [0, 1, 3]}})
+    rng = random.Random(11)
+    rounds = []
+    for b, k, ctx, d, v in grid(noise=0.05, seed=3):
+        acc = [rng.randint(0, k) for _ in range(b)]
+        conf = [[rng.random() for _ in range(k)] for _ in range(b)]
+        rounds.append((b, acc, k, ctx, d, v, conf))
+    a = CostModelPolicy(adaptive)
+    for b, acc, k, ctx, d, v, conf in rounds[:45]:
+        a.steps_for(b, ctx)
+        a.update(b, acc, num_steps=k, ctx_len=ctx, draft_s=d, verify_s=v, confidences=conf)
+    b_ = CostModelPolicy(adaptive)
+    b_.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b_.info() == a.info()
+    for b, acc, k, ctx, d, v, conf in rounds[45:]:
+        ka = a.update(b, acc, num_steps=k, ctx_len=ctx, draft_s=d, verify_s=v, confidences=conf)
+        kb = b_.update(b, acc, num_steps=k, ctx_len=ctx, draft_s=d, verify_s=v, confidences=conf)
+        assert ka == kb
+    assert b_.state_dict() == a.state_dict()
+
+
+def test_load_state_dict_names_the_bad_field():
+    p = policy([1, 3], 0.5)
+    state = p.state_dict()
+    state["slots"]["1"]["rates"] = [0.5]
+    with pytest.raises(ConfigError, match=r'state\.slots\["1"\]\.rates'):
+        p.load_state_dict(state)
+
+
+@pytest.mark.parametrize("field, kw", [("accept_alpha", {"accept_alpha": 0}), ("prior_accept", {"prior_accept": 1.5}),
+                                       ("tpot_slo_s", {"tpot_slo_s": 0.0}), ("calib_bins", {"calib_bins": 0})])
+def test_policy_config_errors_name_the_field(field, kw):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        CostPolicyConfig(**kw)
+
+
+def test_is_a_step_policy_and_cheap():
+    p = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 3, 5, 7]}}))
+    assert isinstance(p, StepPolicy)
+    assert 0 < measure_decision_cost_us(p, n=300, batch_size=8) < 1000  # tens of µs at most; loose for CI

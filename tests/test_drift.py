@@ -1,0 +1,248 @@
+"""DriftDetector on synthetic round sequences: calibration, change, cool-down, swap, collapse, losing.
+
+Noisy sequences are the truncated-geometric accept lengths of real speculation (each draft
+accepted with probability alpha, a request stops at its first rejection or at K), averaged over
+a batch of B requests per round; seeds are fixed, so every case is deterministic. Bounds:
+- no alert on >= 2,500 stationary rounds (alpha 0.7, K=5; B = 1, 4, 16; 5 seeds each), nor on
+  2,000 rounds whose K changes every round (the normalisation by K);
+- a domain-shift drop 2.6 -> 1.6 (K=5) is alerted within 200 rounds at B=1, 60 at B=4 and 30 at
+  B=16, for 5 seeds each (wider calibration runs, 20 seeds: mean delay ~100 / 25 / 13 rounds).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from online_spec.config import ConfigError
+from online_spec.drift import (DriftConfig, DriftDetector, RoundObservation, accept_len_moments,
+                               expected_accept_len, fit_alpha)
+
+K = 5
+ALPHA_HIGH = fit_alpha({K: 1.0}, 2.6)  # per-position acceptance giving mean accept length 2.6
+ALPHA_LOW = fit_alpha({K: 1.0}, 1.6)
+
+
+def noisy_rounds(rng, alpha, batch, n, num_steps=K):
+    """Per round: mean over `batch` requests of accepted drafts (leading successes, capped at K)."""
+    accepted = rng.random((n, batch, num_steps)) < alpha
+    return np.cumprod(accepted, axis=2).sum(axis=2).mean(axis=1)
+
+
+def feed(det, values, batch=4, ks=None, version=0, tag="", spec=None, plain=None, start=0):
+    """Run `values` through `det`; returns all alerts."""
+    alerts = []
+    for i, a in enumerate(values):
+        obs = RoundObservation(slot=batch, tag=tag, accept_len=float(a),
+                               num_steps=K if ks is None else int(ks[i]), head_version=version,
+                               timestamp=float(start + i), num_requests=batch,
+                               spec_tokens_per_s=None if spec is None else spec[i],
+                               plain_tokens_per_s=None if plain is None else plain[i])
+        alerts += det.update(obs)
+    return alerts
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def test_model_moments_match_the_simulation():
+    rng = np.random.default_rng(0)
+    per_request = noisy_rounds(rng, 0.7, 1, 200_000)
+    mean, sd = accept_len_moments(0.7, K)
+    assert mean == pytest.approx(expected_accept_len(0.7, K))
+    assert per_request.mean() == pytest.approx(mean, abs=0.01)
+    assert per_request.std() == pytest.approx(sd, abs=0.01)
+
+
+def test_fit_alpha_inverts_the_mean_and_clamps():
+    assert expected_accept_len(fit_alpha({K: 1.0}, 2.6), K) == pytest.approx(2.6, abs=1e-6)
+    assert fit_alpha({K: 1.0}, 0.0) == 0.001
+    assert fit_alpha({K: 1.0}, float(K)) == 0.999
+    mixed = {3: 2.0, 6: 1.0}  # two rounds at K=3 and one at K=6
+    alpha = fit_alpha(mixed, 2 * expected_accept_len(0.6, 3) + expected_accept_len(0.6, 6))
+    assert alpha == pytest.approx(0.6, abs=1e-6)
+
+
+# --- calibration: no false alerts, timely detection --------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_no_false_alert_on_stationary_noise(batch):
+    for seed in range(5):
+        rng = np.random.default_rng(1000 * seed + batch)
+        alerts = feed(DriftDetector(), noisy_rounds(rng, 0.7, batch, 2500), batch=batch)
+        assert alerts == [], f"seed {seed}: {[a.text for a in alerts]}"
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_no_false_alert_when_k_changes_every_round(batch):
+    for seed in range(2):
+        rng = np.random.default_rng(7 + seed)
+        ks = rng.integers(2, 8, size=2000)
+        values = [noisy_rounds(rng, 0.7, batch, 1, int(k))[0] for k in ks]
+        alerts = feed(DriftDetector(), values, batch=batch, ks=ks)
+        assert alerts == [], f"seed {seed}: {[a.text for a in alerts]}"
+
+
+@pytest.mark.parametrize("batch, bound", [(1, 200), (4, 60), (16, 30)])
+def test_domain_shift_drop_is_detected_within_bound(batch, bound):
+    pre = 600  # past the warm-up (100 rounds and 400 requests)
+    delays = []
+    for seed in range(5):
+        rng = np.random.default_rng(100 + seed)
+        values = np.concatenate([noisy_rounds(rng, ALPHA_HIGH, batch, pre),
+                                 noisy_rounds(rng, ALPHA_LOW, batch, 300)])
+        alerts = feed(DriftDetector(), values, batch=batch)
+        assert alerts, f"seed {seed}: drop missed"
+        first = alerts[0]
+        assert (first.kind, first.level) == ("drop", "warn")
+        assert first.round >= pre, f"seed {seed}: alert before the change: {first.text}"
+        assert first.before == pytest.approx(2.6, abs=0.25)
+        assert first.after < first.before - 0.5
+        delays.append(first.round - pre)
+    assert max(delays) <= bound, delays
+
+
+def test_rise_is_reported_as_info():
+    rng = np.random.default_rng(3)
+    values = np.concatenate([noisy_rounds(rng, ALPHA_LOW, 4, 300), noisy_rounds(rng, ALPHA_HIGH, 4, 200)])
+    alerts = feed(DriftDetector(), values, batch=4)
+    assert [(a.kind, a.level) for a in alerts] == [("rise", "info")]
+    assert 300 <= alerts[0].round <= 360
+    assert alerts[0].after > alerts[0].before
+
+
+def test_change_below_half_the_min_effect_is_ignored():
+    # 2.6 -> 2.45 is a 6% drop; the test is tuned to 30% and ignores changes under about 15%.
+    for seed in range(3):
+        rng = np.random.default_rng(50 + seed)
+        values = np.concatenate([noisy_rounds(rng, ALPHA_HIGH, 4, 300),
+                                 noisy_rounds(rng, fit_alpha({K: 1.0}, 2.45), 4, 2000)])
+        assert feed(DriftDetector(), values, batch=4) == []
+
+
+# --- boundary cases on constant sequences ------------------------------------------------------
+
+def test_no_alert_during_warmup_even_on_a_change():
+    cfg = DriftConfig(warmup_rounds=100, warmup_requests=400)
+    det = DriftDetector(cfg)
+    assert feed(det, [2.0] * 50 + [1.0] * 49, batch=4) == []  # 99 rounds: still warming up
+    assert det.reference(4, "") is None
+    feed(det, [1.0], batch=4, start=99)
+    assert det.reference(4, "") is not None  # round 100 fixes the reference
+
+
+def test_cooldown_suppresses_a_second_change_alert():
+    values = [2.0] * 150 + [1.0] * 150 + [0.5] * 300 + [1.5] * 300
+
+    def kinds(cooldown):
+        alerts = feed(DriftDetector(DriftConfig(cooldown_rounds=cooldown)), values, batch=4)
+        return [(a.kind, a.round) for a in alerts]
+
+    with_cooldown = kinds(200)
+    # drop alerted at 178 (B=4 is noisy enough that a 1.0 drop takes ~28 rounds of evidence);
+    # the stream re-learns 1.0 by 278; the drop to 0.5 at 300 is detected at 365, within 200
+    # rounds of the first alert, so it is absorbed silently; the rise to 1.5 at 600 is reported.
+    assert with_cooldown == [("drop", 178), ("rise", 618)]
+    without = kinds(0)
+    assert without == [("drop", 178), ("drop", 365), ("rise", 618)]
+
+
+def test_head_version_change_resets_the_reference():
+    values = [2.0] * 300 + [1.0] * 500
+    versions = [1] * 300 + [2] * 500
+    det = DriftDetector()
+    alerts = []
+    for i, (a, v) in enumerate(zip(values, versions)):
+        alerts += det.update(RoundObservation(slot=4, tag="chat", accept_len=a, num_steps=K,
+                                              head_version=v, timestamp=float(i), num_requests=4))
+        if i == 300:
+            assert det.reference(4, "chat") is None  # the new head is being learned
+    assert alerts == []
+    same_head = feed(DriftDetector(), values, batch=4, tag="chat")
+    assert [a.kind for a in same_head] == ["drop"]  # the same change without a swap is a drop
+
+
+def test_streams_are_separate_per_slot_and_tag():
+    det = DriftDetector()
+    feed(det, [2.0] * 200, batch=4, tag="chat")
+    assert feed(det, [1.0] * 200, batch=4, tag="code") == []  # a new stream learns 1.0
+    assert [a.tag for a in feed(det, [1.0] * 50, batch=4, tag="chat")] == ["chat"]
+
+
+def test_collapse_fires_once_after_a_full_window():
+    det = DriftDetector(DriftConfig(collapse_window=20, collapse_accept_len=0.1))
+    alerts = feed(det, [2.0] * 150 + [0.0] * 500, batch=4)
+    collapse = [a for a in alerts if a.kind == "collapse"]
+    assert len(collapse) == 1
+    # the window first holds 20 zeros at round 169; at 168 it holds one 2.0: mean 0.1, not < 0.1
+    assert (collapse[0].round, collapse[0].level, collapse[0].after) == (169, "error", 0.0)
+    # the drop alert (earlier) re-learns the reference; the collapse still reports the old level
+    assert [a.kind for a in alerts] == ["drop", "collapse"]
+    assert collapse[0].before == pytest.approx(2.0, abs=0.1)
+
+
+def test_collapse_needs_no_warmup_and_ignores_plain_decode_rounds():
+    det = DriftDetector()
+    assert feed(det, [0.0] * 100, batch=4, ks=[0] * 100) == []  # K=0: plain decoding
+    alerts = feed(det, [0.0] * 20, batch=4, start=100)
+    assert [(a.kind, a.round) for a in alerts] == [("collapse", 119)]
+
+
+def test_losing_against_plain_decoding_with_margin():
+    cfg = DriftConfig(losing_window=50, losing_margin=0.05)
+    n = 200
+    slower = feed(DriftDetector(cfg), [2.0] * n, spec=[94.0] * n, plain=[100.0] * n)
+    assert [(a.kind, a.level, a.round) for a in slower] == [("losing", "warn", 49)]
+    within_margin = feed(DriftDetector(cfg), [2.0] * n, spec=[96.0] * n, plain=[100.0] * n)
+    assert within_margin == []
+    # speeds missing on some rounds: only rounds with both count towards the window
+    spec = [94.0 if i % 2 else None for i in range(n)]
+    sparse = feed(DriftDetector(cfg), [2.0] * n, spec=spec, plain=[100.0] * n)
+    assert [a.round for a in sparse] == [99]
+
+
+def test_alert_names_where_and_what():
+    alerts = feed(DriftDetector(), [2.0] * 150 + [1.0] * 20, batch=8, tag="code")
+    (a,) = alerts
+    assert a.kind == "drop" and a.slot == 8 and a.tag == "code" and a.head_version == 0
+    assert "slot 8" in a.title and "'code'" in a.title
+    assert f"{a.before:.2f} -> 1.00 drafts" in a.text and 1.8 < a.before < 2.0
+    assert a.time == float(a.round) == 163.0
+
+
+def test_state_dict_round_trip_resumes_identically():
+    rng = np.random.default_rng(11)
+    values = np.concatenate([noisy_rounds(rng, ALPHA_HIGH, 4, 400), noisy_rounds(rng, ALPHA_LOW, 4, 200)])
+    a = DriftDetector()
+    feed(a, values[:300], batch=4)
+    b = DriftDetector()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    rest_a = feed(a, values[300:], batch=4, start=300)
+    rest_b = feed(b, values[300:], batch=4, start=300)
+    assert rest_a and [x.to_dict() for x in rest_a] == [x.to_dict() for x in rest_b]
+    fresh = feed(DriftDetector(), values[300:], batch=4, start=300)
+    assert [x.round for x in fresh] != [x.round for x in rest_a]  # the state mattered
+
+
+def test_max_streams_drops_the_least_recently_seen():
+    det = DriftDetector(DriftConfig(max_streams=2))
+    for tag in ("a", "b", "c"):
+        feed(det, [2.0] * 150, batch=4, tag=tag)
+    assert det.reference(4, "a") is None and det.reference(4, "c") is not None
+
+
+@pytest.mark.parametrize("field, value", [("warmup_rounds", 1), ("min_effect", 1.5), ("threshold", 0.0),
+                                          ("reference_requests", 10), ("losing_margin", 1.0),
+                                          ("collapse_window", 0), ("max_round_weight", 0)])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        DriftConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(accept_len=6.0), "accept_len"),
+                                           (dict(num_steps=-1, accept_len=0.0), "num_steps"),
+                                           (dict(num_requests=0), "num_requests"),
+                                           (dict(spec_tokens_per_s=float("nan")), "spec_tokens_per_s")])
+def test_bad_observation_is_refused(kwargs, field):
+    base = dict(slot=1, tag="", accept_len=1.0, num_steps=K, head_version=0, timestamp=0.0)
+    with pytest.raises(ValueError, match=field):
+        DriftDetector().update(RoundObservation(**{**base, **kwargs}))
