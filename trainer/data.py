@@ -4,7 +4,8 @@ In: a target and chat conversations (`online_spec.data`). Each conversation is r
 the tokenizer's chat template, truncated to `max_len` tokens and run through the target once
 (no generation); it becomes ONE `CaptureRecord` with `is_prefill=True` — the same type the engine
 streams for a prefill, so offline and live data reach the trainer the same way. Out: records,
-persisted as Hugging Face `datasets` shards (Arrow) with `save_records` / `load_records`.
+persisted with `save_records` / `load_records` as the collector's span shards (`collector.shards`:
+HF `datasets`, Arrow), the same format as the replay buffer.
 
 Hidden states are stored in bf16 ((3H + H) · 2 bytes = 4.6 KB per token for SmolLM2: 1M tokens ≈
 4.6 GB). Pretraining therefore captures once into the run directory and trains for several
@@ -21,8 +22,6 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import datasets
-import numpy as np
 import torch
 
 from online_spec.capture import CaptureRecord
@@ -93,59 +92,34 @@ def capture_conversations(target, conversations: Iterable[list[dict]], max_len: 
         yield from flush()
 
 
-# -- persistence: the one place that knows the on-disk format ----------------------------------
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.int16).numpy().tobytes()
+# -- persistence: the collector's span shards, the one on-disk format for live and offline data ---
+def save_records(records: Iterable[CaptureRecord], out: str | Path, shard_bytes: int = 256 << 20) -> dict:
+    """Write records as `collector.shards` span shards under `out` (each record one span), then
+    mark the directory complete. An incomplete directory from an interrupted run is replaced."""
+    from collector.shards import save_spans
+    from collector.span import CaptureSpan
 
-
-def _from_bytes(b: bytes, rows: int) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(b, dtype=np.int16).copy()).view(STORE_DTYPE).view(rows, -1)
-
-
-def save_records(records: Iterable[CaptureRecord], out: str | Path, shard_tokens: int = 100_000) -> dict:
-    """Write records as datasets shards `out/shard-NNNNN` (each written whole, then renamed)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows, n_tok, shard, stats = [], 0, 0, {"records": 0, "tokens": 0}
+    if out.exists() and not records_complete(out):
+        shutil.rmtree(out)
+    stats = {"records": 0, "tokens": 0}
 
-    def write():
-        nonlocal rows, n_tok, shard
-        tmp, final = out / f".tmp-shard-{shard:05d}", out / f"shard-{shard:05d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        rows, n_tok, shard = [], 0, shard + 1
-
-    for r in records:
-        rows.append({"request_id": r.request_id, "tag": r.tag, "first_pos": r.first_pos,
-                     "tokens": r.tokens.tolist(), "features": _to_bytes(r.features.to(STORE_DTYPE)),
-                     "final_hidden": _to_bytes(r.final_hidden.to(STORE_DTYPE))})
-        n_tok += r.num_rows
-        stats["records"] += 1
-        stats["tokens"] += r.num_rows
-        if n_tok >= shard_tokens:
-            write()
-    if rows:
-        write()
+    def spans():
+        for r in records:
+            stats["records"] += 1
+            stats["tokens"] += r.num_rows
+            yield CaptureSpan.from_records([r])
+    save_spans(spans(), out, shard_bytes=shard_bytes)
     (out / "records.json").write_text(json.dumps(stats))
     return stats
 
 
-def load_records(path: str | Path) -> list[CaptureRecord]:
-    """Read back what `save_records` wrote (all shards, in order)."""
-    path = Path(path)
-    out = []
-    for shard in sorted(path.glob("shard-*")):
-        ds = datasets.load_from_disk(str(shard))
-        for row in ds:
-            n = len(row["tokens"]) - 1
-            out.append(CaptureRecord(request_id=row["request_id"], first_pos=row["first_pos"],
-                                     tokens=torch.tensor(row["tokens"], dtype=torch.long),
-                                     features=_from_bytes(row["features"], n),
-                                     final_hidden=_from_bytes(row["final_hidden"], n),
-                                     is_prefill=True, tag=row["tag"]))
-    return out
+def load_records(path: str | Path) -> list:
+    """The spans `save_records` (or the replay buffer) wrote: `collector.span.CaptureSpan`s,
+    which the trainer consumes like records (first_pos, tokens, features, final_hidden)."""
+    from collector.shards import load_spans
+
+    return load_spans(path)
 
 
 def records_complete(path: str | Path) -> bool:
