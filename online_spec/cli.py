@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serving.server", "serve the model over HTTP (OpenAI API, /generate, /metrics)"),
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
+    "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
