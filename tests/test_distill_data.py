@@ -38,3 +38,26 @@ def test_rejected_flags_from_live_records():
     # the draft 8 for position 4 was rejected; the target's 9 there is the flagged token
     assert b.rejected[0].tolist() == [False, False, False, False, True]
     assert collate([verify]).rejected[0].tolist() == [False, False, True]
+
+
+def test_generated_spans_are_the_greedy_path_with_teacher_forced_features():
+    """Self-distillation capture: each span is prompt + the target's greedy continuation (as the
+    HF model decodes it), its features equal a teacher-forced capture of that same text, and only
+    the rows after the prompt are decode rows."""
+    from tests.distill_helpers import greedy_records
+    from trainer.data import generate_records
+
+    target = tiny8()
+    _, seqs = greedy_records(target, num=3, prompt_len=8, new_tokens=12, seed=2)
+    prompts = [s[:8] for s in seqs]
+    spans = sorted(generate_records(target, prompts, 12, id_prefix="g", max_batch=2), key=lambda s: s.request_id)
+    assert [s.request_id for s in spans] == ["g-0", "g-1", "g-2"]
+    tf = capture_tokens(target, seqs, ["a", "b", "c"])
+    for s, seq, ref in zip(spans, seqs, tf):
+        s.validate()
+        assert s.tokens.tolist() == seq[:8 + 12]
+        assert s.is_prefill.tolist() == [True] * 8 + [False] * (s.num_rows - 8)
+        n = s.num_rows
+        torch.testing.assert_close(s.features.float(), ref.features[:n].float(), atol=3e-2, rtol=3e-2)
+    limited = list(generate_records(target, prompts, 12, max_batch=3, max_tokens=1))
+    assert len(limited) == 1  # stops at the first span once max_tokens rows are in

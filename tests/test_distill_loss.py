@@ -115,3 +115,18 @@ def test_loss_decreases_on_fixed_batch():
     for _ in range(15):
         last = d.train_step(batch)["loss"]
     assert last < 0.7 * first, (first, last)
+
+
+def test_schedules_and_early_ttt_steps():
+    from trainer.distill import DistillConfig, lr_factor
+
+    wsd = DistillConfig(schedule="wsd", warmup_steps=2, total_steps=10, decay_fraction=0.3, min_lr_ratio=0.1)
+    f = [lr_factor(s, wsd) for s in range(11)]
+    assert f[0] == 0.5 and f[1] == 1.0 and f[6] == 1.0  # warmup, then flat until step 7
+    assert f[7] == 1.0 and 0.1 < f[8] < 1.0 and f[10] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[1:], f[2:]))
+    cfg = LossConfig(ttt_steps=3, early_ttt_steps=1, early_fraction=0.75)
+    assert [cfg.steps_at(p) for p in (0.0, 0.74, 0.75, 1.0)] == [1, 1, 3, 3]
+    assert LossConfig(ttt_steps=3).steps_at(0.0) == 3
+    with pytest.raises(ValueError, match="early_ttt_steps"):
+        LossConfig(ttt_steps=2, early_ttt_steps=3)

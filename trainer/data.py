@@ -92,6 +92,67 @@ def capture_conversations(target, conversations: Iterable[list[dict]], max_len: 
         yield from flush()
 
 
+class SpanSink:
+    """The engine's `CaptureSink`, in process: keeps every request's records and joins them into
+    one `CaptureSpan` (prompt prefill + each decode round) when the request ends."""
+
+    def __init__(self):
+        self.pending: dict[str, list[CaptureRecord]] = {}
+        self.done: list = []
+
+    def should_capture(self, request_id: str) -> bool:
+        return True
+
+    def submit(self, records: list[CaptureRecord]) -> None:
+        for r in records:
+            self.pending.setdefault(r.request_id, []).append(_detached(r))
+
+    def end_request(self, request_id: str) -> None:
+        from collector.span import CaptureSpan
+
+        recs = self.pending.pop(request_id, [])
+        if recs:
+            self.done.append(CaptureSpan.from_records(recs))
+
+
+def _detached(r: CaptureRecord) -> CaptureRecord:
+    r.features = r.features.to("cpu", STORE_DTYPE).clone()
+    r.final_hidden = r.final_hidden.to("cpu", STORE_DTYPE).clone()
+    return r
+
+
+def generate_records(target, prompts: Iterable[list[int]], max_new_tokens: int, tag: str = "",
+                     id_prefix: str = "gen", max_batch: int = 16, max_tokens: int | None = None) -> Iterator:
+    """Self-distillation capture: the target's OWN greedy continuations of `prompts` (what a head
+    drafts against at serving time, where greedy verify compares with the target's argmax).
+    Plain batched decoding through `serving.engine.Engine` (K=0); its capture records carry the
+    features of every committed row at no extra forward. Yields one `CaptureSpan` per request
+    (prompt rows then generated rows) until `max_tokens` rows."""
+    from online_spec.sampling import SamplingParams
+    from serving.engine import Engine, EngineConfig, Request
+
+    sink = SpanSink()
+    eng = Engine(target, None, EngineConfig(max_batch=max_batch, max_len=2048, max_steps=0, num_steps=0),
+                 publisher=sink)
+    params = SamplingParams(max_tokens=max_new_tokens)
+    total, it = 0, iter(enumerate(prompts))
+    while max_tokens is None or total < max_tokens:
+        while len(eng.waiting) + len(eng.running) < 2 * max_batch:
+            nxt = next(it, None)
+            if nxt is None:
+                break
+            i, p = nxt
+            if len(p) + max_new_tokens + 2 < 2048:
+                eng.add_request(Request(list(p), params, request_id=f"{id_prefix}-{i}", tag=tag))
+        if not eng.has_work():
+            break
+        eng.step()
+        while sink.done and (max_tokens is None or total < max_tokens):
+            span = sink.done.pop(0)
+            total += span.num_rows
+            yield span
+
+
 # -- persistence: the collector's span shards, the one on-disk format for live and offline data ---
 def save_records(records: Iterable[CaptureRecord], out: str | Path, shard_bytes: int = 256 << 20) -> dict:
     """Write records as `collector.shards` span shards under `out` (each record one span), then
@@ -108,7 +169,7 @@ def save_records(records: Iterable[CaptureRecord], out: str | Path, shard_bytes:
         for r in records:
             stats["records"] += 1
             stats["tokens"] += r.num_rows
-            yield CaptureSpan.from_records([r])
+            yield r if isinstance(r, CaptureSpan) else CaptureSpan.from_records([r])
     save_spans(spans(), out, shard_bytes=shard_bytes)
     (out / "records.json").write_text(json.dumps(stats))
     return stats

@@ -32,7 +32,7 @@ from trainer.batch import TrainBatch
 from trainer.loss import LossConfig, SharedTarget, ttt_loss
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "constant", "wsd")
 
 
 @dataclass
@@ -41,7 +41,9 @@ class DistillConfig:
     weight_decay: float = doc("AdamW weight decay", 0.0)
     beta1: float = doc("AdamW beta1", 0.9)
     beta2: float = doc("AdamW beta2", 0.95)
-    schedule: str = doc("learning-rate schedule after warmup: cosine | constant", "cosine")
+    schedule: str = doc("learning-rate schedule after warmup: cosine | constant | wsd (constant, then a "
+                        "cosine to min_lr_ratio over the last decay_fraction of total_steps)", "cosine")
+    decay_fraction: float = doc("wsd: fraction of total_steps spent decaying", 0.3)
     warmup_steps: int = doc("linear warmup steps", 20)
     total_steps: int = doc("steps of the cosine schedule (it stays at min_lr_ratio after)", 1000)
     min_lr_ratio: float = doc("cosine floor as a fraction of lr", 0.1)
@@ -58,6 +60,7 @@ class DistillConfig:
         check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         check(self.total_steps >= 1, "total_steps", "must be >= 1")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(0 < self.decay_fraction <= 1, "decay_fraction", "must be in (0, 1]")
 
 
 def lr_factor(step: int, cfg: DistillConfig) -> float:
@@ -66,6 +69,12 @@ def lr_factor(step: int, cfg: DistillConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
+    if cfg.schedule == "wsd":
+        start = max(cfg.warmup_steps, round(cfg.total_steps * (1 - cfg.decay_fraction)))
+        if step < start:
+            return 1.0
+        t = min(1.0, (step - start) / max(1, cfg.total_steps - start))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
@@ -97,13 +106,27 @@ def load_deepspeed_config(path: str | Path) -> dict:
     return json.loads((p if p.is_absolute() else REPO / p).read_text())
 
 
-def init_from_target(head: EagleHead, target) -> EagleHead:
-    """Start the head's lm_head from the target's rows of the draft vocabulary and its final norm
-    from the target's: step 0 then begins near the target's own prediction from a hidden."""
+INIT_NORMS = ("one", "target")
+INIT_FCS = ("random", "last_layer")
+
+
+def init_from_target(head: EagleHead, target, norm: str = "one", fc: str = "random") -> EagleHead:
+    """Start the head's lm_head from the target's rows of the draft vocabulary (always).
+    norm "one" keeps the final norm at 1; "target" copies the target's final norm (measured:
+    raises the initial loss from 7.7 to 26, since the head's hidden is not the target's last
+    residual). fc "last_layer" makes fc pass the last captured layer through (identity on the
+    third H-block of the features), so the midlayer starts from a real hidden, not noise."""
+    check(norm in INIT_NORMS, "norm", f"must be one of {INIT_NORMS}")
+    check(fc in INIT_FCS, "fc", f"must be one of {INIT_FCS}")
     with torch.no_grad():
         ids = head.draft_to_target.to(target.device)
         head.lm_head.weight.copy_(target.lm_head.weight[ids].to(head.lm_head.weight.dtype))
-        head.norm.weight.copy_(target.hf.model.norm.weight.to(head.norm.weight.dtype))
+        if norm == "target":
+            head.norm.weight.copy_(target.hf.model.norm.weight.to(head.norm.weight.dtype))
+        if fc == "last_layer":
+            H = head.cfg.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, 2 * H:3 * H].copy_(torch.eye(H, dtype=head.fc.weight.dtype))
     return head
 
 
@@ -140,7 +163,8 @@ class Distiller:
 
         self.engine.train()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg)
+            k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
+            loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
         self.engine.backward(loss)
         lr = self.scheduler.get_last_lr()[0]
         grads = [p.grad for p in self.head.parameters() if p.grad is not None]

@@ -28,8 +28,11 @@ from trainer.loss import SharedTarget, ttt_unroll
 
 @torch.no_grad()
 def simulate_acceptance(head, target, records: Sequence, max_steps: int = 7, batch_size: int = 4,
-                        ks: Sequence[int] = (1, 3, 5, 7)) -> dict:
-    """-> {"alpha": [alpha_k], "accept_length": {str(K): ...}, "anchors": n}."""
+                        ks: Sequence[int] = (1, 3, 5, 7), generated_only: bool = False) -> dict:
+    """-> {"alpha": [alpha_k], "accept_length": {str(K): ...}, "anchors": n}.
+    generated_only: anchors only where the engine drafts (the last prompt row onwards: row p+1 is
+    a decode row of a span with per-row `is_prefill`), so self-distilled records give the mean
+    accept length over generated positions, prompts excluded."""
     head = head.eval()
     shared = SharedTarget.build(target, head)
     lm_head = target.lm_head.weight.detach()
@@ -44,6 +47,11 @@ def simulate_acceptance(head, target, records: Sequence, max_steps: int = 7, bat
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             steps = ttt_unroll(head, batch, shared, max_steps)
         alive = batch.row_mask.clone()  # anchor p still eligible
+        if generated_only:
+            decode = torch.zeros_like(alive)
+            for b, r in enumerate(records[i:i + batch_size]):
+                decode[b, :r.num_rows - 1] = ~r.is_prefill[1:]
+            alive &= decode
         for k, logits in enumerate(steps):
             n = T - k - 1
             if n <= 0:

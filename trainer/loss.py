@@ -46,12 +46,23 @@ class LossConfig:
     step_decay: float = doc("weight of step k is step_decay**k", 0.8)
     kind: str = doc("per-token loss: kl | tv | neg_log_alpha", "kl")
     rejected_weight: float = doc("extra weight on tokens whose live draft was rejected", 0.0)
+    early_ttt_steps: int = doc("draft steps unrolled during the first early_fraction of training (0: ttt_steps "
+                               "throughout); each unrolled step costs a full head pass", 0)
+    early_fraction: float = doc("fraction of the optimizer steps that unroll early_ttt_steps", 0.0)
+
+    def steps_at(self, progress: float) -> int:
+        """Draft steps to unroll at training progress in [0, 1]."""
+        if self.early_ttt_steps and progress < self.early_fraction:
+            return self.early_ttt_steps
+        return self.ttt_steps
 
     def __post_init__(self):
         check(self.ttt_steps >= 1, "ttt_steps", "must be >= 1")
         check(0.0 < self.step_decay <= 1.0, "step_decay", "must be in (0, 1]")
         check(self.kind in LOSS_KINDS, "kind", f"must be one of {LOSS_KINDS}")
         check(self.rejected_weight >= 0.0, "rejected_weight", "must be >= 0")
+        check(0 <= self.early_ttt_steps <= self.ttt_steps, "early_ttt_steps", "must be in 0..ttt_steps")
+        check(0.0 <= self.early_fraction <= 1.0, "early_fraction", "must be in [0, 1]")
 
 
 @dataclass
@@ -137,15 +148,17 @@ def target_probs(batch: TrainBatch, shared: SharedTarget) -> torch.Tensor:
         return torch.softmax((batch.final_hidden.to(w.dtype) @ w.T).float(), dim=-1)
 
 
-def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig) -> tuple[torch.Tensor, dict]:
-    """The weighted TTT loss and metrics (loss_k, acc_k: draft argmax == true token over rows)."""
+def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
+             num_steps: int | None = None) -> tuple[torch.Tensor, dict]:
+    """The weighted TTT loss over `num_steps` (default cfg.ttt_steps) unrolled draft steps, and
+    metrics (loss_k, acc_k: draft argmax == true token over rows)."""
     B, T = batch.row_mask.shape
     probs = target_probs(batch, shared)
     in_vocab = head.t2d[batch.tokens]  # [B, T+1]
     d2t = head.draft_to_target
     total = torch.zeros((), device=batch.tokens.device)
     metrics: dict[str, float] = {}
-    for k, logits in enumerate(ttt_unroll(head, batch, shared, cfg.ttt_steps)):
+    for k, logits in enumerate(ttt_unroll(head, batch, shared, num_steps or cfg.ttt_steps)):
         n = T - k - 1  # anchors 0..n-1 have a target row p+k+1 inside the batch
         if n <= 0:
             break

@@ -44,6 +44,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class PretrainConfig:
     data: str = doc("sharegpt | humaneval | a directory of saved records", "sharegpt")
+    source: str = doc("generate: the target's own greedy replies to each conversation's first user turn "
+                      "(self-distillation: what the head drafts against when serving) | teacher: the "
+                      "conversations teacher-forced as written", "generate")
+    max_new_tokens: int = doc("generate: tokens generated per prompt", 256)
+    max_prompt_tokens: int = doc("generate: prompts longer than this are skipped", 256)
+    gen_batch: int = doc("generate: requests decoded together", 16)
+    init_norm: str = doc("head's final norm at start: one | target (the target's final norm)", "one")
+    init_fc: str = doc("fc at start: random | last_layer (identity on the last captured layer)", "random")
     tokens: int = doc("training rows (tokens) to capture", 120_000)
     heldout_tokens: int = doc("held-out rows to capture for evaluation", 12_000)
     out: str = doc("run directory (rerun to resume)", "")
@@ -65,6 +73,9 @@ class PretrainConfig:
         check(self.epochs > 0, "epochs", "must be > 0")
         check(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
         check(self.save_every >= 1, "save_every", "must be >= 1")
+        check(self.source in ("generate", "teacher"), "source", "must be generate or teacher")
+        check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        check(self.gen_batch >= 1, "gen_batch", "must be >= 1")
 
 
 def load_configs(path: str, ns: argparse.Namespace | None = None) -> tuple[DistillConfig, LossConfig]:
@@ -95,7 +106,8 @@ def source_conversations(name: str, split: str, tokenizer):
 def build_records(target, cfg: PretrainConfig, run: Path) -> tuple[list, list]:
     """Capture (or reload) train and held-out records into run/records."""
     from online_spec.data import is_heldout
-    from trainer.data import capture_conversations, load_records, records_complete, save_records
+    from trainer.data import (capture_conversations, generate_records, load_records, records_complete,
+                              save_records)
 
     if cfg.data not in ("sharegpt", "humaneval"):
         recs = load_records(cfg.data)
@@ -107,8 +119,13 @@ def build_records(target, cfg: PretrainConfig, run: Path) -> tuple[list, list]:
         if not records_complete(d) and budget > 0:
             convs = source_conversations(cfg.data, split, target.tokenizer)
             t0 = time.time()
-            gen = capture_conversations(target, convs, cfg.max_len, tag=cfg.data, id_prefix=f"{cfg.data}-{split}",
-                                        max_tokens=budget)
+            if cfg.source == "generate":
+                prompts = (p for p in (target.encode_chat(c[:1]) for c in convs) if len(p) <= cfg.max_prompt_tokens)
+                gen = generate_records(target, prompts, cfg.max_new_tokens, tag=cfg.data,
+                                       id_prefix=f"{cfg.data}-{split}-gen", max_batch=cfg.gen_batch, max_tokens=budget)
+            else:
+                gen = capture_conversations(target, convs, cfg.max_len, tag=cfg.data, id_prefix=f"{cfg.data}-{split}",
+                                            max_tokens=budget)
             from tqdm import tqdm
             bar = tqdm(desc=f"capture {split}", total=budget, unit="tok")
 
@@ -176,7 +193,8 @@ def train(target, train_recs: list, cfg: PretrainConfig, dcfg: DistillConfig, lc
     steps = plan_batches(train_recs, cfg.batch_tokens, cfg.epochs, dcfg.seed)
     dcfg = DistillConfig(**{**config_to_dict(dcfg), "total_steps": max(len(steps), 1)})
     counts = draft_vocab_counts(train_recs, target.info.vocab_size)
-    head = init_from_target(new_head(target, cfg.draft_vocab_size, counts, seed=dcfg.seed).float(), target)
+    head = init_from_target(new_head(target, cfg.draft_vocab_size, counts, seed=dcfg.seed).float(), target,
+                            norm=cfg.init_norm, fc=cfg.init_fc)
     coverage = float(counts[head.t2d.cpu()].sum()) / max(int(counts.sum()), 1)
     d = Distiller(target, head, dcfg, lcfg)
     state = run / "state.pt"
@@ -207,7 +225,8 @@ def evaluate_run(target, head, heldout: list, cfg: PretrainConfig) -> dict:
     from trainer.evaluate import engine_accept_length, simulate_acceptance
 
     head = head.to(torch.bfloat16).eval()
-    out = {"simulated": simulate_acceptance(head, target, heldout) if heldout else None}
+    gen = cfg.source == "generate" and cfg.data in ("sharegpt", "humaneval")
+    out = {"simulated": simulate_acceptance(head, target, heldout, generated_only=gen) if heldout else None}
     if cfg.eval_prompts > 0 and cfg.data in ("sharegpt", "humaneval"):
         prompts = heldout_prompts(cfg.data, target.tokenizer, target.encode_chat, cfg.eval_prompts)
         real = engine_accept_length(target, head, prompts, cfg.eval_steps, cfg.eval_max_tokens)
