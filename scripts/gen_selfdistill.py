@@ -16,7 +16,7 @@ ap.add_argument("--out", required=True); ap.add_argument("--tokens", type=int, d
 ap.add_argument("--max-new", type=int, default=256); ap.add_argument("--batch", type=int, default=16)
 ap.add_argument("--every", type=int, default=16); ap.add_argument("--skip", type=int, default=0)
 a = ap.parse_args()
-torch.set_num_threads(2)
+torch.set_num_threads(int(__import__("os").environ.get("THREADS", "1")))
 t = load_target(dtype=torch.bfloat16)
 if a.data == "sharegpt":
     convs = sharegpt_conversations(split=a.split, max_prompt_tokens=256, tokenizer=t.tokenizer)

@@ -38,7 +38,7 @@ ap.add_argument("--early-frac", type=float, default=0.0); ap.add_argument("--voc
 ap.add_argument("--norm", default="one"); ap.add_argument("--fc", default="random")
 ap.add_argument("--name", default=""); ap.add_argument("--log", default="/tmp/probe/probes.jsonl")
 a = ap.parse_args()
-torch.set_num_threads(2)
+torch.set_num_threads(int(__import__("os").environ.get("THREADS", "1")))
 t = load_target(dtype=torch.bfloat16)
 train = []
 for d in a.train:

@@ -30,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="fewer records, prompts and repeats")
     parser.add_argument("--head", type=Path, default=DEFAULT_HEAD, help="pretrained head checkpoint")
+    parser.add_argument("--ks", type=json.loads, default=None, help="JSON list of K to run (0 = plain); "
+                        "default [0,1,3,5,7] ([0,3,5] with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per K (median); default 3 (1 quick)")
+    parser.add_argument("--prompts", type=int, default=None, help="held-out prompts; default 8 (3 quick)")
+    parser.add_argument("--records", type=int, default=None,
+                        help="held-out teacher-forced rows per source for the simulation; default 8000 (2000 quick)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 on a shared CPU; see PretrainConfig.threads)")
 
 
 def machine() -> dict:
@@ -72,21 +80,22 @@ def run(args: argparse.Namespace) -> int:
     from online_spec.target import load_target
     from trainer.evaluate import engine_accept_length, simulate_acceptance
 
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    torch.set_num_threads(args.threads)
     q = args.quick
     target = load_target(dtype=torch.bfloat16)
     head, meta = load_head(args.head, target.info)
     out: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "head": str(args.head),
                  "trained_tokens": meta.get("trained_tokens")}
-    recs = {s: heldout_records(target, s, 2000 if q else 8000) for s in ("sharegpt", "humaneval")}
+    recs = {s: heldout_records(target, s, args.records or (2000 if q else 8000)) for s in ("sharegpt", "humaneval")}
     out["train_tokens_per_s"] = train_throughput(target, recs["sharegpt"], 2 if q else 6)
     out["heldout_accept_length"] = {s: simulate_acceptance(head, target, r)["accept_length"] for s, r in recs.items()}
-    convs = sharegpt_conversations(limit=3 if q else 8, split="heldout", max_prompt_tokens=200,
+    convs = sharegpt_conversations(limit=args.prompts or (3 if q else 8), split="heldout", max_prompt_tokens=200,
                                    tokenizer=target.tokenizer)
     prompts = [target.encode_chat(c[:1]) for c in convs]
     max_tokens, repeats = (48, 1) if q else (96, 3)
+    repeats = args.repeats or repeats
     engine = {}
-    for k in (0, 3, 5) if q else (0, 1, 3, 5, 7):
+    for k in args.ks or ((0, 3, 5) if q else (0, 1, 3, 5, 7)):
         runs = [engine_accept_length(target, head, prompts, k, max_tokens) for _ in range(repeats)]
         engine[str(k)] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                           "accept_length": statistics.median(r["accept_length"] for r in runs)}

@@ -122,7 +122,8 @@ def _detached(r: CaptureRecord) -> CaptureRecord:
 
 
 def generate_records(target, prompts: Iterable[list[int]], max_new_tokens: int, tag: str = "",
-                     id_prefix: str = "gen", max_batch: int = 16, max_tokens: int | None = None) -> Iterator:
+                     id_prefix: str = "gen", max_batch: int = 64, max_tokens: int | None = None,
+                     max_len: int = 1024) -> Iterator:
     """Self-distillation capture: the target's OWN greedy continuations of `prompts` (what a head
     drafts against at serving time, where greedy verify compares with the target's argmax).
     Plain batched decoding through `serving.engine.Engine` (K=0); its capture records carry the
@@ -132,7 +133,7 @@ def generate_records(target, prompts: Iterable[list[int]], max_new_tokens: int, 
     from serving.engine import Engine, EngineConfig, Request
 
     sink = SpanSink()
-    eng = Engine(target, None, EngineConfig(max_batch=max_batch, max_len=2048, max_steps=0, num_steps=0),
+    eng = Engine(target, None, EngineConfig(max_batch=max_batch, max_len=max_len, max_steps=0, num_steps=0),
                  publisher=sink)
     params = SamplingParams(max_tokens=max_new_tokens)
     total, it = 0, iter(enumerate(prompts))
@@ -142,7 +143,7 @@ def generate_records(target, prompts: Iterable[list[int]], max_new_tokens: int, 
             if nxt is None:
                 break
             i, p = nxt
-            if len(p) + max_new_tokens + 2 < 2048:
+            if len(p) + max_new_tokens + 2 < max_len:
                 eng.add_request(Request(list(p), params, request_id=f"{id_prefix}-{i}", tag=tag))
         if not eng.has_work():
             break
