@@ -1,13 +1,15 @@
 """`online-spec pretrain`: build records, distill a head offline, evaluate, write a checkpoint.
 
-    online-spec pretrain --data sharegpt --tokens 120000 --out runs/sharegpt
+    online-spec pretrain --data sharegpt --out runs/sharegpt      # self-distilled, the recipe of docs/distill.md
     online-spec pretrain --data humaneval --tokens 20000 --out runs/humaneval
+    online-spec pretrain --data sharegpt --source teacher --out runs/tf   # conversations as written
     online-spec pretrain --data PATH --out DIR      # PATH: records written by save_records
 
 The run directory is resumable — rerunning the same command picks up where it stopped:
 
     DIR/run.json               the configs of the run
-    DIR/records/{train,heldout}  teacher-forced capture records (HF datasets shards, bf16)
+    DIR/records/{train,heldout}  capture spans (HF datasets shards, bf16): the target's own greedy
+                               replies (--source generate) or teacher-forced conversations
     DIR/state.pt               Distiller state (weights, AdamW, schedule, counters), every save_every steps
     DIR/metrics.jsonl          one line of metrics per logged step
     DIR/head/                  the head checkpoint (SGLang layout), written when training ends
@@ -52,14 +54,14 @@ class PretrainConfig:
     gen_batch: int = doc("generate: requests decoded together (a [64,576] matmul costs about what a "
                          "[16,576] one does here)", 64)
     init_norm: str = doc("head's final norm at start: one | target (the target's final norm)", "one")
-    init_fc: str = doc("fc at start: random | last_layer (identity on the last captured layer)", "random")
-    tokens: int = doc("training rows (tokens) to capture", 120_000)
-    heldout_tokens: int = doc("held-out rows to capture for evaluation", 12_000)
+    init_fc: str = doc("fc at start: random | last_layer (identity on the last captured layer)", "last_layer")
+    tokens: int = doc("training rows (tokens) to capture", 40_000)
+    heldout_tokens: int = doc("held-out rows to capture for evaluation", 4_000)
     out: str = doc("run directory (rerun to resume)", "")
     max_len: int = doc("conversation truncation, tokens", 1024)
     draft_vocab_size: int = doc("draft vocabulary size (most frequent training tokens)", 8192)
-    epochs: float = doc("passes over the training records", 1.0)
-    batch_tokens: int = doc("rows per optimizer step, all ranks together", 4096)
+    epochs: float = doc("passes over the training records", 3.0)
+    batch_tokens: int = doc("rows per optimizer step, all ranks together (a longer record is a step alone)", 256)
     save_every: int = doc("steps between resumable state saves", 25)
     eval_prompts: int = doc("held-out prompts decoded through the engine", 8)
     eval_max_tokens: int = doc("tokens generated per held-out prompt", 96)
