@@ -55,3 +55,20 @@ def test_pretrain_checkpoint_in_engine_agrees_with_simulation(tmp_path):
     assert abs(real["accept_length"] - sim) < AGREEMENT_TOL, (real["accept_length"], sim)
     # rerunning the same command finds the run done and returns its result
     assert pretrain(cfg, DistillConfig(lr=3e-3, warmup_steps=0), LossConfig(ttt_steps=3), target=target) == result
+
+
+def test_generated_only_anchors_on_generated_positions():
+    """Self-distilled spans: with generated_only the anchors are the last prompt row onwards
+    (where the engine drafts), n - P per span of n rows and a P-token prompt; n - 1 without (the
+    last row has no next token to compare)."""
+    from trainer.data import generate_records
+
+    target = tiny8()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, target.info.vocab_size - 1, (8,), generator=g).tolist() for _ in range(3)]
+    spans = list(generate_records(target, prompts, 10, max_batch=3))
+    head = new_head(target, 256, seed=0).float()
+    gen = simulate_acceptance(head, target, spans, max_steps=2, ks=(2,), generated_only=True)
+    every = simulate_acceptance(head, target, spans, max_steps=2, ks=(2,))
+    assert gen["anchors"] == sum(s.num_rows - 8 for s in spans) > 0
+    assert every["anchors"] == sum(s.num_rows - 1 for s in spans)
