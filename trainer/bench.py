@@ -95,10 +95,17 @@ def run(args: argparse.Namespace) -> int:
     max_tokens, repeats = (48, 1) if q else (96, 3)
     repeats = args.repeats or repeats
     engine = {}
-    for k in args.ks or ((0, 3, 5) if q else (0, 1, 3, 5, 7)):
-        runs = [engine_accept_length(target, head, prompts, k, max_tokens) for _ in range(repeats)]
-        engine[str(k)] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-                          "accept_length": statistics.median(r["accept_length"] for r in runs)}
+    ks = args.ks or ((0, 3, 5) if q else (0, 1, 3, 5, 7))
+    # repeats outside, K inside: on a shared CPU the load drifts, and a K measured only in one
+    # stretch of time would carry that stretch's load (seen: plain at 11 tok/s, K=1 at 21 with
+    # accept length 0.3, because plain ran while another job finished)
+    runs: dict[int, list] = {k: [] for k in ks}
+    for _ in range(repeats):
+        for k in ks:
+            runs[k].append(engine_accept_length(target, head, prompts, k, max_tokens))
+    for k in ks:
+        engine[str(k)] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[k]),
+                          "accept_length": statistics.median(r["accept_length"] for r in runs[k])}
     best = max((k for k in engine if k != "0"), key=lambda k: engine[k]["tokens_per_s"])
     out["engine"] = engine
     out["engine_best_k"] = int(best)
