@@ -27,6 +27,9 @@ from online_spec.controller.cost import CostModel, CostModelConfig
 from online_spec.controller.static import StaticSteps
 
 
+CTX_BUCKET = 128  # rounds whose context lengths fall in one bucket share a median
+
+
 class RoundTiming(NamedTuple):
     """One measured round, in the order `CostModel.fit` reads."""
 
@@ -67,14 +70,30 @@ def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence
     return out
 
 
+def median_per_point(timings: Sequence[RoundTiming]) -> list[RoundTiming]:
+    """One timing per (batch size, K): the median of its rounds' draft and verify seconds, at
+    the median context length of all `timings` (one shared value, so the few tokens a point's
+    rounds add are not mistaken for a context effect). A round preempted by another process
+    is an outlier; the median drops it."""
+    groups: dict[tuple[int, int], list[RoundTiming]] = {}
+    for t in timings:
+        groups.setdefault((t.batch_size, t.num_steps), []).append(t)
+    ctx = statistics.median(t.ctx_len for t in timings) if timings else 0.0
+    return [RoundTiming(b, k, ctx, statistics.median(t.draft_s for t in g), statistics.median(t.verify_s for t in g))
+            for (b, k), g in groups.items()]
+
+
 def calibrate_cost_model(target, head, batch_sizes: Sequence[int] = (1, 4, 16), ks: Sequence[int] = (0, 1, 3, 7),
                          ctx_lens: Sequence[int] = (256,), rounds: int = 4, config: CostModelConfig | None = None,
                          timings: list[RoundTiming] | None = None) -> CostModel:
     """A `CostModel` least-squares fitted to the engine's measured rounds (measured here unless
-    `timings` are given)."""
+    `timings` are given), one median per (batch size, K, context length) point."""
     if timings is None:
         timings = measure_round_timings(target, head, batch_sizes, ks, ctx_lens, rounds)
-    return CostModel(config).fit(timings)
+    points = []
+    for bucket in sorted({int(t.ctx_len // CTX_BUCKET) for t in timings}):
+        points += median_per_point([t for t in timings if int(t.ctx_len // CTX_BUCKET) == bucket])
+    return CostModel(config).fit(points)
 
 
 def prediction_errors(model: CostModel, timings: Sequence[RoundTiming]) -> list[float]:
