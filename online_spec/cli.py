@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
     "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
+    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
 }
 
 
