@@ -39,6 +39,7 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 import tempfile
 import threading
 import time
@@ -243,8 +244,9 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
     server.drift.sinks.append(CallbackAlertSink(rounds.on_alert))
     phases: dict[str, dict] = {}
     server.start()
-    http = HttpThread(server).start()
+    http = None
     try:
+        http = HttpThread(server).start()
         phases["stationary"] = asyncio.run(_drive_phase(
             http.url, chat, cfg, lambda: rounds.count("stationary") >= cfg.stationary_rounds))
         left = [r.request_id for r in server.engine.running if r.finish_reason is None] + \
@@ -259,7 +261,8 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
 
         phases["switched"] = asyncio.run(_drive_phase(http.url, code, cfg, switched_done))
     finally:
-        http.stop()
+        if http is not None:
+            http.stop()
         server.close()  # finishes the W&B run
     rows = read_alerts_from_offline_run(run_dir, wait_s=60)
 
@@ -341,12 +344,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    load_at_start = os.getloadavg()
     draft = Path(cfg.draft) if cfg.draft else default_draft()
     target = load_target()
     head, meta = load_head(draft, target.info, dtype=target.dtype)
     figures = measure(cfg, drift, target, head, head_version=int(meta.get("version", 0)))
     figures["head"] = {"dir": str(draft), **meta}
     figures["quick"] = bool(args.quick)
+    figures["load_avg_at_bench_start"] = load_at_start  # machine.load_avg_at_start is read at the end
     figures["note"] = (f"quick run: {figures['stationary_rounds']} stationary rounds, below the "
                        f"{REQUIRED_STATIONARY_ROUNDS} the measurement requires" if args.quick else
                        "full run" if figures["meets_stationary_round_requirement"] else

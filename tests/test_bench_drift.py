@@ -60,10 +60,12 @@ def bigram_head(target, prompts: list[list[int]], max_tokens: int) -> BigramHead
 
 
 def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_bf16, tmp_path):
-    cfg = DriftBenchConfig(clients=2, num_steps=3, stationary_rounds=24, min_switch_rounds=4, max_switch_rounds=60,
+    cfg = DriftBenchConfig(clients=2, num_steps=3, stationary_rounds=16, min_switch_rounds=4, max_switch_rounds=100,
                            max_tokens=16, max_prompt_tokens=128, prompts=4, max_len=512, time_limit_s=120,
                            work_dir=str(tmp_path))
-    drift = DriftConfig(warmup_rounds=8, warmup_requests=12, reference_requests=40)
+    # a short warm-up, a low threshold and no cooldown (a chance change alert in 16 stationary
+    # rounds must not mute the drop): tiny settings for speed, not the calibrated defaults
+    drift = DriftConfig(warmup_rounds=6, warmup_requests=10, reference_requests=30, threshold=6.0, cooldown_rounds=0)
     chat, _ = load_prompts(cfg, smol_bf16.tokenizer)
     head = bigram_head(smol_bf16, [smol_bf16.encode_chat(m) for m in chat], cfg.max_tokens)
 
