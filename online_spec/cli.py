@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
     "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
+    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
 }
 
 
