@@ -16,12 +16,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("online_spec.target", "convert the SmolLM2 GGUF to a cached bf16 model"),
     "serve": ("serving.server", "serve the model over HTTP (OpenAI API, /generate, /metrics)"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
+    "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
+    "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
+    "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
     "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
+    "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
 }
 
 
