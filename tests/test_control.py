@@ -33,10 +33,10 @@ MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
-def served(smol_bf16, tmp_path_factory):
+def served(smol_fp32, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = ServerConfig(engine=ENGINE, control=ControlConfig(run_dir=str(run_dir)))
-    server = SpecServer(cfg, smol_bf16, new_head(smol_bf16, seed=0), head_version=1)
+    server = SpecServer(cfg, smol_fp32, new_head(smol_fp32, seed=0), head_version=1)
     rounds = []
     server.round_observers.append(lambda stats, outs, tags: rounds.append(stats))
     server.start()
@@ -54,10 +54,10 @@ def client(served):
 
 
 @pytest.fixture(scope="module")
-def plain_output(smol_bf16):
+def plain_output(smol_fp32):
     """The target alone (no head, K = 0), greedy: what every stream must produce."""
-    ids = smol_bf16.encode_chat(PROMPT)
-    return ids, Engine(smol_bf16, None, EngineConfig(max_batch=1, max_len=512, num_steps=0)).generate(
+    ids = smol_fp32.encode_chat(PROMPT)
+    return ids, Engine(smol_fp32, None, EngineConfig(max_batch=1, max_len=512, num_steps=0)).generate(
         [ids], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))[0]
 
 
@@ -119,11 +119,11 @@ def test_token_file_and_loopback_rules(served):
     ControlConfig(run_dir=str(run_dir), control_endpoint="tcp://0.0.0.0:5999", control_allow_remote=True)
 
 
-def test_bad_swaps_refused_while_a_stream_completes(served, client, smol_bf16, plain_output, tmp_path):
+def test_bad_swaps_refused_while_a_stream_completes(served, client, smol_fp32, plain_output, tmp_path):
     server, http, run_dir, _ = served
     ids, expected = plain_output
     live_head, live_version = server.engine.head, server.engine.head_version
-    cfg, good = good_parts(smol_bf16, seed=3)
+    cfg, good = good_parts(smol_fp32, seed=3)
     heads = run_dir / "bad"
     bad: dict[str, tuple] = {}
 
@@ -146,7 +146,7 @@ def test_bad_swaps_refused_while_a_stream_completes(served, client, smol_bf16, p
     case("nan", r"lm_head.weight has non-finite values", **{"lm_head.weight": nan})
     counts = torch.zeros(cfg["vocab_size"])
     counts[-cfg["draft_vocab_size"]:] = 1
-    d2t, t2d = build_vocab_map(counts, cfg["draft_vocab_size"], sorted(smol_bf16.eos_token_ids))
+    d2t, t2d = build_vocab_map(counts, cfg["draft_vocab_size"], sorted(smol_fp32.eos_token_ids))
     case("vocab", r"draft vocabulary map differs from the live head's", d2t=d2t, t2d=t2d)
     wide = dict(cfg, target_hidden_size=cfg["target_hidden_size"] * 2)
     case("hidden", r"target_hidden_size 1152 != target hidden 576", cfg_json=wide,
@@ -190,12 +190,12 @@ def test_bad_swaps_refused_while_a_stream_completes(served, client, smol_bf16, p
     assert info["rounds_failed"] == 0
 
 
-def test_good_swap_lands_between_rounds_and_rollback_is_exact(served, client, smol_bf16, plain_output):
+def test_good_swap_lands_between_rounds_and_rollback_is_exact(served, client, smol_fp32, plain_output):
     server, http, run_dir, rounds = served
     ids, expected = plain_output
     old_head, old_version = server.engine.head, server.engine.head_version
     old_weights = {k: v.clone() for k, v in head_tensors(old_head).items()}
-    new = new_head(smol_bf16, seed=5)
+    new = new_head(smol_fp32, seed=5)
     digest = save_head(new, run_dir / "heads" / "v5", version=5, parent=old_version)
 
     stream = Stream(http.url, ids)
@@ -220,11 +220,11 @@ def test_good_swap_lands_between_rounds_and_rollback_is_exact(served, client, sm
     assert all(torch.equal(restored[k], v) for k, v in old_weights.items())
 
 
-def test_inline_tensor_swap_and_set_adaptive(served, client, smol_bf16):
+def test_inline_tensor_swap_and_set_adaptive(served, client, smol_fp32):
     server = served[0]
-    cfg, tensors = good_parts(smol_bf16, seed=8)
+    cfg, tensors = good_parts(smol_fp32, seed=8)
     with pytest.raises(ControlError, match="digest mismatch"):
-        client.request("swap", {"config": cfg, "tensors": [{"name": "fc.weight", "dtype": "bfloat16",
+        client.request("swap", {"config": cfg, "tensors": [{"name": "fc.weight", "dtype": "float32",
                                                             "shape": list(tensors["fc.weight"].shape)}],
                                 "version": 8, "digest": "0" * 64}, [tensors["fc.weight"].view(torch.uint8).numpy()])
     reply = client.swap_tensors(tensors, cfg, version=8)
@@ -247,9 +247,9 @@ def test_inline_tensor_swap_and_set_adaptive(served, client, smol_bf16):
     assert server.engine.policy.config.slots[0].ema_alpha == 0.3
 
 
-def test_cli_swap_rollback_status_end_to_end(served, smol_bf16, capsys):
+def test_cli_swap_rollback_status_end_to_end(served, smol_fp32, capsys):
     server, _, run_dir, _ = served
-    save_head(new_head(smol_bf16, seed=11), run_dir / "heads" / "v11", version=11)
+    save_head(new_head(smol_fp32, seed=11), run_dir / "heads" / "v11", version=11)
     before = server.engine.head_version
     assert cli_main(["swap", str(run_dir / "heads" / "v11"), "--run-dir", str(run_dir)]) == 0
     assert "swapped in version 11" in capsys.readouterr().out
