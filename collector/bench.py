@@ -12,8 +12,9 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         pace as an engine would; reports the records dropped (queue full + HWM) and the longest
         `submit` call in ms (what decode would have waited)
     serving_overhead
-        decode tokens/s with and without the publisher, via `measure_serving_overhead`, once
-        the serving engine is wired in (null until then)
+        the real engine's decode tokens/s with capture at 100% sampling and a live subscriber
+        in another process, against capture off, at batch 1 and 16, alternating runs (median);
+        `serving_overhead_pct` per batch size
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -50,6 +51,10 @@ class CollectorBenchConfig:
     round_ms: float = doc("pause between rounds in the stalled run (an engine's round time)", 5.0)
     wire_dtype: str = doc("wire dtype of hidden states", "bfloat16")
     transport: str = doc("ipc or tcp", "ipc")
+    serving_batches: list[int] = doc("batch sizes of the engine-overhead run (empty: skip it)", lambda: [1, 16])
+    serving_tokens: int = doc("tokens per request in the engine-overhead run", 48)
+    serving_steps: int = doc("K of the engine-overhead run", 3)
+    serving_repeats: int = doc("alternating repeats of the engine-overhead run (median reported)", 3)
 
     def __post_init__(self) -> None:
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
@@ -61,7 +66,7 @@ class CollectorBenchConfig:
         check(self.transport in ("ipc", "tcp"), "transport", f"{self.transport!r} is not ipc or tcp")
 
 
-QUICK = dict(burst_records=2000, stall_rounds=120)
+QUICK = dict(burst_records=2000, stall_rounds=120, serving_tokens=24)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
         results.update(measure_throughput(cfg, _endpoint(cfg, tmp)))
     with tempfile.TemporaryDirectory(prefix="bench-collector-") as tmp:
         results.update(measure_stalled(cfg, _endpoint(cfg, tmp)))
-    results["serving_overhead"] = None  # HOOK: measure_serving_overhead(...) once serving/engine.py lands
+    if cfg.serving_batches:
+        with tempfile.TemporaryDirectory(prefix="bench-collector-") as tmp:
+            results["serving_overhead"] = measure_engine_overhead(cfg, f"ipc://{tmp}/serve.sock")
+        results["serving_overhead_pct"] = {b: r["overhead_pct"] for b, r in results["serving_overhead"].items()}
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
@@ -191,22 +199,71 @@ def measure_stalled(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
     }
 
 
-def measure_serving_overhead(run_decode: Callable[[CapturePublisher | None], float], pub_cfg: PublisherConfig,
-                             repeats: int = 3) -> dict[str, Any]:
-    """HOOK for the serving engine (to be wired once `serving/engine.py` lands).
+def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
+    """The real engine (SmolLM2 bf16, random head, K=cfg.serving_steps) with capture at 100%
+    sampling and a live subscriber in another process, against capture off; per batch size."""
+    from online_spec.data import sharegpt_conversations
+    from online_spec.head import new_head
+    from online_spec.sampling import SamplingParams
+    from online_spec.target import load_target
+    from serving.engine import Engine, EngineConfig
 
-    `run_decode(publisher)` must build the engine with `publisher` as its capture publisher (None:
-    capture off), run one fixed decode workload and return its decode tokens/s. Runs alternate
-    without/with the publisher `repeats` times each; the medians are compared."""
-    without, with_pub, stats = [], [], {}
-    for _ in range(repeats):
-        without.append(run_decode(None))
-        with CapturePublisher(pub_cfg) as pub:
-            with_pub.append(run_decode(pub))
-            stats = pub.stats()
-    base, cap = statistics.median(without), statistics.median(with_pub)
-    return {"tokens_per_s_without_publisher": base, "tokens_per_s_with_publisher": cap,
-            "overhead_pct": 100.0 * (base - cap) / base, "publisher_stats": stats}
+    target = load_target()
+    head = new_head(target)
+    convs = sharegpt_conversations(limit=16, seed=2, max_prompt_tokens=120, tokenizer=target.tokenizer)
+    prompts = [target.encode_chat(c[:1]) for c in convs]
+    sp = SamplingParams(max_tokens=cfg.serving_tokens, ignore_eos=True)
+    pub_cfg = PublisherConfig(endpoint=endpoint, sample_fraction=1.0, queue_size=4096, send_hwm=4096,
+                              wire_dtype=cfg.wire_dtype)
+    ctx = mp.get_context("spawn")
+    out = {}
+    for batch in cfg.serving_batches:
+        ps = (prompts * (batch // len(prompts) + 1))[:batch]
+
+        def run_decode(pub: CapturePublisher | None) -> float:
+            eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=cfg.serving_steps),
+                         publisher=pub)
+            t0 = time.perf_counter()
+            n = sum(len(o) for o in eng.generate(ps, sp))
+            if pub is not None:
+                pub.drain(60)
+            return n / (time.perf_counter() - t0)
+
+        run_decode(None)  # warm-up
+        without, with_pub, stats = [], [], {}
+        for _ in range(cfg.serving_repeats):
+            without.append(run_decode(None))
+            parent, child = ctx.Pipe()
+            with CapturePublisher(pub_cfg) as pub:
+                proc = ctx.Process(target=_live_subscriber, args=(pub.endpoint, child), daemon=True)
+                proc.start()
+                try:
+                    if not (parent.poll(120) and parent.recv() == "ready" and pub.wait_for_subscriber(30)):
+                        raise RuntimeError("bench subscriber did not connect")
+                    with_pub.append(run_decode(pub))
+                    stats = pub.stats()
+                    parent.send("stop")
+                    received = parent.recv() if parent.poll(60) else None
+                finally:
+                    proc.join(10)
+                    if proc.is_alive():
+                        proc.kill()
+        base, cap = statistics.median(without), statistics.median(with_pub)
+        out[str(batch)] = {"tokens_per_s_capture_off": base, "tokens_per_s_capture_on": cap,
+                           "overhead_pct": 100.0 * (base - cap) / base, "publisher_stats": stats,
+                           "subscriber_received": received}
+    return out
+
+
+def _live_subscriber(endpoint: str, conn) -> None:
+    """Child process: a real subscriber that keeps up until told to stop."""
+    sub = CaptureSubscriber(SubscriberConfig(endpoint=endpoint, recv_hwm=100_000, poll_ms=10), on_span=lambda s: None)
+    sub.start()
+    conn.send("ready")
+    conn.recv()
+    stats = sub.stats()
+    sub.close(flush=True)
+    conn.send({"records": stats["records"], "malformed": stats["malformed"]})
 
 
 def _endpoint(cfg: CollectorBenchConfig, tmp: str) -> str:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 import httpx
 import torch
 
+from online_spec.benchutil import machine_info
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from serving.engine import EngineConfig
 from serving.server import HttpThread, ServerConfig, SpecServer
@@ -141,24 +140,6 @@ def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list
     finally:
         http.stop()
         server.close()
-
-
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import fastapi
-    import transformers
-    import uvicorn
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__,
-            "platform": platform.platform(), "load_avg_at_start": os.getloadavg()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@
 
 import os
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see online_spec/__init__.py
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

@@ -11,7 +11,8 @@ from online_spec.cli import main
 def test_bench_collector_writes_its_figures(tmp_path: Path):
     out = tmp_path / "bench.json"
     rc = main(["bench", "collector", "--quick", "--hidden-size", "16", "--batch-size", "8",
-               "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0", "--json", str(out)])
+               "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0",
+               "--serving-batches", "[2]", "--serving-tokens", "4", "--serving-repeats", "1", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["config"]["burst_records"] == 64
@@ -21,4 +22,7 @@ def test_bench_collector_writes_its_figures(tmp_path: Path):
     stalled = res["stalled_publisher_stats"]
     assert stalled["submitted"] == 4 * 8 == stalled["sent"] + res["dropped_when_subscriber_stalled"]
     assert res["decode_stall_ms_max_when_subscriber_stalled"] >= res["submit_ms_p50_when_subscriber_stalled"] > 0
-    assert res["serving_overhead"] is None
+    over = res["serving_overhead"]["2"]  # the real engine, capture on vs off
+    assert over["tokens_per_s_capture_off"] > 0 and over["tokens_per_s_capture_on"] > 0
+    assert over["publisher_stats"]["sent"] > 0 and over["subscriber_received"]["records"] > 0
+    assert over["subscriber_received"]["malformed"] == 0

@@ -8,46 +8,19 @@ allowed only where the target itself is at a near-tie; every divergence is check
 that rule and counted.
 """
 
-import itertools
-
 import pytest
 import torch
 
 from online_spec.head import new_head
-from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from serving.engine import Engine, EngineConfig
+from serving.lossless import CyclingSteps, first_divergence, top2_gap, wrong_head
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 # bf16 logits of magnitude 16..32 are spaced 0.125 apart: a top-2 gap within two such steps is
 # a tie the rounding of a different-shaped matmul may flip.
 BF16_TIE_TOL = 0.25
-
-
-def wrong_head(target, seed=5):
-    head = new_head(target, seed=seed)
-    with torch.no_grad():
-        head.lm_head.weight.zero_()  # uniform logits: always drafts draft id 0, a special token
-    return head
-
-
-class CyclingSteps:
-    """K cycling 0,1,3,7 each round (a policy the engine must follow exactly)."""
-
-    def __init__(self):
-        self.ks = itertools.cycle([0, 1, 3, 7])
-        self.k = next(self.ks)
-
-    def steps_for(self, batch_size, ctx_len=0):
-        return self.k
-
-    def update(self, batch_size, accepted, **_):
-        self.k = next(self.ks)
-        return self.k
-
-    def rewarm(self):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +86,12 @@ def test_bf16_divergences_only_at_near_ties(smol_bf16, prompts):
                   EngineConfig(max_batch=8, max_len=512, num_steps=3)).generate(ps, GREEDY)
     divergences, gaps = 0, []
     for p, a, b in zip(ps, plain, spec):
-        if a == b:
+        i = first_divergence(a, b)
+        if i is None:
             continue
-        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
         divergences += 1
-        # the target's own top-2 gap at the first divergent position, one fresh forward
-        ids = torch.tensor([p + a[:i]])
-        cache = smol_bf16.new_cache(1, ids.shape[1] + 1)
-        logits, _, _ = smol_bf16.forward(ids, AttentionBatch([0], ids.shape[1]), cache, slice(-1, None))
-        top2 = logits[0, -1].float().topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-        assert {a[i], b[i]} <= set(logits[0, -1].float().topk(2).indices.tolist())
+        gap, top2 = top2_gap(smol_bf16, p + a[:i])
+        gaps.append(gap)
+        assert {a[i], b[i]} <= set(top2)
     assert all(g <= BF16_TIE_TOL for g in gaps), gaps
     print(f"bf16: {divergences} of {len(ps)} sequences diverged, all at near-ties (gaps {gaps})")

@@ -1,0 +1,61 @@
+"""What every `online-spec bench ...` shares: the machine description, timing, JSON output.
+
+Benchmarks report ratios taken side by side in one process, medians of repeats; they never
+assert timings. Each writes a JSON with `date`, `command` and `machine` beside its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "load_avg_at_start": os.getloadavg()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn()` over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_report(path: Path | None, figures: dict) -> dict:
+    """Add date/command/machine, print a summary, write JSON if `path`; returns the report."""
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["online-spec"] + sys.argv[1:]),
+              "machine": machine_info(), **figures}
+    text = json.dumps(report, indent=2, default=str)
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    print(text)
+    return report

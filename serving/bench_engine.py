@@ -1,0 +1,205 @@
+"""`online-spec bench engine`: the engine's throughput, the cost ratios speculation lives on, and
+a lossless spot check — all measured side by side in one process, medians of repeats.
+
+    online-spec bench engine --json out/engine.json [--quick] [--draft DIR]
+
+Writes: `plain_tokens_per_s` and `hf_generate_tokens_per_s` at batch 1 (the engine's plain
+decode against transformers' generate), `verify_cost_ratio` keyed by K (a verify of K+1 tokens
+over one plain step, batch 1), `draft_step_cost_ratio` (one draft step over one plain step),
+`batch` (tokens/s per batch size 1/4/16, plain and with the head at each K), `lossless` (true
+only if the spot check matched) with its details, and the machine. Without `--draft` the head
+is a random day-0 head: its drafts are rejected, so speculative tokens/s there measure overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from online_spec.benchutil import median_time, write_report
+from online_spec.checkpoint import load_head
+from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.data import sharegpt_conversations
+from online_spec.head import new_head
+from online_spec.kvcache import AttentionBatch
+from online_spec.sampling import SamplingParams
+from online_spec.target import load_target
+from serving.engine import Engine, EngineConfig
+from serving.lossless import CyclingSteps, first_divergence, top2_gap, wrong_head
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineBenchConfig:
+    draft: str = doc("head checkpoint to measure (default: a random day-0 head)", "")
+    new_tokens: int = doc("tokens generated per request in throughput runs", 64)
+    repeats: int = doc("repeats per measurement (the median is reported)", 3)
+    batch_sizes: list[int] = doc("batch sizes of the throughput table", lambda: [1, 4, 16])
+    steps: list[int] = doc("K values measured", lambda: [1, 3, 5, 7])
+    ctx_len: int = doc("context length for the cost ratios", 256)
+    lossless_prompts: int = doc("prompts of the fp32 lossless spot check", 8)
+    lossless_tokens: int = doc("tokens per prompt in the lossless spot check", 64)
+    bf16_tie_tol: float = doc("top-2 logit gap under which a bf16 divergence counts as a near-tie", 0.25)
+
+    def __post_init__(self):
+        check(self.new_tokens >= 1, "new_tokens", "must be >= 1")
+        check(self.repeats >= 1, "repeats", "must be >= 1")
+        check(all(b >= 1 for b in self.batch_sizes), "batch_sizes", "must be >= 1")
+
+
+QUICK = dict(new_tokens=32, repeats=3, batch_sizes=[1, 4, 16], steps=[1, 3, 7], lossless_prompts=4,
+             lossless_tokens=32)
+
+
+def _prompts(target, n: int, split: str = "heldout") -> list[list[int]]:
+    convs = sharegpt_conversations(limit=n, seed=1, split=split, max_prompt_tokens=160, tokenizer=target.tokenizer)
+    return [target.encode_chat(c[:1]) for c in convs]
+
+
+def cost_ratios(target, head, steps: list[int], ctx_len: int, repeats: int) -> dict:
+    """Verify of K+1 tokens and one draft step, each over one plain step, batch 1, at ctx_len."""
+    ids = torch.randint(100, 10_000, (1, ctx_len + 16))
+    cache = target.new_cache(1, ctx_len + 16)
+    target.forward(ids[:, :ctx_len], AttentionBatch([0], ctx_len), cache, slice(-1, None))
+    dcache = head.new_cache(1, ctx_len + 16)
+    emb = target.embed_tokens(ids[:, 1:ctx_len + 1])
+    feats = torch.randn(1, ctx_len, 3 * target.info.hidden_size, dtype=target.dtype)
+    head.step(emb, feats, AttentionBatch([0], ctx_len), dcache, target.rope)
+
+    def fwd(t):
+        return lambda: target.forward(ids[:, ctx_len:ctx_len + t], AttentionBatch([ctx_len], t), cache)
+
+    hidden = torch.randn(1, 1, head.cfg.hidden_size, dtype=target.dtype)
+
+    def draft_step():
+        return head.step(emb[:, :1], hidden, AttentionBatch([ctx_len], 1), dcache, target.rope)
+
+    # interleave so drift in machine load hits every measurement alike
+    samples: dict[str, list[float]] = {"plain": [], "draft": [], **{f"v{k}": [] for k in steps}}
+    calls = {"plain": fwd(1), "draft": draft_step, **{f"v{k}": fwd(k + 1) for k in steps}}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            samples[name].append(median_time(fn, 3, warmup=1))
+    plain = statistics.median(samples["plain"])
+    return {"plain_step_ms": plain * 1e3,
+            "verify_cost_ratio": {str(k): statistics.median(samples[f"v{k}"]) / plain for k in steps},
+            "draft_step_cost_ratio": statistics.median(samples["draft"]) / plain,
+            "draft_step_ms": statistics.median(samples["draft"]) * 1e3}
+
+
+def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s, mean accept length incl. bonus) of the engine on `batch` prompts at static K."""
+    eng = Engine(target, head if K > 0 else None, EngineConfig(max_batch=batch, max_len=1024, num_steps=K))
+    rounds = []
+    eng.on_round.append(lambda s, o: rounds.append((s.committed, s.batch_size)) if s.num_steps else None)
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    ps = (prompts * ((batch // len(prompts)) + 1))[:batch]
+    t0 = time.perf_counter()
+    outs = eng.generate(ps, sp)
+    dt = time.perf_counter() - t0
+    acc = sum(c for c, _ in rounds) / max(1, sum(b for _, b in rounds)) if rounds else 1.0
+    return sum(len(o) for o in outs) / dt, acc
+
+
+def hf_generate_tokens_per_s(target, prompt, new_tokens: int) -> float:
+    x = torch.tensor([prompt])
+    dt = median_time(lambda: target.hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                do_sample=False), 1, warmup=0)
+    return new_tokens / dt
+
+
+def lossless_spot_check(prompts, n_tokens: int, tie_tol: float) -> dict:
+    """fp32: the full matrix (random and wrong heads, K 1/3/7, batch 1 and 8, heads swapped
+    mid-generation with K cycling) token-identical to plain decoding. bf16: divergences only
+    at near-ties of the target."""
+    t32 = load_target(dtype=torch.float32)
+    sp = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
+    ref = Engine(t32, None, EngineConfig(max_batch=8, max_len=1024, num_steps=0)).generate(prompts, sp)
+    cases, ok = [], True
+    for kind in ("random", "wrong"):
+        for K in (1, 3, 7):
+            for batch in (1, 8):
+                head = new_head(t32, seed=K) if kind == "random" else wrong_head(t32)
+                ps = prompts[:2] if batch == 1 else prompts
+                out = Engine(t32, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=K)).generate(ps, sp)
+                same = out == ref[:len(ps)]
+                ok &= same
+                cases.append({"head": kind, "K": K, "batch": batch, "prompts": len(ps), "identical": same})
+    heads = [new_head(t32, seed=21), wrong_head(t32), None]
+    eng = Engine(t32, heads[0], EngineConfig(max_batch=8, max_len=1024, max_steps=7), policy=CyclingSteps())
+    n_swaps = []
+
+    def swap(stats, outs):
+        v = len(n_swaps) + 1
+        eng.swap_head(heads[v % 3], v)
+        n_swaps.append(v)
+
+    eng.on_round.append(swap)
+    same = eng.generate(prompts, sp) == ref
+    ok &= same
+    cases.append({"head": "swapped every round", "K": "cycling 0/1/3/7", "batch": 8, "prompts": len(prompts),
+                  "swaps": len(n_swaps), "identical": same})
+
+    t16 = load_target(dtype=torch.bfloat16)
+    plain = Engine(t16, None, EngineConfig(max_batch=8, max_len=1024, num_steps=0)).generate(prompts, sp)
+    spec = Engine(t16, new_head(t16, seed=3), EngineConfig(max_batch=8, max_len=1024, num_steps=3)).generate(prompts, sp)
+    gaps = []
+    for p, a, b in zip(prompts, plain, spec):
+        i = first_divergence(a, b)
+        if i is not None:
+            gap, top2 = top2_gap(t16, p + a[:i])
+            gaps.append(gap)
+            ok &= gap <= tie_tol and {a[i], b[i]} <= set(top2)
+    return {"lossless": bool(ok), "fp32_cases": cases, "bf16_divergences": len(gaps), "bf16_gaps": gaps,
+            "bf16_tie_tol": tie_tol, "tokens_per_prompt": n_tokens}
+
+
+def run_bench(cfg: EngineBenchConfig) -> dict:
+    target = load_target(dtype=torch.bfloat16)
+    if cfg.draft:
+        head, _ = load_head(cfg.draft, target.info, dtype=target.dtype)
+    else:
+        head = new_head(target)
+    prompts = _prompts(target, 16)
+    out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": "bfloat16"}
+    log.info("cost ratios")
+    out.update(cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats))
+    log.info("batch 1: engine plain decode vs transformers' generate")
+    plain = [tokens_per_s(target, None, prompts[:1], 1, 0, cfg.new_tokens)[0] for _ in range(cfg.repeats)]
+    out["plain_tokens_per_s"] = statistics.median(plain)
+    out["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(target, prompts[0], min(cfg.new_tokens, 32))
+    out["plain_vs_hf_generate"] = out["plain_tokens_per_s"] / out["hf_generate_tokens_per_s"]
+    table = {}
+    for b in cfg.batch_sizes:
+        row = {}
+        for K in [0] + cfg.steps:
+            runs = [tokens_per_s(target, head, prompts, b, K, cfg.new_tokens) for _ in range(cfg.repeats)]
+            row[str(K)] = {"tokens_per_s": statistics.median(r[0] for r in runs),
+                           "accept_length": statistics.median(r[1] for r in runs)}
+            log.info("batch %d K=%d: %.1f tok/s", b, K, row[str(K)]["tokens_per_s"])
+        table[str(b)] = row
+    out["batch"] = table
+    log.info("lossless spot check")
+    out.update(lossless_spot_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, cfg.bf16_tie_tol))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, EngineBenchConfig)
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--quick", action="store_true", help=f"a few-minute version ({QUICK})")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = config_from_args(EngineBenchConfig, args, **({k: v for k, v in QUICK.items()
+                                                        if not hasattr(args, k)} if args.quick else {}))
+    report = write_report(args.json, run_bench(cfg))
+    return 0 if report["lossless"] else 1

@@ -1,0 +1,117 @@
+"""The TTT unroll and loss against a naive per-position reference (the engine's own cached
+inference path), and the loss going down on a fixed batch."""
+
+import math
+
+import pytest
+import torch
+
+from online_spec.head import new_head
+from online_spec.kvcache import AttentionBatch
+from trainer.batch import collate
+from trainer.loss import LossConfig, SharedTarget, target_probs, token_loss, ttt_loss, ttt_unroll
+from tests.distill_helpers import tiny8
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny8()
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(0, 100, (target.info.vocab_size,), generator=g)
+    head = new_head(target, 200, counts, seed=3).float()
+    with torch.no_grad():  # larger weights than the default init: distributions with structure
+        for p in head.parameters():
+            p.mul_(5.0)
+    from trainer.data import capture_tokens
+    seqs = [torch.randint(0, 511, (n,), generator=g).tolist() for n in (23, 15)]
+    recs = capture_tokens(target, seqs, ["a", "b"])
+    batch = collate(recs)
+    batch.rejected = torch.rand(batch.rejected.shape, generator=g) < 0.3
+    return target, head, recs, batch
+
+
+def naive_logits(head, target, rec, steps):
+    """out[k][p]: draft logits of anchor p at step k, each anchor run alone through head.step
+    over a KV cache exactly as the engine drafts (real rows 0..p, then chained steps)."""
+    n = rec.num_rows
+    out = {}
+    for p in range(n):
+        cache = head.new_cache(1, n + steps + 2)
+        emb = target.embed_tokens(rec.tokens[1:p + 2][None])
+        lg, hid = head.step(emb, rec.features[:p + 1][None].float(), AttentionBatch([0], p + 1), cache, target.rope)
+        out[(0, p)], h = lg[0, -1], hid[:, -1:]
+        for k in range(1, steps):
+            if p + k + 1 > n:
+                break
+            emb = target.embed_tokens(rec.tokens[p + k + 1:p + k + 2][None])
+            lg, h = head.step(emb, h, AttentionBatch([p + k], 1), cache, target.rope)
+            out[(k, p)] = lg[0, -1]
+    return out
+
+
+def test_ttt_unroll_matches_cached_inference(setup):
+    target, head, recs, batch = setup
+    with torch.no_grad():
+        steps = ttt_unroll(head, batch, SharedTarget.build(target, head), K)
+    compared = 0
+    for b, rec in enumerate(recs):
+        for (k, p), ref in naive_logits(head, target, rec, K).items():
+            torch.testing.assert_close(steps[k][b, p], ref, atol=2e-4, rtol=2e-4)
+            compared += 1
+    assert compared > 60
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv", "neg_log_alpha"])
+def test_ttt_loss_matches_naive(setup, kind):
+    target, head, recs, batch = setup
+    cfg = LossConfig(ttt_steps=K, step_decay=0.8, kind=kind, rejected_weight=2.0)
+    shared = SharedTarget.build(target, head)
+    with torch.no_grad():
+        loss, metrics = ttt_loss(head, batch, shared, cfg)
+        probs = target_probs(batch, shared)
+    expected = 0.0
+    for k in range(K):
+        num = den = 0.0
+        for b, rec in enumerate(recs):
+            ref = naive_logits(head, target, rec, K)
+            n = rec.num_rows
+            for p in range(n):
+                if p + k + 1 >= n:  # no target row p+k+1
+                    continue
+                tok = int(rec.tokens[p + k + 2])
+                if not bool(head.t2d[tok]):
+                    continue
+                w = 1.0 + 2.0 * float(batch.rejected[b, p + k + 2])
+                num += w * float(token_loss(ref[(k, p)], probs[b, p + k + 1], kind))
+                den += w
+        expected += 0.8 ** k * num / den
+        assert math.isclose(metrics[f"loss_{k}"], num / den, rel_tol=1e-4)
+    assert math.isclose(float(loss), expected, rel_tol=1e-4)
+
+
+def test_masking_out_of_vocab_changes_loss(setup):
+    target, head, recs, batch = setup
+    shared = SharedTarget.build(target, head)
+    with torch.no_grad():
+        base, _ = ttt_loss(head, batch, shared, LossConfig(ttt_steps=2))
+        saved = head.t2d.clone()
+        head.t2d.fill_(True)  # every token "in vocab": the masked positions now count
+        unmasked, _ = ttt_loss(head, batch, shared, LossConfig(ttt_steps=2))
+        head.t2d.copy_(saved)
+    assert not math.isclose(float(base), float(unmasked), rel_tol=1e-3)
+
+
+def test_loss_decreases_on_fixed_batch():
+    from trainer.distill import DistillConfig, Distiller
+    target = tiny8()
+    from tests.distill_helpers import greedy_records
+    recs, _ = greedy_records(target, num=3, new_tokens=24)
+    head = new_head(target, 256, seed=0).float()
+    d = Distiller(target, head, DistillConfig(lr=2e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=3))
+    batch = collate(recs)
+    first = d.train_step(batch)["loss"]
+    for _ in range(15):
+        last = d.train_step(batch)["loss"]
+    assert last < 0.7 * first, (first, last)

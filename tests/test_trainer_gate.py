@@ -1,0 +1,64 @@
+"""The daemon's decisions on fixed inputs: the swap gate, live acceptance tallies from span rows,
+the K-mix score, the rollback monitor. Named boundary cases."""
+
+import pytest
+
+from online_spec.config import ConfigError
+from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
+
+CFG = GateConfig(margin_rel=0.05, margin_abs=0.1, min_anchors=100, rollback_threshold=0.2, rollback_min_rounds=3)
+
+
+def test_gate_needs_the_larger_of_both_margins_and_enough_anchors():
+    gate = SwapGate(CFG)
+    assert not gate.decide(2.0, 1.0, anchors=99).publish  # too few anchors
+    assert gate.decide(1.1, 1.0, anchors=100).publish  # +0.1 = abs margin, exactly met
+    assert not gate.decide(1.09, 1.0, anchors=100).publish
+    assert gate.decide(3.151, 3.0, anchors=100).publish  # rel margin 0.15 > abs 0.1
+    d = gate.decide(3.14, 3.0, anchors=100)
+    assert not d.publish and "3.150" in d.reason
+
+
+def test_live_acceptance_counts_rounds_by_their_closing_row():
+    live = LiveAcceptance()
+    # version 1, K=3: round A accepts 2 (rows 1,1,0), round B accepts all 3 (1,1,1,-1);
+    # a prefill row (K=0) and a plain-decode row are ignored
+    live.observe_rows([-1, 1, 1, 0, 1, 1, 1, -1, -1], [0, 3, 3, 3, 3, 3, 3, 3, 0], [1] * 9, [4] * 9, "chat")
+    acc, rounds = live.accept_length(1)
+    assert rounds == 2 and acc == pytest.approx(2.5)
+    assert live.summary()["slot"]["1/4"] == pytest.approx(2.5)
+    assert live.summary()["tag"]["1/chat"] == pytest.approx(2.5)
+    assert dict(live.k_counts) == {3: 2}
+    assert live.accept_length(2) == (0.0, 0)
+
+
+def test_k_mix_score_weights_by_live_rounds():
+    acc = {"1": 0.8, "3": 1.8, "5": 2.4}
+    assert k_mix_score(acc, {3: 3, 5: 1}) == pytest.approx((3 * 1.8 + 2.4) / 4)
+    assert k_mix_score(acc, {0: 10}) == pytest.approx((0.8 + 1.8 + 2.4) / 3)  # nothing drafted yet
+
+
+def test_rollback_waits_then_rolls_back_a_worse_version_and_keeps_a_good_one():
+    mon = RollbackMonitor(CFG)
+    live = LiveAcceptance()
+    mon.start(new_version=2, previous_version=1, previous_accept=2.0, previous_rounds=50)
+    live.observe_rows([1, 0, 0], [3, 3, 3], [2, 2, 2], [1, 1, 1], "")  # 2 rounds of v2
+    assert mon.update(live).action == "wait"
+    live.observe_rows([0], [3], [2], [1], "")  # 3 rounds, accept 1/3 < 2.0 * 0.8
+    assert mon.update(live).action == "rollback"
+    assert mon.update(live).action == "keep"  # nothing watched any more
+
+    mon.start(3, 1, previous_accept=2.0, previous_rounds=50)
+    live.observe_rows([1, 1, 0] * 3, [3] * 9, [3] * 9, [1] * 9, "")  # accept 2.0 per round
+    assert mon.update(live).action == "keep"
+    state = mon.state_dict()
+    mon2 = RollbackMonitor(CFG)
+    mon2.load_state_dict(state)
+    assert mon2.watching == mon.watching
+
+
+def test_gate_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="rollback_threshold"):
+        GateConfig(rollback_threshold=1.5)
+    with pytest.raises(ConfigError, match="min_anchors"):
+        GateConfig(min_anchors=0)

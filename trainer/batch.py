@@ -1,0 +1,77 @@
+"""`TrainBatch`: captured rows of several requests, padded into one tensor batch.
+
+In: spans (`collector.span.CaptureSpan`) or capture records (`online_spec.capture.CaptureRecord`)
+— anything with `first_pos`, `tokens [n+1]`, `features [n,3H]`, `final_hidden [n,H]`. Out:
+
+    tokens        int64 [B, T+1]  token at position first_pos[b] + j (0 beyond a row's end)
+    features      [B, T, 3H]      target features of row j (storage dtype, e.g. bf16)
+    final_hidden  [B, T, H]       post-norm final hidden of row j
+    row_mask      bool  [B, T]    row j exists
+    rejected      bool  [B, T+1]  token j is the target's correction of a draft the live head got
+                                  wrong (a span's `accepted[j-1] == 0`, a verify record's row
+                                  accept_len); False for teacher-forced data
+    first_pos     int64 [B]       absolute position of row 0 (rope)
+
+Rows of one request sit in one batch row, so the head's attention sees the request's earlier rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor
+    features: torch.Tensor
+    final_hidden: torch.Tensor
+    row_mask: torch.Tensor
+    rejected: torch.Tensor
+    first_pos: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        """Real rows (the tokens a step trains on)."""
+        return int(self.row_mask.sum())
+
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def rejected_tokens(item) -> torch.Tensor:
+    """bool [n+1]: which of the item's tokens corrected a rejected draft."""
+    n = int(item.features.shape[0])
+    out = torch.zeros(n + 1, dtype=torch.bool)
+    accepted = getattr(item, "accepted", None)  # a CaptureSpan carries it per row
+    if accepted is not None:
+        out[1:] = accepted.to(torch.int64) == 0
+    elif not item.is_prefill and item.accept_len < item.num_steps:
+        out[item.accept_len + 1] = True  # a verify record: its row accept_len met the rejection
+    return out
+
+
+def collate(items: Sequence) -> TrainBatch:
+    """Pad spans/records into a `TrainBatch` (T = the longest item's rows)."""
+    if not items:
+        raise ValueError("collate needs at least one span")
+    B = len(items)
+    T = max(int(it.features.shape[0]) for it in items)
+    f0, h0 = items[0].features, items[0].final_hidden
+    tokens = torch.zeros(B, T + 1, dtype=torch.long)
+    features = torch.zeros(B, T, f0.shape[1], dtype=f0.dtype)
+    final = torch.zeros(B, T, h0.shape[1], dtype=h0.dtype)
+    row_mask = torch.zeros(B, T, dtype=torch.bool)
+    rejected = torch.zeros(B, T + 1, dtype=torch.bool)
+    first_pos = torch.zeros(B, dtype=torch.long)
+    for b, it in enumerate(items):
+        n = int(it.features.shape[0])
+        tokens[b, :n + 1] = it.tokens.long()
+        features[b, :n] = it.features
+        final[b, :n] = it.final_hidden
+        row_mask[b, :n] = True
+        rejected[b, :n + 1] = rejected_tokens(it)
+        first_pos[b] = int(it.first_pos)
+    return TrainBatch(tokens, features, final, row_mask, rejected, first_pos)

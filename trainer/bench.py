@@ -1,0 +1,100 @@
+"""`online-spec bench distill`: distillation throughput, held-out and real accept lengths, speedup.
+
+    online-spec bench distill --json out/bench_distill.json [--quick] [--head DIR]
+
+Writes: `train_tokens_per_s` (Distiller steps on real ShareGPT records, bf16 autocast, this CPU),
+`heldout_accept_length` {"sharegpt"|"humaneval": {"1","3","5","7": simulated accept length}} of
+the pretrained head (default: the `online-spec pretrain` run in the cache), `engine` (real accept
+length and tokens/s per K at batch 1 on held-out ShareGPT prompts, median of repeats, plain
+decoding in the same run), `engine_speedup_vs_plain` (best K over plain), `trained_tokens`, and
+the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_HEAD = Path(os.environ.get("ONLINE_SPEC_CACHE", Path.home() / ".cache" / "online-spec")) \
+    / "heads" / "sharegpt-100k" / "head"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="fewer records, prompts and repeats")
+    parser.add_argument("--head", type=Path, default=DEFAULT_HEAD, help="pretrained head checkpoint")
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def heldout_records(target, source: str, tokens: int):
+    from online_spec.data import humaneval_conversations, sharegpt_conversations
+    from trainer.data import capture_conversations
+
+    convs = sharegpt_conversations(split="heldout") if source == "sharegpt" else humaneval_conversations(split="heldout")
+    return list(capture_conversations(target, convs, 1024, tag=source, max_tokens=tokens))
+
+
+def train_throughput(target, records, steps: int) -> float:
+    from online_spec.head import new_head
+    from trainer.batch import collate
+    from trainer.distill import DistillConfig, Distiller, init_from_target
+    from trainer.loss import LossConfig
+
+    head = init_from_target(new_head(target, 8192).float(), target)
+    d = Distiller(target, head, DistillConfig(), LossConfig())
+    d.train_step(collate(records[:1]))  # warm-up
+    batches = [collate(records[i % len(records):i % len(records) + 1]) for i in range(1, steps + 1)]
+    t0 = time.perf_counter()
+    for b in batches:
+        d.train_step(b)
+    return sum(b.num_rows for b in batches) / (time.perf_counter() - t0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from online_spec.checkpoint import load_head
+    from online_spec.data import sharegpt_conversations
+    from online_spec.target import load_target
+    from trainer.evaluate import engine_accept_length, simulate_acceptance
+
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    q = args.quick
+    target = load_target(dtype=torch.bfloat16)
+    head, meta = load_head(args.head, target.info)
+    out: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "head": str(args.head),
+                 "trained_tokens": meta.get("trained_tokens")}
+    recs = {s: heldout_records(target, s, 2000 if q else 8000) for s in ("sharegpt", "humaneval")}
+    out["train_tokens_per_s"] = train_throughput(target, recs["sharegpt"], 2 if q else 6)
+    out["heldout_accept_length"] = {s: simulate_acceptance(head, target, r)["accept_length"] for s, r in recs.items()}
+    convs = sharegpt_conversations(limit=3 if q else 8, split="heldout", max_prompt_tokens=200,
+                                   tokenizer=target.tokenizer)
+    prompts = [target.encode_chat(c[:1]) for c in convs]
+    max_tokens, repeats = (48, 1) if q else (96, 3)
+    engine = {}
+    for k in (0, 3, 5) if q else (0, 1, 3, 5, 7):
+        runs = [engine_accept_length(target, head, prompts, k, max_tokens) for _ in range(repeats)]
+        engine[str(k)] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                          "accept_length": statistics.median(r["accept_length"] for r in runs)}
+    best = max((k for k in engine if k != "0"), key=lambda k: engine[k]["tokens_per_s"])
+    out["engine"] = engine
+    out["engine_best_k"] = int(best)
+    out["engine_speedup_vs_plain"] = engine[best]["tokens_per_s"] / engine["0"]["tokens_per_s"]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+    return 0

@@ -1,0 +1,283 @@
+"""`online-spec train`: the sidecar trainer daemon that keeps the server's head current.
+
+In: the capture stream (ZMQ, `collector`), the server's control endpoint, a run directory.
+Out: versioned head checkpoints (SGLang layout) published into the server, W&B logs.
+
+Loop (one thread; the subscriber fills the replay buffer from its own thread):
+  1. train: a batch of recent traffic from the replay buffer -> one distillation step (DeepSpeed)
+  2. every `eval_every_steps` steps or `eval_every_s` seconds: simulate the candidate and the
+     live head on the newest held-out traffic at the live K mix; the `SwapGate` decides; a
+     winner is written as a new version (atomic directory, digest) and swapped in over the
+     control endpoint
+  3. watch live acceptance of the new version (`RollbackMonitor`) and roll back if it is worse
+     than the previous version's beyond a threshold
+Everything the loop needs to resume lives in the run directory: `state.json` (step, versions),
+`distiller.pt` (head, optimizer, scheduler), `replay/` (the buffer), `ckpt/vN/` (published
+heads). A kill -9 loses at most the steps since the last state save; SIGTERM saves and exits.
+
+    online-spec train --run-dir runs/daemon --capture-endpoint ipc:///tmp/capture.sock \
+        --control-endpoint ipc://runs/server/control.sock --token-file runs/server/control.token
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from collector.replay import ReplayBuffer, ReplayConfig
+from collector.span import CaptureSpan
+from collector.subscriber import CaptureSubscriber, SubscriberConfig
+from online_spec.checkpoint import load_head
+from online_spec.config import check, doc
+from online_spec.head import EagleHead
+from trainer.batch import collate
+from trainer.distill import DistillConfig, Distiller
+from trainer.evaluate import simulate_acceptance
+from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
+from trainer.loss import LossConfig
+
+log = logging.getLogger(__name__)
+
+
+class HeadPublisher(Protocol):
+    """The server side of a swap: `serving.control.ControlClient`. Both raise on refusal."""
+
+    def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict: ...
+    def rollback(self) -> dict: ...
+
+
+@dataclass
+class DaemonConfig:
+    run_dir: str = doc("run directory: state, optimizer, replay buffer, published checkpoints", "runs/trainer")
+    init_head: str = doc("head checkpoint to start from (the server's live head); empty = random day-0 head", "")
+    batch_tokens: int = doc("rows of traffic per training step", 512)
+    min_buffer_tokens: int = doc("rows the buffer must hold before training starts", 256)
+    eval_every_steps: int = doc("evaluate the candidate every N optimizer steps", 20)
+    eval_every_s: float = doc("... or every T seconds, whichever comes first", 60.0)
+    eval_tokens: int = doc("newest held-out rows the gate evaluates on", 1024)
+    eval_max_steps: int = doc("draft steps simulated by the gate", 7)
+    save_every_steps: int = doc("save the resumable state every N steps", 10)
+    idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
+    drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
+
+    def __post_init__(self):
+        check(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
+        check(self.eval_every_steps >= 1, "eval_every_steps", "must be >= 1")
+        check(self.eval_every_s > 0, "eval_every_s", "must be > 0")
+        check(self.save_every_steps >= 1, "save_every_steps", "must be >= 1")
+
+
+class TrainerDaemon:
+    def __init__(self, cfg: DaemonConfig, target, publisher: HeadPublisher | None,
+                 subscriber_cfg: SubscriberConfig, replay_cfg: ReplayConfig | None = None,
+                 distill_cfg: DistillConfig | None = None, loss_cfg: LossConfig | None = None,
+                 gate_cfg: GateConfig | None = None, wandb_run=None, head: EagleHead | None = None):
+        self.cfg, self.target, self.publisher, self.wandb = cfg, target, publisher, wandb_run
+        self.run_dir = Path(cfg.run_dir)
+        (self.run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
+        self.gate_cfg = gate_cfg or GateConfig()
+        self.gate = SwapGate(self.gate_cfg)
+        self.rollbacks = RollbackMonitor(self.gate_cfg)
+        self.live = LiveAcceptance()
+        self.state = {"step": 0, "next_version": 1, "live_version": 0, "previous_version": None,
+                      "published": [], "rolled_back": [], "swaps": 0, "refused_swaps": 0, "evals": 0}
+        self._load_state()
+        if head is None:
+            head = self._initial_head()
+        self.live_head = self._live_head_from(head)
+        self.buffer = ReplayBuffer(replay_cfg or ReplayConfig(root=str(self.run_dir / "replay")))
+        self.distiller = Distiller(target, head, distill_cfg or DistillConfig(schedule="constant"),
+                                   loss_cfg or LossConfig())
+        if (self.run_dir / "distiller.pt").exists():
+            self.distiller.load_state(self.run_dir / "distiller.pt")
+            log.info("resumed at step %d", self.distiller.step)
+        self.subscriber = CaptureSubscriber(subscriber_cfg, on_span=self.on_span)
+        self._stop = threading.Event()
+        self._last_eval_t = time.monotonic()
+        self._last_eval_step = self.distiller.step
+        self._drift_until = 0.0
+
+    # -- inputs ---------------------------------------------------------------------------
+    def on_span(self, span: CaptureSpan) -> None:
+        """Subscriber thread: store the span and tally live acceptance per version/slot/tag."""
+        self.buffer.add(span)
+        self.live.observe_rows(span.accepted.tolist(), span.num_steps.tolist(), span.draft_version.tolist(),
+                               span.batch_size.tolist(), getattr(span, "tag", ""))
+
+    def on_drift(self, alert: dict) -> None:
+        """A drift alert (from the server): evaluate every step for a while to adapt sooner."""
+        log.warning("drift alert: %s", alert.get("title", alert))
+        self._drift_until = time.monotonic() + self.cfg.drift_boost_s
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict:
+        self.subscriber.start()
+        t_end = None if max_seconds is None else time.monotonic() + max_seconds
+        try:
+            while not self._stop.is_set():
+                if max_steps is not None and self.distiller.step >= max_steps:
+                    break
+                if t_end is not None and time.monotonic() > t_end:
+                    break
+                if not self.train_once():
+                    self._stop.wait(self.cfg.idle_sleep_s)
+                self.watch_rollback()
+        finally:
+            self.save_state()
+            self.subscriber.close(flush=True)
+            self.buffer.flush()
+        return self.summary()
+
+    def train_once(self) -> bool:
+        """One step if the buffer holds enough traffic; evaluation/publication when due."""
+        if self.buffer.num_tokens < self.cfg.min_buffer_tokens:
+            return False
+        spans = self.buffer.sample_train(self.cfg.batch_tokens)
+        if not spans:
+            return False
+        metrics = self.distiller.train_step(collate(spans))
+        self.state["step"] = self.distiller.step
+        self._log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        if self.distiller.step % self.cfg.save_every_steps == 0:
+            self.save_state()
+        boosted = time.monotonic() < self._drift_until
+        if (boosted or self.distiller.step - self._last_eval_step >= self.cfg.eval_every_steps
+                or time.monotonic() - self._last_eval_t >= self.cfg.eval_every_s):
+            self.evaluate_and_publish()
+        return True
+
+    def evaluate_and_publish(self):
+        """Candidate vs live head on the newest held-out traffic; publish a winner."""
+        self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
+        heldout = self.buffer.heldout(self.cfg.eval_tokens, newest=True)
+        if not heldout:
+            return None
+        ks = list(range(1, self.cfg.eval_max_steps + 1))
+        cand = simulate_acceptance(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
+        live = simulate_acceptance(self.live_head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
+        k_counts = dict(self.live.k_counts)
+        c, lv = k_mix_score(cand["accept_length"], k_counts), k_mix_score(live["accept_length"], k_counts)
+        decision = self.gate.decide(c, lv, cand["anchors"])
+        self.state["evals"] += 1
+        self._log({"gate/candidate": c, "gate/live": lv, "gate/anchors": cand["anchors"],
+                   "gate/publish": int(decision.publish)})
+        log.info("step %d gate: %s", self.distiller.step, decision.reason)
+        if decision.publish:
+            self.publish()
+        return decision
+
+    def publish(self) -> int | None:
+        """Write the candidate as a new version and swap it into the server."""
+        version = self.state["next_version"]
+        out = self.run_dir / "ckpt" / f"v{version}"
+        digest = self.distiller.save(out, version)
+        self.state["next_version"] = version + 1
+        if self.publisher is not None:
+            try:
+                self.publisher.swap_dir(str(out.resolve()), version, digest)
+            except Exception as e:  # refused or unreachable: serving keeps its head, we keep training
+                self.state["refused_swaps"] += 1
+                log.error("swap of v%d refused: %s", version, e)
+                self.save_state()
+                return None
+        prev = self.state["live_version"]
+        acc, rounds = self.live.accept_length(prev)
+        self.rollbacks.start(version, prev, acc, rounds)
+        self.state.update(previous_version=prev, live_version=version, swaps=self.state["swaps"] + 1)
+        self.state["published"].append({"version": version, "digest": digest, "step": self.distiller.step,
+                                        "time": time.time()})
+        self.live_head = self._live_head_from(self.distiller.head)
+        self._log({"swap/version": version, "swap/count": self.state["swaps"]})
+        log.info("published v%d (digest %s)", version, digest[:12])
+        self.save_state()
+        return version
+
+    def watch_rollback(self) -> None:
+        decision = self.rollbacks.update(self.live)
+        if decision.action != "rollback":
+            return
+        log.warning("rollback: %s", decision.reason)
+        bad, prev = self.state["live_version"], self.state["previous_version"]
+        if self.publisher is not None:
+            try:
+                self.publisher.rollback()
+            except Exception as e:
+                log.error("rollback refused: %s", e)
+                return
+        self.state["rolled_back"].append(bad)
+        self.state.update(live_version=prev, previous_version=None)
+        self.live_head = self._live_head_from(self._load_version(prev))
+        self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
+        self.save_state()
+
+    # -- state -------------------------------------------------------------------------------
+    def save_state(self) -> None:
+        self.distiller.save_state(self.run_dir / "distiller.pt")
+        state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict()}
+        tmp = self.run_dir / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.run_dir / "state.json")
+
+    def _load_state(self) -> None:
+        path = self.run_dir / "state.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            self.rollbacks.load_state_dict(saved.pop("rollback_monitor", {}) or {})
+            saved.pop("buffer", None)
+            self.state.update(saved)
+
+    def _load_version(self, version: int) -> EagleHead:
+        if version == 0:
+            return self._initial_head()
+        head, _ = load_head(self.run_dir / "ckpt" / f"v{version}", self.target.info, dtype=torch.float32)
+        return head
+
+    def _initial_head(self) -> EagleHead:
+        if self.cfg.init_head:
+            head, _ = load_head(self.cfg.init_head, self.target.info, dtype=torch.float32)
+            return head
+        from online_spec.head import new_head
+        from trainer.distill import init_from_target
+        return init_from_target(new_head(self.target).float(), self.target)
+
+    def _live_head_from(self, head: EagleHead) -> EagleHead:
+        copy = EagleHead(head.cfg)
+        copy.load_state_dict(head.state_dict())
+        copy.set_vocab_map(head.d2t.cpu(), head.t2d.cpu())
+        return copy.to(self.target.dtype).eval()
+
+    def _log(self, metrics: dict) -> None:
+        if self.wandb is not None:
+            try:
+                self.wandb.log({**metrics, "trainer/step": self.distiller.step,
+                                "buffer/tokens": self.buffer.num_tokens,
+                                **{f"stream/{k}": v for k, v in self.subscriber.stats().items()
+                                   if isinstance(v, (int, float))}})
+            except Exception:  # W&B must never stop training
+                log.exception("wandb.log failed")
+
+    def summary(self) -> dict:
+        return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
+                "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
+                "buffer": self.buffer.stats(), "stream": self.subscriber.stats(), "live": self.live.summary()}
+
+
+def install_signal_handlers(daemon: TrainerDaemon) -> None:
+    """SIGTERM/SIGINT: finish the current step, save, exit."""
+    def handler(signum, frame):
+        log.info("signal %d: stopping after this step", signum)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

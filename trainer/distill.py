@@ -1,0 +1,189 @@
+"""The distillation step: `Distiller` trains an EAGLE-3 head through DeepSpeed.
+
+In: the target (its embeddings and lm_head are shared and frozen, never trainable), a head, a
+`DistillConfig` (optimizer, schedule, precision) and a `LossConfig`; per step a `TrainBatch`.
+Out: metrics per step, head checkpoints in the SGLang layout (rank 0 only), and a resumable
+state (`state_dict()` / `load_state_dict()`: weights, optimizer, scheduler, counters).
+
+AdamW keeps fp32 master weights (the head's parameters are fp32); the forward/backward run under
+bf16 autocast when `bf16` is set. Gradient clipping, ZeRO stage and micro-batching are DeepSpeed's
+and live in its own JSON (`configs/deepspeed/*.json`). A single process needs no launcher (the
+rendezvous variables get single-rank defaults); under torchrun or the deepspeed launcher the same
+code runs data-parallel, each rank stepping on its own share of the batch.
+
+    d = Distiller(target, head, DistillConfig(total_steps=1000), LossConfig())
+    metrics = d.train_step(collate(spans));  d.save("out/head", version=1)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from online_spec.checkpoint import save_head
+from online_spec.config import check, doc
+from online_spec.head import EagleHead
+from trainer.batch import TrainBatch
+from trainer.loss import LossConfig, SharedTarget, ttt_loss
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass
+class DistillConfig:
+    lr: float = doc("peak learning rate of AdamW", 5e-4)
+    weight_decay: float = doc("AdamW weight decay", 0.0)
+    beta1: float = doc("AdamW beta1", 0.9)
+    beta2: float = doc("AdamW beta2", 0.95)
+    schedule: str = doc("learning-rate schedule after warmup: cosine | constant", "cosine")
+    warmup_steps: int = doc("linear warmup steps", 20)
+    total_steps: int = doc("steps of the cosine schedule (it stays at min_lr_ratio after)", 1000)
+    min_lr_ratio: float = doc("cosine floor as a fraction of lr", 0.1)
+    bf16: bool = doc("bf16 autocast for forward/backward (master weights stay fp32)", True)
+    deepspeed_config: str = doc("DeepSpeed JSON (ZeRO stage, gradient clipping), relative to the repo",
+                                "configs/deepspeed/zero0.json")
+    seed: int = doc("seed of the head's initialisation and the data order", 0)
+
+    def __post_init__(self):
+        check(self.lr > 0, "lr", "must be > 0")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1", "betas must be in [0, 1)")
+        check(self.schedule in SCHEDULES, "schedule", f"must be one of {SCHEDULES}")
+        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        check(self.total_steps >= 1, "total_steps", "must be >= 1")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+
+
+def lr_factor(step: int, cfg: DistillConfig) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed() -> None:
+    """Join (or, alone, create) the process group DeepSpeed uses; gloo on CPU."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "MASTER_PORT" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())  # alone: any free port, never a clash
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+def load_deepspeed_config(path: str | Path) -> dict:
+    p = Path(path)
+    return json.loads((p if p.is_absolute() else REPO / p).read_text())
+
+
+def init_from_target(head: EagleHead, target) -> EagleHead:
+    """Start the head's lm_head from the target's rows of the draft vocabulary and its final norm
+    from the target's: step 0 then begins near the target's own prediction from a hidden."""
+    with torch.no_grad():
+        ids = head.draft_to_target.to(target.device)
+        head.lm_head.weight.copy_(target.lm_head.weight[ids].to(head.lm_head.weight.dtype))
+        head.norm.weight.copy_(target.hf.model.norm.weight.to(head.norm.weight.dtype))
+    return head
+
+
+class Distiller:
+    """Owns the trainable head (fp32 master weights) and its DeepSpeed engine."""
+
+    def __init__(self, target, head: EagleHead, cfg: DistillConfig, loss_cfg: LossConfig):
+        import deepspeed
+        import torch.distributed as dist
+
+        ensure_distributed()
+        self.cfg, self.loss_cfg, self.target = cfg, loss_cfg, target
+        head = head.float().train()
+        for p in target.parameters():
+            p.requires_grad_(False)
+        self.shared = SharedTarget.build(target, head)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                      weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+        ds_cfg = load_deepspeed_config(cfg.deepspeed_config)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.step = 0
+        self.tokens = 0  # rows trained on, all ranks
+
+    @property
+    def head(self) -> EagleHead:
+        return self.engine.module
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        """One optimizer step on this rank's batch -> metrics (loss, loss_k, acc_k, lr, grad_norm)."""
+        import torch.distributed as dist
+
+        self.engine.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg)
+        self.engine.backward(loss)
+        lr = self.scheduler.get_last_lr()[0]
+        grads = [p.grad for p in self.head.parameters() if p.grad is not None]
+        pre_clip = float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+        self.engine.step()
+        n = torch.tensor([batch.num_rows], dtype=torch.long)
+        if self.world_size > 1:
+            dist.all_reduce(n)
+        self.step += 1
+        self.tokens += int(n)
+        gn = self.engine.get_global_grad_norm()  # ZeRO stages report it; stage 0 does not
+        metrics.update(lr=lr, grad_norm=float(gn) if gn is not None else pre_clip,
+                       step=self.step, tokens=self.tokens)
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+
+    def save_state(self, path: str | Path) -> None:
+        """Rank 0 writes the resumable state (torch.save; read back with weights_only=True)."""
+        if self.rank == 0:
+            path = Path(path)
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(self.state_dict(), tmp)
+            tmp.replace(path)
+
+    def load_state(self, path: str | Path) -> None:
+        self.load_state_dict(torch.load(path, weights_only=True))
+
+    def save(self, out: str | Path, version: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+        """Rank 0 writes the head checkpoint (SGLang layout) in `dtype`; returns its digest."""
+        if self.rank != 0:
+            return None
+        copy = EagleHead(self.head.cfg)
+        copy.load_state_dict(self.head.state_dict())
+        copy.set_vocab_map(self.head.d2t.cpu(), self.head.t2d.cpu())
+        return save_head(copy.to(dtype), out, version=version,
+                         extra={"step": self.step, "trained_tokens": self.tokens})

@@ -1,0 +1,87 @@
+"""Evaluation of a head: simulated acceptance on held-out records, and the real one in the engine.
+
+Simulated (`simulate_acceptance`): from every start row p of held-out records the head drafts
+greedily (the TTT unroll, teacher-forced on the recorded tokens) and each draft is compared with
+the target's greedy choice g[r] = argmax lm_head(final_hidden[r]) at that position. Draft k of
+anchor p is *eligible* when drafts 0..k-1 were accepted and the recorded tokens follow the
+target's greedy path (tokens[p+j+2] == g[p+j+1] for j < k), so the recorded features are the ones
+the engine would see; alpha_k = accepted_k / eligible_k, and the expected accept length for K
+drafts (bonus excluded) is sum_{j=1..K} prod_{k<j} alpha_k. On records the target generated
+greedily every anchor is eligible and this is the exact mean over start positions; on
+teacher-forced text it is the conditional estimate.
+
+Real (`engine_accept_length`): greedy generation through `serving.engine.Engine` with K fixed;
+`engine.on_round` collects `accepted` per round; returns the mean accept length and tokens/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from trainer.batch import collate
+from trainer.loss import SharedTarget, ttt_unroll
+
+
+@torch.no_grad()
+def simulate_acceptance(head, target, records: Sequence, max_steps: int = 7, batch_size: int = 4,
+                        ks: Sequence[int] = (1, 3, 5, 7)) -> dict:
+    """-> {"alpha": [alpha_k], "accept_length": {str(K): ...}, "anchors": n}."""
+    head = head.eval()
+    shared = SharedTarget.build(target, head)
+    lm_head = target.lm_head.weight.detach()
+    d2t = head.draft_to_target
+    hits = torch.zeros(max_steps)
+    eligible = torch.zeros(max_steps)
+    dtype = head.fc.weight.dtype
+    for i in range(0, len(records), batch_size):
+        batch = collate(records[i:i + batch_size])
+        B, T = batch.row_mask.shape
+        greedy = (batch.final_hidden.to(lm_head.dtype) @ lm_head.T).argmax(-1)  # [B,T]: g[r]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            steps = ttt_unroll(head, batch, shared, max_steps)
+        alive = batch.row_mask.clone()  # anchor p still eligible
+        for k, logits in enumerate(steps):
+            n = T - k - 1
+            if n <= 0:
+                break
+            alive = alive[:, :n] & batch.row_mask[:, k + 1:k + 1 + n]
+            g = greedy[:, k + 1:k + 1 + n]
+            hit = (d2t[logits[:, :n].argmax(-1)] == g) & alive
+            eligible[k] += alive.sum()
+            hits[k] += hit.sum()
+            alive = hit & (batch.tokens[:, k + 2:k + 2 + n] == g)
+    alpha = (hits / eligible.clamp_min(1)).tolist()
+    out = {"alpha": alpha, "anchors": int(eligible[0]), "accept_length": {}}
+    for K in ks:
+        total, run = 0.0, 1.0
+        for k in range(min(K, max_steps)):
+            run *= alpha[k]
+            total += run
+        out["accept_length"][str(K)] = total
+    return out
+
+
+def engine_accept_length(target, head, prompts: list[list[int]], num_steps: int, max_tokens: int = 64,
+                         max_len: int = 2048) -> dict:
+    """Greedy decode of `prompts` one at a time (batch 1) with K = num_steps (0: plain decode)
+    -> accept_length (mean over rounds, bonus excluded), tokens_per_s, outputs."""
+    from online_spec.sampling import SamplingParams
+    from serving.engine import Engine, EngineConfig
+
+    eng = Engine(target, head if num_steps > 0 else None,
+                 EngineConfig(max_batch=1, max_len=max_len, max_steps=max(num_steps, 1), num_steps=num_steps))
+    accepted: list[int] = []
+    eng.on_round.append(lambda stats, outs: accepted.extend(stats.accepted) if stats.num_steps else None)
+    outputs, n_tok, elapsed = [], 0, 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        out = eng.generate([p], SamplingParams(max_tokens=max_tokens))[0]
+        elapsed += time.perf_counter() - t0
+        n_tok += len(out)
+        outputs.append(out)
+    return {"accept_length": statistics.fmean(accepted) if accepted else 0.0, "rounds": len(accepted),
+            "tokens_per_s": n_tok / max(elapsed, 1e-9), "tokens": n_tok, "outputs": outputs}

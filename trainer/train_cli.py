@@ -1,0 +1,79 @@
+"""`online-spec train`: build the daemon from flags, run it until SIGTERM, close it.
+
+    online-spec train --run-dir runs/trainer --capture-endpoint ipc:///tmp/online-spec/capture.sock \
+        --control-run-dir runs/serve [--init-head DIR] [--wandb-mode offline]
+
+Flags come from `DaemonConfig`, `GateConfig`, `DistillConfig` (prefix `--distill-`),
+`LossConfig` (`--loss-`), `ReplayConfig` (`--replay-`) and `SubscriberConfig` (`--capture-`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from collector.replay import ReplayConfig
+from collector.subscriber import SubscriberConfig
+from online_spec.config import add_config_args, config_from_args, config_to_dict
+from online_spec.target import load_target
+from online_spec.wandb_run import init_wandb
+from trainer.daemon import DaemonConfig, TrainerDaemon, install_signal_handlers
+from trainer.distill import DistillConfig
+from trainer.gate import GateConfig
+from trainer.loss import LossConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, DaemonConfig)
+    add_config_args(parser, GateConfig, prefix="gate_")
+    add_config_args(parser, DistillConfig, prefix="distill_")
+    add_config_args(parser, LossConfig, prefix="loss_")
+    add_config_args(parser, ReplayConfig, prefix="replay_")
+    add_config_args(parser, SubscriberConfig, prefix="capture_")
+    parser.add_argument("--control-run-dir", type=Path, default=None,
+                        help="the server's run directory (control endpoint + token); omit to train without publishing")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the trainer (share the CPU politely)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    parser.add_argument("--wandb-mode", default="offline", help="offline (default), online or disabled")
+    parser.add_argument("--wandb-project", default="online-spec", help="W&B project")
+    parser.add_argument("--wandb-entity", default=None, help="W&B entity")
+
+
+def build_daemon(args: argparse.Namespace) -> TrainerDaemon:
+    cfg = config_from_args(DaemonConfig, args)
+    run_dir = Path(cfg.run_dir)
+    replay = config_from_args(ReplayConfig, args, prefix="replay_",
+                              **({} if hasattr(args, "replay_root") else {"root": str(run_dir / "replay")}))
+    publisher = None
+    if args.control_run_dir is not None:
+        from serving.control import ControlClient
+        publisher = ControlClient.from_run_dir(args.control_run_dir)
+    run = None
+    if args.wandb_mode != "disabled":
+        run = init_wandb(args.wandb_project, args.wandb_entity, run_dir / "wandb", mode=args.wandb_mode,
+                         config={"daemon": config_to_dict(cfg)}, name="trainer")
+    return TrainerDaemon(cfg, load_target(), publisher, config_from_args(SubscriberConfig, args, prefix="capture_"),
+                         replay, config_from_args(DistillConfig, args, prefix="distill_", **(
+                             {} if hasattr(args, "distill_schedule") else {"schedule": "constant"})),
+                         config_from_args(LossConfig, args, prefix="loss_"),
+                         config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
+    torch.set_num_threads(args.threads)
+    daemon = build_daemon(args)
+    install_signal_handlers(daemon)
+    try:
+        summary = daemon.run(max_steps=args.max_steps, max_seconds=args.max_seconds)
+        log.info("stopped: %s", {k: summary[k] for k in ("step", "live_version", "swaps", "rollbacks")})
+    finally:
+        if daemon.wandb is not None:
+            daemon.wandb.finish()
+    return 0
