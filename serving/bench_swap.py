@@ -7,10 +7,11 @@ clients (greedy, fixed ShareGPT prompts, bounded in count and time), and meanwhi
 written checkpoint directory. Reported:
 
     swap_stall_ms p50/max   extra time of the round in which a swap was applied: its total_s
-                            minus the median total_s of up to 3 rounds before and 3 after
-                            with the same batch size (the swap round includes rebuilding
-                            the new head's draft KV cache from the stored features)
+                            minus the median total_s of the unaffected rounds within 8 before
+                            and after with the same batch size and K
     swap_draft_ms p50/max   the same difference for the draft phase alone
+    fill_round_extra_ms     the same difference for the rounds before the switch in which the new
+                            head's cache was being rebuilt (EngineConfig.swap_fill_rows rows each)
     swaps, rollbacks        applied through the control endpoint (landed between rounds)
     failed_requests         HTTP errors, error events, missing finish (must be 0)
     lossless                every stream's output ids == plain greedy decoding (the target
@@ -54,6 +55,8 @@ class SwapBenchConfig:
     num_steps: int = doc("K per round", 3)
     max_batch: int = doc("engine max_batch", 8)
     threads: int = doc("torch CPU threads (the CPU may be shared)", 2)
+    swap_fill_rows: int = doc("EngineConfig.swap_fill_rows: cache rows rebuilt per round before the switch "
+                              "(0 = old behaviour: switch at once, rebuild every row in the swap round)", 128)
 
     def __post_init__(self):
         check(self.swaps >= 1, "swaps", "must be >= 1")
@@ -130,7 +133,8 @@ def measure(cfg: SwapBenchConfig) -> dict:
     convs = sharegpt_conversations(limit=cfg.prompts, seed=1, max_prompt_tokens=cfg.max_prompt_tokens,
                                    tokenizer=target.tokenizer)
     prompts = [target.encode_chat(c[:1]) for c in convs][:cfg.prompts]
-    engine_cfg = EngineConfig(max_batch=cfg.max_batch, max_len=1024, num_steps=cfg.num_steps)
+    engine_cfg = EngineConfig(max_batch=cfg.max_batch, max_len=1024, num_steps=cfg.num_steps,
+                              swap_fill_rows=cfg.swap_fill_rows)
     plain = Engine(target, None, EngineConfig(max_batch=cfg.max_batch, max_len=1024, num_steps=0))
     reference = plain.generate(prompts, SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True))
     del plain
@@ -175,15 +179,19 @@ def measure(cfg: SwapBenchConfig) -> dict:
         server.close()
 
     stats = [s for _, s in rounds]
-    stall, draft_stall = [], []
-    for i, s in enumerate(stats):
-        if not s.swapped:
-            continue
-        near = [r for r in stats[max(0, i - 3):i] + stats[i + 1:i + 4]
-                if not r.swapped and r.batch_size == s.batch_size and r.num_steps == s.num_steps]
-        if near:
-            stall.append(1000 * (s.total_s - statistics.median(r.total_s for r in near)))
-            draft_stall.append(1000 * (s.draft_s - statistics.median(r.draft_s for r in near)))
+    affected = [s.swapped or s.swap_fill_rows > 0 for s in stats]
+
+    def extra_ms(i: int, field: str) -> float | None:
+        """Round i's `field` minus the median over the nearest unaffected rounds of the same shape."""
+        s = stats[i]
+        near = [stats[j] for j in range(max(0, i - 8), min(len(stats), i + 9))
+                if not affected[j] and stats[j].batch_size == s.batch_size and stats[j].num_steps == s.num_steps]
+        return 1000 * (getattr(s, field) - statistics.median(getattr(r, field) for r in near)) if near else None
+
+    stall = [x for i, s in enumerate(stats) if s.swapped for x in [extra_ms(i, "total_s")] if x is not None]
+    draft_stall = [x for i, s in enumerate(stats) if s.swapped for x in [extra_ms(i, "draft_s")] if x is not None]
+    fill = [x for i, s in enumerate(stats) if s.swap_fill_rows and not s.swapped
+            for x in [extra_ms(i, "total_s")] if x is not None]
     t2s = []
     for version, t_ready in published:
         first = next((t for t, s in rounds if s.head_version == version and s.num_steps > 0), None)
@@ -200,6 +208,9 @@ def measure(cfg: SwapBenchConfig) -> dict:
         "swap_draft_ms_p50": q(draft_stall, 50),
         "swap_draft_ms_max": round(max(draft_stall), 3) if draft_stall else None,
         "stall_samples": len(stall),
+        "fill_round_extra_ms_p50": q(fill, 50), "fill_round_extra_ms_max": round(max(fill), 3) if fill else None,
+        "fill_rounds": sum(1 for s in stats if s.swap_fill_rows and not s.swapped),
+        "fill_rows_per_swap": round(sum(s.swap_fill_rows for s in stats) / max(1, sum(s.swapped for s in stats)), 1),
         "round_ms_p50": q([1000 * s.total_s for s in stats if not s.swapped], 50),
         "swaps": n_swaps + n_rollbacks, "rollbacks": n_rollbacks,
         "swaps_landed_in_rounds": sum(s.swapped for s in stats),

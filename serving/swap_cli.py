@@ -5,6 +5,7 @@ In: the run directory of `online-spec serve` (its control.endpoint and control.t
 exit status 1 with the server's reason when it refuses.
 
     online-spec swap runs/heads/v3 [--run-dir runs/serve] [--version 3] [--digest SHA256]
+    online-spec swap runs/heads/v3 --sglang --server http://127.0.0.1:30000   (an SGLang server)
     online-spec rollback [--run-dir runs/serve]
     online-spec status [--run-dir runs/serve] [--json]
 """
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("dir", help="head checkpoint directory (SGLang layout, under the server's allowed roots)")
         parser.add_argument("--version", type=int, default=None, help="version to install as (default: its metadata)")
         parser.add_argument("--digest", default=None, help="expected sha256 of model.safetensors")
+        parser.add_argument("--sglang", action="store_true",
+                            help="the server is SGLang: push the head through its weight-update endpoints")
+        parser.add_argument("--server", default=None, help="SGLang server URL, http://HOST:PORT (with --sglang)")
     parser.add_argument("--run-dir", default="runs/serve", help="the server's run directory (default: runs/serve)")
     parser.add_argument("--endpoint", default=None, help="control endpoint (default: RUN_DIR/control.endpoint)")
     parser.add_argument("--token-file", default=None, help="control token file (default: RUN_DIR/control.token)")
@@ -32,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "sglang", False):
+        return run_sglang(args)
     try:
         client = ControlClient.from_run_dir(args.run_dir, args.endpoint, args.token_file, args.timeout)
     except OSError as e:
@@ -48,6 +54,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2, default=str) if args.json else summarize(args.command, result))
+    return 0
+
+
+def run_sglang(args: argparse.Namespace) -> int:
+    """`swap --sglang --server URL DIR`: SGLang's own `/update_weights_from_tensor` path (contract 4)."""
+    import httpx
+
+    from serving.sglang_client import SglangSwapError, push_head_to_sglang
+
+    if not args.server:
+        print("error: --sglang needs --server http://HOST:PORT", file=sys.stderr)
+        return 1
+    try:
+        result = push_head_to_sglang(args.server, args.dir, timeout=args.timeout,
+                                     weight_version=None if args.version is None else str(args.version))
+    except (SglangSwapError, httpx.HTTPError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str) if args.json else
+          f"pushed version {result.get('version')} to {args.server}: {result.get('message', '')}")
     return 0
 
 

@@ -268,3 +268,6 @@ def test_cli_swap_rollback_status_end_to_end(served, smol_fp32, capsys):
     bad_token.write_text("0" * 64)
     assert cli_main(["status", "--run-dir", str(run_dir), "--token-file", str(bad_token)]) == 1
     assert "wrong token" in capsys.readouterr().err
+    # --sglang drives an SGLang server instead (serving.sglang_client); nothing listens on port 9
+    assert cli_main(["swap", str(run_dir / "heads" / "v11"), "--sglang", "--server", "http://127.0.0.1:9"]) == 1
+    assert "error:" in capsys.readouterr().err
