@@ -51,7 +51,7 @@ class EngineConfig:
     num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode)", 3)
     max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
     swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
-                              "(0 = switch at once and rebuild every row on the next draft)", 128)
+                              "(0 = switch at once and rebuild every row on the next draft)", 48)
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
