@@ -15,7 +15,7 @@ from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
 from serving.engine import Engine, EngineConfig
 
-GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=28, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
