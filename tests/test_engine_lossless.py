@@ -63,7 +63,9 @@ def test_greedy_fp32_token_identical(smol_fp32, prompts, reference, case, head_k
 
 def test_head_swapped_mid_generation_keeps_output(smol_fp32, prompts, reference):
     heads = [new_head(smol_fp32, seed=11), wrong_head(smol_fp32), None, new_head(smol_fp32, seed=12)]
-    eng = Engine(smol_fp32, heads[0], EngineConfig(max_batch=8, max_len=512, max_steps=7),
+    # swap_fill_rows=0: every swap switches in the next round (a swap every 5 rounds would keep
+    # restarting a staged rebuild); staged swaps are covered in tests/test_control_engine.py
+    eng = Engine(smol_fp32, heads[0], EngineConfig(max_batch=8, max_len=512, max_steps=7, swap_fill_rows=0),
                  policy=CyclingSteps())
     swaps = []
 
