@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
     "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
+    "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
+    "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
+    "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -27,6 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
     "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
     "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
+    "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
 }
 
 

@@ -132,6 +132,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._pending_swap: tuple[EagleHead | None, int] | None = None
+        self._pending_policy: StepPolicy | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
@@ -171,6 +172,16 @@ class Engine:
         """Install `head` (already validated) before the next round. Thread-safe."""
         with self._lock:
             self._pending_swap = (head, version)
+
+    def set_policy(self, policy: StepPolicy) -> None:
+        """Install a new step policy before the next round. Thread-safe."""
+        with self._lock:
+            self._pending_policy = policy
+
+    @property
+    def has_pending(self) -> bool:
+        """A swap or policy change is waiting for the next round (the loop runs one even when idle)."""
+        return self._pending_swap is not None or self._pending_policy is not None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -465,6 +476,9 @@ class Engine:
     def _apply_pending_swap(self) -> bool:
         with self._lock:
             pending, self._pending_swap = self._pending_swap, None
+            policy, self._pending_policy = self._pending_policy, None
+        if policy is not None:
+            self.policy = policy
         if pending is None:
             return False
         self._install_head(*pending)
