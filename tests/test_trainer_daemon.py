@@ -30,7 +30,7 @@ from serving.control import ControlClient, ControlConfig
 from serving.engine import EngineConfig
 from serving.lossless import wrong_head
 from serving.server import HttpThread, ServerConfig, SpecServer
-from collector.publisher import PublisherConfig
+from collector.publisher import CapturePublisher, PublisherConfig
 from tests.distill_helpers import greedy_records, tiny8
 from trainer.batch import collate
 from trainer.daemon import DaemonConfig, TrainerDaemon
@@ -84,10 +84,10 @@ def prompts(smol_bf16):
 
 
 def start_server(target, tmp: Path, head, version: int):
-    cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=512, num_steps=3), capture=True,
-                       publisher=PublisherConfig(endpoint=f"ipc://{tmp}/capture.sock"),
+    pub = PublisherConfig(endpoint=f"ipc://{tmp}/capture.sock")
+    cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=512, num_steps=3), capture=True, publisher=pub,
                        control=ControlConfig(run_dir=str(tmp / "serve"), allowed_roots=str(tmp)))
-    server = SpecServer(cfg, target, head, head_version=version)
+    server = SpecServer(cfg, target, head, head_version=version, publisher=CapturePublisher(pub))
     server.start()
     http = HttpThread(server).start()
     return server, http
