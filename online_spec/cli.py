@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
     "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
+    "demo": ("online_spec.demo", "server + trainer + drifting traffic, live, with a report"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -25,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
     "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
+    "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
 }
 
 
