@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import urllib.request
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,8 @@ from trainer.train_cli import add_arguments as add_train_arguments
 from trainer.train_cli import build_daemon
 
 log = logging.getLogger("online_spec.demo_trainer")
+
+READY_FILE = "ready"
 
 
 def poll_alerts(url: str, on_alert, stop: threading.Event, every_s: float) -> None:
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
+    (Path(daemon.cfg.run_dir) / READY_FILE).write_text("ready")  # the session waits for this before traffic
     stop = threading.Event()
     if args.alerts_url:
         threading.Thread(target=poll_alerts, args=(args.alerts_url, daemon.on_drift, stop, args.alerts_every_s),

@@ -165,7 +165,8 @@ def plot_session(result: SessionResult, figs: dict, out_dir: str | Path, prefix:
     a1.plot(tl["t_s"], [x if x is not None else float("nan") for x in tl["accept_len"]], marker=".")
     a1.set_ylabel("accept_len (drafts, no bonus)")
     marks(a1)
-    a1.legend(loc="upper left", fontsize=8)
+    if figs["swaps"] or figs["alerts"]:
+        a1.legend(loc="upper left", fontsize=8)
     a2.plot(tl["t_s"], tl["tokens_per_s"], marker=".", color="tab:orange")
     a2.set_ylabel("tokens/s")
     a2.set_xlabel("time (s)")
@@ -182,7 +183,8 @@ def plot_session(result: SessionResult, figs: dict, out_dir: str | Path, prefix:
     ax.set_ylabel("K (draft steps)")
     ax.set_xlabel("time (s)")
     marks(ax)
-    ax.legend(loc="upper right", fontsize=8)
+    if tl["num_steps_per_slot"]:
+        ax.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"{result.name}: K per batch-size slot")
     p2 = out_dir / f"{prefix}k_per_slot.png"
     fig.savefig(p2, dpi=100)

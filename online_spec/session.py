@@ -60,6 +60,7 @@ class SessionConfig:
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
     progress_every_s: float = doc("console progress line period; 0 = quiet", 5.0)
+    wait_trainer_s: float = doc("wait this long for the trainer to subscribe before sending traffic; 0 = don't", 300.0)
 
     def __post_init__(self):
         check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
@@ -157,6 +158,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         if cfg.online:
             control = _start_control(server, sock_dir, run_dir)
             trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None)
+            _wait_ready(trainer, run_dir / "trainer", cfg.wait_trainer_s)
         progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress),
                                     daemon=True, name="progress")
         progress.start()
@@ -196,6 +198,7 @@ def _start_control(server, sock_dir: Path, run_dir: Path):
 
 
 def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool):
+    shutil.rmtree(run_dir / "trainer", ignore_errors=True)  # every session starts from its own head, fresh
     args = [sys.executable, "-m", "online_spec.demo_trainer", "--run-dir", str(run_dir / "trainer"),
             "--capture-endpoint", f"ipc://{sock_dir}/capture.sock", "--alerts-url", url + "/server_info",
             "--threads", str(cfg.trainer_threads), "--wandb-mode", "disabled",
@@ -214,6 +217,22 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, 
     proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=repo)
     proc._logf = logf  # closed in _stop_trainer
     return proc
+
+
+def _wait_ready(proc, trainer_dir: Path, timeout_s: float) -> None:
+    """Records published before the trainer subscribes are lost (ZMQ PUB/SUB): wait for it."""
+    from online_spec.demo_trainer import READY_FILE
+
+    t0 = time.monotonic()
+    while timeout_s > 0 and not (trainer_dir / READY_FILE).exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the trainer exited with {proc.returncode}; see {trainer_dir.parent / 'trainer.log'}")
+        if time.monotonic() - t0 > timeout_s:
+            log.warning("trainer not ready after %.0fs; sending traffic anyway", timeout_s)
+            return
+        time.sleep(0.5)
+    if timeout_s > 0:
+        print(f"trainer ready after {time.monotonic() - t0:.0f}s", flush=True)
 
 
 def _stop_trainer(proc, run_dir: Path, grace_s: float = 60.0) -> dict:
