@@ -185,9 +185,8 @@ def run(args: argparse.Namespace) -> int:
     from online_spec.benchutil import machine_info
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    defaults = E2EConfig()
-    # --quick shortens what the command line left at its default
-    overrides = {k: v for k, v in QUICK.items() if args.quick and getattr(args, k) == getattr(defaults, k)}
+    # --quick shortens what the command line did not set (unset flags are absent from args)
+    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
     cfg = config_from_args(E2EConfig, args, **overrides)
     res = run_bench(cfg)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": bool(args.quick), "machine": machine_info(),
