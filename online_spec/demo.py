@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "512", "--eval-every-steps", "5",
                      "--eval-every-s", "20", "--eval-tokens", "512", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
-                     "--replay-heldout-every", "4", "--replay-flush-interval-s", "30"]
+                     "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "1e-3"]
 
 
 @dataclass
@@ -74,24 +74,47 @@ def resolve_head(name: str, target, head_tokens: int = 16_000) -> str:
     return str(build_sharegpt_head(target, head_tokens))
 
 
-def build_sharegpt_head(target, tokens: int) -> Path:
-    """~/.cache/online-spec/heads/sharegpt-demo-N/head, pretrained on first use (resumable)."""
+def cached_sharegpt_heads(min_tokens: int) -> list[tuple[int, Path]]:
+    """Finished ShareGPT pretrain runs in the cache with at least `min_tokens`: [(tokens, head dir)]."""
     from online_spec.target import cache_dir
+
+    found = []
+    for run in (cache_dir() / "heads").glob("sharegpt-*"):
+        try:
+            conf = json.loads((run / "run.json").read_text())["pretrain"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if (run / "eval.json").exists() and (run / "head" / "config.json").exists() and conf.get("data") == "sharegpt" \
+                and conf.get("tokens", 0) >= min_tokens:
+            found.append((int(conf["tokens"]), run / "head"))
+    return sorted(found)
+
+
+def build_sharegpt_head(target, tokens: int) -> Path:
+    """The best finished ShareGPT head in ~/.cache/online-spec/heads with >= `tokens` training
+    tokens; if none, pretrain ~/.cache/online-spec/heads/sharegpt-demo-N once (resumable)."""
+    from online_spec.config import config_to_dict
+    from online_spec.target import cache_dir
+    from trainer.distill import DistillConfig
     from trainer.pretrain import PretrainConfig, load_configs, pretrain
 
+    cached = cached_sharegpt_heads(tokens)
+    if cached:
+        print(f"head: {cached[-1][1]} ({cached[-1][0]} ShareGPT tokens, cached)", flush=True)
+        return cached[-1][1]
     run = cache_dir() / "heads" / f"sharegpt-demo-{tokens}"
-    if (run / "eval.json").exists() and (run / "head" / "config.json").exists():
-        print(f"head: {run / 'head'} (cached)", flush=True)
-        return run / "head"
     print(f"head: pretraining a ShareGPT head on {tokens} tokens into {run} (once; about "
-          f"{max(1, round(tokens / 4000))} min on 2 idle cores, rerun resumes) ...", flush=True)
+          f"{max(1, round(tokens / 4000))} min on 2 cores, rerun resumes) ...", flush=True)
     t0 = time.time()
     cfg = PretrainConfig(data="sharegpt", tokens=tokens, heldout_tokens=min(2000, tokens // 8), out=str(run),
                          batch_tokens=1024, eval_prompts=0)
     dcfg, lcfg = load_configs(cfg.config)
+    # a short run: the default warmup (20 steps) would outlast it; a higher peak rate learns faster
+    steps = max(1, tokens // cfg.batch_tokens)
+    dcfg = DistillConfig(**{**config_to_dict(dcfg), "lr": 1e-3, "warmup_steps": max(1, steps // 10)})
     result = pretrain(cfg, dcfg, lcfg, target)
     sim = (result.get("simulated") or {}).get("accept_length")
-    print(f"head: built in {time.time() - t0:.0f}s (simulated held-out accept length {sim})", flush=True)
+    print(f"head: built in {time.time() - t0:.0f}s (simulated held-out accept length by K: {sim})", flush=True)
     return run / "head"
 
 
