@@ -127,6 +127,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
     from online_spec.head import new_head
     from serving.engine import EngineConfig
     from serving.server import HttpThread, ServerConfig, SpecServer
+    from trainer.distill import init_from_target
 
     torch.set_num_threads(cfg.server_threads)
     run_dir = Path(cfg.run_dir).resolve()
@@ -140,8 +141,12 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         if cfg.head and cfg.head != "none":
             head, meta = load_head(cfg.head, target.info, dtype=target.dtype)
             version = int(meta.get("version", 0))
+        elif not plain:
+            # the day-0 head the trainer starts from too (trainer.daemon._initial_head), so both
+            # sides agree on v0: random weights, lm_head and norm from the target
+            head = init_from_target(new_head(target).float(), target).to(target.dtype).eval()
         else:
-            head = None if plain else new_head(target)
+            head = None
         engine_cfg = EngineConfig(max_batch=cfg.max_batch, num_steps=0 if plain else max(cfg.num_steps, 1))
         publisher = None
         if cfg.online:
