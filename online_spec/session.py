@@ -276,7 +276,8 @@ def _progress(server, result: SessionResult, total: int, cfg: SessionConfig, sto
         for r in spec:
             per_slot.setdefault(r["batch_size"], []).extend(r["accepted"])
         acc = " ".join(f"b{b}:{sum(v) / len(v):.2f}" for b, v in sorted(per_slot.items())) or "-"
-        ks = server.info()["internal_states"][0].get("speculative_num_steps_per_slot") or {}
+        ks = {k: v for k, v in (server.info()["internal_states"][0].get("speculative_num_steps_per_slot") or {}).items()
+              if v is not None}
         k_last = rounds[-1]["num_steps"] if rounds else "-"
         tps = sum(r["committed"] for r in rounds) / cfg.progress_every_s
         print(f"[{cfg.name} {time.time() - result.t0:5.0f}s] rounds {len(result.rounds):5d}  "
