@@ -47,7 +47,8 @@ class DemoConfig:
     head_tokens: int = doc("training tokens of the default ShareGPT head (first-time build)", 16_000)
     out: str = doc("report directory", "runs/demo")
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
-    requests_per_minute: float = doc("built-in trace: requests per phase per serving minute", 4.0)
+    requests_per_minute: float = doc("built-in trace: requests per phase per serving minute (each phase gets a "
+                                     "third of --minutes; lines left when it is up are skipped)", 8.0)
     policy: str = doc("K policy of the server: cost (the project's controller), sglang_default, static", "cost")
     num_steps: int = doc("initial / static K", 3)
     server_threads: int = doc("torch threads of the server process", 1)
@@ -148,6 +149,7 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
                          num_steps=cfg.num_steps, online=True, concurrency=cfg.concurrency,
                          max_tokens=cfg.max_tokens, deadline_s=cfg.minutes * 60, server_threads=cfg.server_threads,
                          trainer_threads=cfg.trainer_threads,
+                         phase_budget_s=0.0 if cfg.trace else cfg.minutes * 60 / 3,
                          trainer_args=DEMO_TRAINER_ARGS if trainer_args is None else trainer_args)
     result = run_session(target, scfg, items)
     figs = session_figures(result)

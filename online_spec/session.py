@@ -60,6 +60,7 @@ class SessionConfig:
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
     progress_every_s: float = doc("console progress line period; 0 = quiet", 5.0)
+    phase_budget_s: float = doc("skip a phase's remaining lines once it has run this long; 0 = serve all", 0.0)
     wait_trainer_s: float = doc("wait this long for the trainer to subscribe before sending traffic; 0 = don't", 300.0)
 
     def __post_init__(self):
@@ -171,7 +172,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             result.done += 1
 
         result.requests = asyncio.run(replay(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
-                                             on_done=on_done))
+                                             on_done=on_done, phase_budget_s=cfg.phase_budget_s or None))
         result.server_info = server.info()
     finally:
         stop_progress.set()

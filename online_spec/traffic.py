@@ -4,7 +4,8 @@ In: a server URL (loopback), `TraceItem`s, a concurrency C, a default max_tokens
 Out: one `RequestResult` per request started — phase, tag, the server's request id, times of
 submission / first token / last token, completion tokens (the usage chunk), error if any.
 Requests start in file order; at most C are in flight; after the deadline no new one starts and
-those in flight are cancelled (the server aborts them when the stream closes).
+those in flight are cancelled (the server aborts them when the stream closes). With a phase
+budget, a phase's remaining lines are skipped once it has run that long.
 
     results = asyncio.run(replay(url, items, concurrency=4, max_tokens=64, deadline_s=600))
 """
@@ -88,19 +89,26 @@ async def _one(client, url: str, item: TraceItem, max_tokens: int, res: RequestR
 
 
 async def replay(url: str, items: list[TraceItem], concurrency: int, max_tokens: int,
-                 deadline_s: float | None = None, on_done=None) -> list[RequestResult]:
-    """Serve `items` in order, at most `concurrency` at once, until done or the deadline."""
+                 deadline_s: float | None = None, on_done=None,
+                 phase_budget_s: float | None = None) -> list[RequestResult]:
+    """Serve `items` in order, at most `concurrency` at once, until done or the deadline.
+    `phase_budget_s`: once a phase has been served that long, its remaining lines are skipped
+    (the next phase starts), so every phase shows whatever the machine's speed."""
     import httpx
 
     results: list[RequestResult] = []
     queue = list(items)
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
+    phase_start: dict[str, float] = {}
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
         async def worker():
             while queue and (t_end is None or time.monotonic() < t_end):
                 item = queue.pop(0)
+                started = phase_start.setdefault(item.phase, time.monotonic())
+                if phase_budget_s is not None and time.monotonic() - started > phase_budget_s:
+                    continue
                 res = RequestResult(item.index, item.phase, item.tag)
                 results.append(res)
                 await _one(client, url, item, max_tokens, res)
