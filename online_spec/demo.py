@@ -172,7 +172,8 @@ def summary_md(figs: dict) -> str:
     o, tr = figs["overall"], figs.get("trainer") or {}
     lines = [f"# online-spec demo ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"head at start: `{figs['head']}`; {figs['duration_s']:.0f} s of serving; "
-             f"{o['requests']} requests ({o['failed']} failed), {o['completion_tokens']} tokens.", "",
+             f"{o['requests']} requests ({o['failed']} failed, {o['cancelled_at_deadline']} cut at the deadline), "
+             f"{o['completion_tokens']} tokens.", "",
              f"Trainer: {tr.get('step')} steps, {tr.get('swaps')} swaps (live v{tr.get('live_version')}), "
              f"{len(tr.get('rolled_back') or [])} rollbacks, {tr.get('refused_swaps')} refused; "
              f"{len(figs['alerts'])} drift alerts.", "",

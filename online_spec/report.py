@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from online_spec.session import SessionResult
+from online_spec.traffic import CANCELLED
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -49,7 +50,9 @@ def _block(reqs, rounds_acc: list[int], verify_rounds: int) -> dict:
     span = (max(r.t_last for r in ok) - min(r.t_submit for r in ok)) if ok else 0.0
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     acc = _mean(rounds_acc)
-    return {"requests": len(reqs), "failed": len(reqs) - len(ok), "completion_tokens": tokens,
+    cancelled = sum(r.error == CANCELLED for r in reqs)
+    return {"requests": len(reqs), "failed": len(reqs) - len(ok) - cancelled, "cancelled_at_deadline": cancelled,
+            "completion_tokens": tokens,
             "wall_s": span, "tokens_per_s": tokens / span if span > 0 else None,
             "accept_len": acc, "accept_length": None if acc is None else acc + 1.0,
             "verify_request_rounds": verify_rounds,

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 from online_spec.trace import TraceItem
 
+CANCELLED = "cancelled at the deadline"
+
 
 @dataclass
 class RequestResult:
@@ -82,7 +84,7 @@ async def _one(client, url: str, item: TraceItem, max_tokens: int, res: RequestR
             res.t_last = res.t_last or time.time()
             res.t_first = res.t_first or res.t_last
     except asyncio.CancelledError:
-        res.error = "cancelled at the deadline"
+        res.error = CANCELLED
         raise
     except Exception as e:  # noqa: BLE001 - one failed request is reported, not fatal
         res.error = f"{type(e).__name__}: {e}"
