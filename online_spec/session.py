@@ -111,7 +111,8 @@ def build_policy(cfg: SessionConfig):
         return None
     adaptive = load_adaptive_config(adaptive_config_path("sglang_default"))
     if cfg.policy == "sglang_default":
-        return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps or None)
+        tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
+        return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
     return CostModelPolicy(adaptive)
 
 
