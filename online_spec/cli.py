@@ -26,6 +26,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
     "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
+    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
+    "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
     "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
 }
 
