@@ -164,7 +164,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         http = HttpThread(server).start()
         if cfg.online:
             control = _start_control(server, sock_dir, run_dir)
-            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None)
+            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None, version)
             _wait_ready(trainer, run_dir / "trainer", cfg.wait_trainer_s)
         progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress),
                                     daemon=True, name="progress")
@@ -204,8 +204,18 @@ def _start_control(server, sock_dir: Path, run_dir: Path):
     return ControlServer(server, ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir))).start()
 
 
-def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool):
+def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool,
+                   head_version: int = 0):
+    import json
+
     shutil.rmtree(run_dir / "trainer", ignore_errors=True)  # every session starts from its own head, fresh
+    if head_version:
+        # the daemon numbers its versions from 1; a head that is already vN must not be re-published as v1
+        # and a rollback to it must find it where the daemon keeps its versions
+        (run_dir / "trainer" / "ckpt").mkdir(parents=True)
+        (run_dir / "trainer" / "ckpt" / f"v{head_version}").symlink_to(Path(cfg.head).resolve())
+        (run_dir / "trainer" / "state.json").write_text(
+            json.dumps({"live_version": head_version, "next_version": head_version + 1}))
     args = [sys.executable, "-m", "online_spec.demo_trainer", "--run-dir", str(run_dir / "trainer"),
             "--capture-endpoint", f"ipc://{sock_dir}/capture.sock", "--alerts-url", url + "/server_info",
             "--threads", str(cfg.trainer_threads), "--wandb-mode", "disabled",
