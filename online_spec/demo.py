@@ -182,7 +182,7 @@ def summary_md(figs: dict) -> str:
     for name, p in list(figs["phases"].items()) + [("overall", o)]:
         lines.append(f"| {name} | {p['requests']} | {p['completion_tokens']} | {_f(p['tokens_per_s'], 1)} | "
                      f"{_f(p['accept_len'])} | {_f(p['tpot_p50_s'], 3)} / {_f(p['tpot_p99_s'], 3)} |")
-    lines += ["", "Swaps (s from start): " + (", ".join(f"{s['t_s']:.0f} (v{s['to']})" for s in figs["swaps"]) or "none"),
+    lines += ["", "Swaps (s from start): " + (", ".join(f"{s['t_s']:.0f} (v{s['to']}{', rollback' if s['rollback'] else ''})" for s in figs["swaps"]) or "none"),
               "Alerts: " + (", ".join(f"{a['t_s']:.0f} ({a.get('kind', '?')}, slot {a.get('slot')}, tag "
                                       f"{a.get('tag')!r})" for a in figs["alerts"]) or "none"), "",
               "Adaptation after each shift:", ""]

@@ -75,7 +75,8 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
     all_acc = [a for v in acc_by_phase.values() for a in v]
     figs = {"name": result.name, "duration_s": result.t1 - result.t0, "overall": _block(result.requests, all_acc, len(all_acc)),
             "phases": phases, "timeline": timeline(result, bin_s),
-            "swaps": [{"t_s": s["t"] - result.t0, "from": s["from"], "to": s["to"]} for s in result.swaps],
+            "swaps": [{"t_s": s["t"] - result.t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"]}
+                      for s in result.swaps],
             "alerts": [{**a, "t_s": a["t"] - result.t0} for a in result.alerts],
             "adaptation": adaptation(result), "trainer": result.trainer}
     return figs
@@ -120,7 +121,7 @@ def adaptation(result: SessionResult, window: int = 32) -> list[dict]:
         seq = [(rd["t"], a, rd["committed"]) for rd in result.rounds if rd["num_steps"] > 0 and rd["t"] >= t0
                for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == name]
         tokens_after = [(rd["t"], rd["committed"]) for rd in result.rounds if rd["t"] >= t0]
-        swap = next((s for s in result.swaps if s["t"] >= t0), None)
+        swap = next((s for s in result.swaps if s["t"] >= t0 and not s["rollback"]), None)
         final = _mean(a for _, a, _ in seq[-max(1, len(seq) // 4):]) if seq else None
         t_adapt = None
         if seq and final and final > 0:
@@ -156,8 +157,12 @@ def plot_session(result: SessionResult, figs: dict, out_dir: str | Path, prefix:
         starts.setdefault(r.phase, r.t_submit - result.t0)
 
     def marks(ax):
-        for i, s in enumerate(figs["swaps"]):
+        swaps = [s for s in figs["swaps"] if not s["rollback"]]
+        rollbacks = [s for s in figs["swaps"] if s["rollback"]]
+        for i, s in enumerate(swaps):
             ax.axvline(s["t_s"], color="green", ls="--", lw=1, label="swap" if i == 0 else None)
+        for i, s in enumerate(rollbacks):
+            ax.axvline(s["t_s"], color="purple", ls="-.", lw=1, label="rollback" if i == 0 else None)
         for i, a in enumerate(figs["alerts"]):
             ax.axvline(a["t_s"], color="red", ls=":", lw=1, label="drift alert" if i == 0 else None)
         for name, t in starts.items():

@@ -100,7 +100,9 @@ class RoundLog:
             "accepted": list(stats.accepted), "committed": stats.committed, "total_s": stats.total_s,
             "head_version": stats.head_version, "request_ids": [o.request_id for o in outs], "tags": list(tags)})
         if self.last_version is not None and stats.head_version != self.last_version:
-            self.result.swaps.append({"t": now, "from": self.last_version, "to": stats.head_version})
+            # the daemon numbers versions upwards, so going down is a rollback
+            self.result.swaps.append({"t": now, "from": self.last_version, "to": stats.head_version,
+                                      "rollback": stats.head_version < self.last_version})
         self.last_version = stats.head_version
 
 
