@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
     "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
     "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
+    "demo": ("online_spec.demo", "server + trainer + drifting traffic, live, with a report"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -38,6 +39,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
     "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
     "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
+    "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
 }
 
 
