@@ -17,7 +17,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serving.server", "serve the model over HTTP (OpenAI API, /generate, /metrics)"),
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
+    "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
+    "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
+    "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
     "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
+    "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
+    "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
+    "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
+    "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
+    "demo": ("online_spec.demo", "server + trainer + drifting traffic, live, with a report"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -25,6 +33,13 @@ BENCHES: dict[str, tuple[str, str]] = {
     "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
     "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
     "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
+    "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
+    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
+    "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
+    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
+    "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
+    "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
+    "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
 }
 
 

@@ -136,6 +136,31 @@ class EagleHead(nn.Module):
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h)), h
 
+    def kv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys/values rows write into the cache ([B,kvh,T,hd], rope applied), nothing else:
+        a row's K/V depend only on its own inputs, so rebuilding a cache (after a swap, for a
+        prompt) skips attention, MLP and lm_head for every row but the last. Same math as forward."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)
+        layer = self.midlayer
+        a = layer.self_attn
+        B, T, _ = embeds.shape
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        k = a.k_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
+        return apply_rotary_pos_emb(k, k, cos, sin)[1], v
+
+    @torch.inference_mode()
+    def fill_cache(self, embeds: torch.Tensor, hidden: torch.Tensor, slot: int, start: int, cache: KVCache,
+                   rope) -> None:
+        """Write the K/V of rows start..start+T-1 of `slot` (embeds [1,T,H], hidden [1,T,3H|H])."""
+        T = embeds.shape[1]
+        cos, sin = rope(torch.arange(start, start + T, device=embeds.device)[None])
+        k, v = self.kv(embeds, hidden, cos.squeeze(1), sin.squeeze(1))
+        cache.k[0][slot, :, start:start + T] = k[0]
+        cache.v[0][slot, :, start:start + T] = v[0]
+
     @torch.inference_mode()
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch, cache: KVCache,
              rope) -> tuple[torch.Tensor, torch.Tensor]:

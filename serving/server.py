@@ -36,6 +36,7 @@ from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.head import EagleHead
 from online_spec.sampling import SamplingParams
 from serving.api import ApiError
+from serving.control import ControlConfig, ControlServer
 from serving.engine import Engine, EngineConfig, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 from serving.metrics import ServerMetrics
 from serving.server_drift import ServerDrift
@@ -71,6 +72,9 @@ class ServerConfig:
                                        metadata={"help": "capture publisher settings (--capture-* flags)", "cli": False})
     drift: DriftConfig = field(default_factory=DriftConfig,
                                metadata={"help": "drift detector settings (--drift-* flags)", "cli": False})
+    control: ControlConfig = field(default_factory=ControlConfig,
+                                   metadata={"help": "control endpoint (--run-dir, --control-endpoint, "
+                                             "--allowed-roots)", "cli": False})
 
     def __post_init__(self):
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
@@ -107,6 +111,7 @@ class SpecServer:
             self.round_observers.append(self.drift.observe)
         self.app = build_app(self)
         self.started_at = time.time()
+        self.control = ControlServer(self, cfg.control) if cfg.control.enabled else None
 
     # -- the hooks ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:
@@ -161,9 +166,13 @@ class SpecServer:
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         self.loop.start()
+        if self.control is not None:
+            self.control.start()
 
     def close(self) -> None:
         """Stop the engine thread, then close what the server was given: publisher, W&B run."""
+        if self.control is not None:
+            self.control.close()
         self.loop.close()
         if self.engine.publisher is not None and hasattr(self.engine.publisher, "close"):
             self.engine.publisher.close()
@@ -266,6 +275,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, EngineConfig)
     add_config_args(parser, DriftConfig, prefix="drift_")
     add_config_args(parser, PublisherConfig, prefix="capture_")
+    add_config_args(parser, ControlConfig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
     engine_cfg = config_from_args(EngineConfig, args)
     drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
     publisher_cfg = config_from_args(PublisherConfig, args, prefix="capture_")
-    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg)
+    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg,
+                           control=config_from_args(ControlConfig, args))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = build_server(cfg)
     try:

@@ -143,6 +143,9 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             if not self.engine.has_work():
+                if self.engine.has_pending:  # a swap or policy change lands even when idle
+                    self._step_idle()
+                    continue
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
                 continue
@@ -161,6 +164,14 @@ class EngineLoop:
                     self.on_step(outs, time.perf_counter() - t0)
                 except Exception:
                     log.exception("on_step hook failed (ignored)")
+
+    def _step_idle(self) -> None:
+        try:
+            self.engine.step()
+        except Exception:
+            self.rounds_failed += 1
+            log.exception("idle round (applying a swap) failed")
+            time.sleep(0.05)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:

@@ -41,7 +41,7 @@ def simulate_acceptance(head, target, records: Sequence, max_steps: int = 7, bat
     eligible = torch.zeros(max_steps)
     dtype = head.fc.weight.dtype
     for i in range(0, len(records), batch_size):
-        batch = collate(records[i:i + batch_size])
+        batch = collate(records[i:i + batch_size]).to(head.fc.weight.device)
         B, T = batch.row_mask.shape
         greedy = (batch.final_hidden.to(lm_head.dtype) @ lm_head.T).argmax(-1)  # [B,T]: g[r]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -59,8 +59,8 @@ def simulate_acceptance(head, target, records: Sequence, max_steps: int = 7, bat
             alive = alive[:, :n] & batch.row_mask[:, k + 1:k + 1 + n]
             g = greedy[:, k + 1:k + 1 + n]
             hit = (d2t[logits[:, :n].argmax(-1)] == g) & alive
-            eligible[k] += alive.sum()
-            hits[k] += hit.sum()
+            eligible[k] += int(alive.sum())
+            hits[k] += int(hit.sum())
             alive = hit & (batch.tokens[:, k + 2:k + 2 + n] == g)
     alpha = (hits / eligible.clamp_min(1)).tolist()
     out = {"alpha": alpha, "anchors": int(eligible[0]), "accept_length": {}}

@@ -11,7 +11,8 @@ so a trace replayed here and through SGLang's `AdaptiveSpeculativeParams` gives 
     online-spec controller replay --config configs/adaptive/sglang_default.json \\
         --initial-steps 3 --trace rounds.jsonl [--out steps.jsonl]
 
-`TraceRecorder` is what the engine calls once per round to write such a trace.
+`TraceRecorder` writes such a trace; `attach_trace_recorder(engine, path)` hooks one onto a live
+engine's `on_round`, so recorded traffic replays here to the K sequence the live EMA policy ran.
 """
 
 from __future__ import annotations
@@ -106,6 +107,35 @@ class TraceRecorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def attach_trace_recorder(engine, path: str | Path) -> TraceRecorder:
+    """Record every verify round of `engine` as a trace line (close the recorder when done).
+
+    Each line has batch_size, accepted (bonus excluded), num_steps (the K drafted), ctx_len and
+    the round's draft/verify seconds. Rounds without a head are skipped, as the engine does
+    not feed them to its policy; a round that began with a head swap is marked "rewarm": true
+    (the live policy was rewarmed there; `replay` does not rewarm, so a trace with swaps
+    replays exactly only up to the first one).
+    """
+    rec = TraceRecorder.open(path)
+
+    def on_round(stats, outputs) -> None:
+        if engine.head is None:
+            return
+        rec.record(stats.batch_size, stats.accepted, num_steps=stats.num_steps, ctx_len=stats.ctx_len,
+                   draft_s=stats.draft_s, verify_s=stats.verify_s, rewarm=True if stats.swapped else None)
+
+    engine.on_round.append(on_round)
+    return rec
+
+
+def replay_steps_used(policy, rounds: Iterable[tuple[int, Sequence[int]]]) -> Iterator[int]:
+    """The K each round runs with (`steps_for` before `update`), to compare with the engine's
+    `RoundStats.num_steps`; `replay_trace` yields the K after each round instead."""
+    for batch_size, accepted in rounds:
+        yield policy.steps_for(batch_size)
+        policy.update(batch_size, accepted)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,201 @@
+"""`online-spec bench e2e`: plain vs static head vs SGLang adaptive vs online-spec, one drifting trace.
+
+Same trace (built-in chat -> code -> mix, or `--trace FILE`), same machine, one process, one
+after the other (`online_spec.session.run_session`, streaming HTTP clients on loopback):
+  1. plain        K = 0, no head
+  2. static       the ShareGPT head at the best static K; calibration: each K of
+                  `--calib-steps` serves the first `--calib-requests` requests of the trace's
+                  first phase (what a static deployment is tuned on) and the best tokens/s wins
+  3. adaptive     the same head with SGLang's default adaptive policy (EMA tiers, sglang_default)
+  4. online-spec  the same head, the trainer daemon beside the server (capture, gated swaps over
+                  the control endpoint, drift alerts) and the project's cost-model controller
+then two batch-1 measurements on the last phase's first `--bs1-requests` requests (plain, and
+the online-spec head the trainer left live with the controller): `speedup_vs_plain_bs1_adapted`;
+and online-spec from a random day-0 head: `tokens_to_beat_plain_from_day0`, the tokens the
+server committed up to the end of the first 10 s window whose tokens/s beat plain decoding's
+overall tokens/s (None if none did).
+
+Per configuration and per phase: tokens/s, accept_len (bonus excluded) and accept_length
+(bonus included), TPOT p50/p99; for online-spec also the time and tokens to adapt after each
+shift (`report.adaptation`). Timings are never asserted; a shared machine moves them 20-40 %.
+
+    online-spec bench e2e --quick --json results/bench_e2e.json
+    online-spec bench e2e --json results/bench_e2e.json --head runs/sharegpt-100k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+
+QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_requests=2, bs1_requests=2,
+             deadline_s=300.0)
+
+
+@dataclass
+class E2EConfig:
+    trace: str = doc("JSONL trace; empty = the built-in drifting trace", "")
+    head: str = doc("static head: sharegpt (cached pretrain, see online-spec demo), day0, or a directory", "sharegpt")
+    head_tokens: int = doc("training tokens of the ShareGPT head if it must be built", 16_000)
+    requests_per_phase: int = doc("built-in trace: requests per phase", 16)
+    max_tokens: int = doc("max_tokens of trace lines that give none", 64)
+    concurrency: int = doc("streaming clients in flight", 4)
+    calib_steps: str = doc("static K candidates, comma-separated", "1,2,3,4,5")
+    calib_requests: int = doc("requests of the first phase served per calibration K", 6)
+    bs1_requests: int = doc("last-phase requests of the batch-1 measurement", 4)
+    deadline_s: float = doc("per configuration: stop starting requests after this long", 900.0)
+    day0: bool = doc("also run online-spec from a random day-0 head (tokens_to_beat_plain_from_day0)", True)
+    out: str = doc("run directory of the sessions (trainer state, logs)", "runs/bench_e2e")
+    server_threads: int = doc("torch threads of the server process", 1)
+    trainer_threads: int = doc("torch threads of the trainer process", 1)
+    seed: int = doc("seed of the built-in trace", 0)
+
+    def __post_init__(self):
+        check(self.requests_per_phase >= 1, "requests_per_phase", "must be >= 1")
+        ks = [s for s in self.calib_steps.split(",") if s.strip()]
+        check(bool(ks) and all(s.strip().isdigit() and int(s) >= 1 for s in ks), "calib_steps",
+              f"must be comma-separated integers >= 1, got {self.calib_steps!r}")
+        check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> dict:
+    import torch
+
+    from online_spec.demo import DEMO_TRAINER_ARGS, resolve_head
+    from online_spec.report import session_figures
+    from online_spec.session import SessionConfig, run_session
+    from online_spec.target import load_target
+    from online_spec.trace import build_drift_trace, load_trace, phases
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = target or load_target(dtype=torch.bfloat16)
+    head = resolve_head(cfg.head, target, cfg.head_tokens)
+    if cfg.trace:
+        items = load_trace(cfg.trace)
+    else:
+        n = cfg.requests_per_phase
+        items = load_trace(build_drift_trace(out / "trace.jsonl", n, n, n, cfg.seed))
+    runs = phases(items)
+    targs = DEMO_TRAINER_ARGS if trainer_args is None else trainer_args
+
+    def session(name, items_, **kw):
+        base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
+                    max_tokens=cfg.max_tokens, deadline_s=cfg.deadline_s, server_threads=cfg.server_threads,
+                    trainer_threads=cfg.trainer_threads, trainer_args=targs)
+        t0 = time.time()
+        print(f"== {name}", flush=True)
+        figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))
+        figs["wall_s"] = time.time() - t0
+        return figs
+
+    res: dict = {"bench": "e2e", "config": config_to_dict(cfg), "model": target.name, "head": head or "day0 (random)",
+                 "trace": {"requests": len(items), "phases": [[p, len(r)] for p, r in runs]}}
+    configs = res["configs"] = {}
+    configs["plain"] = session("plain", items, head="none", num_steps=0)
+
+    calib_items = runs[0][1][:cfg.calib_requests]
+    calib = {}
+    ks = [int(s) for s in cfg.calib_steps.split(",") if s.strip()]
+    for k in ks if len(ks) > 1 else []:
+        calib[k] = session(f"calib-k{k}", calib_items, num_steps=k, progress_every_s=0)["overall"]["tokens_per_s"]
+    best_k = max(calib, key=lambda k: calib[k] or 0) if calib else ks[0]
+    res["static_k"] = {"best": best_k, "tokens_per_s_by_k": calib,
+                       "how": f"each K served the first {len(calib_items)} requests of phase {runs[0][0]!r}; "
+                              "best tokens/s wins"}
+    configs["static"] = session("static", items, num_steps=best_k)
+    configs["sglang_adaptive"] = session("sglang_adaptive", items, policy="sglang_default", num_steps=best_k)
+    configs["online_spec"] = session("online_spec", items, policy="cost", num_steps=best_k, online=True)
+
+    # batch 1 on the last phase, with the head the trainer left live
+    live = (configs["online_spec"].get("trainer") or {}).get("live_version") or 0
+    adapted = out / "online_spec" / "trainer" / "ckpt" / f"v{live}"
+    adapted_head = str(adapted) if live and adapted.exists() else head
+    last = runs[-1][1][:cfg.bs1_requests]
+    bs1_plain = session("bs1_plain", last, head="none", num_steps=0, concurrency=1)
+    bs1_online = session("bs1_adapted", last, head=adapted_head, policy="cost", num_steps=best_k, concurrency=1)
+    res["bs1"] = {"phase": runs[-1][0], "requests": len(last), "adapted_head": adapted_head or "day0 (random)",
+                  "adapted_version": live, "plain": bs1_plain["overall"], "online_spec": bs1_online["overall"]}
+
+    if cfg.day0:
+        configs["online_spec_day0"] = session("online_spec_day0", items, head="", policy="cost", num_steps=best_k,
+                                              online=True)
+    res.update(headline(res, configs))
+    return res
+
+
+def tokens_to_beat(day0: dict, plain_tps: float | None) -> int | None:
+    """Tokens committed until the end of the first timeline window faster than plain decoding."""
+    tl = day0["timeline"]
+    total = 0.0
+    for tps, acc in zip(tl["tokens_per_s"], tl["accept_len"]):
+        total += tps * tl["bin_s"]
+        if plain_tps and acc is not None and tps > plain_tps:
+            return int(total)
+    return None
+
+
+def headline(res: dict, configs: dict) -> dict:
+    def tps(name, phase=None):
+        c = configs.get(name)
+        if c is None:
+            return None
+        return (c["phases"].get(phase) or {}).get("tokens_per_s") if phase else c["overall"]["tokens_per_s"]
+
+    phases = [p for p, _ in res["trace"]["phases"]]
+    out = {"speedup_vs_static_sglang_adaptive": _ratio(tps("online_spec"), tps("sglang_adaptive")),
+           "speedup_vs_static": _ratio(tps("online_spec"), tps("static")),
+           "speedup_vs_plain": _ratio(tps("online_spec"), tps("plain")),
+           "speedup_vs_plain_bs1_adapted": _ratio(res["bs1"]["online_spec"]["tokens_per_s"],
+                                                  res["bs1"]["plain"]["tokens_per_s"]),
+           "per_phase": {p: {name: {k: (c["phases"].get(p) or {}).get(k) for k in
+                                    ("tokens_per_s", "accept_len", "accept_length", "tpot_p50_s", "tpot_p99_s")}
+                             for name, c in configs.items()} for p in phases},
+           "overall": {name: {k: c["overall"].get(k) for k in
+                              ("tokens_per_s", "accept_len", "accept_length", "tpot_p50_s", "tpot_p99_s", "failed")}
+                       for name, c in configs.items()},
+           "adaptation_online_spec": configs["online_spec"]["adaptation"],
+           "swaps_online_spec": len(configs["online_spec"]["swaps"]),
+           "alerts_online_spec": len(configs["online_spec"]["alerts"])}
+    day0 = configs.get("online_spec_day0")
+    out["tokens_to_beat_plain_from_day0"] = None if day0 is None else tokens_to_beat(day0, tps("plain"))
+    out["targets"] = {"speedup_vs_static_sglang_adaptive": 1.3, "speedup_vs_plain_bs1_adapted": 2.5}
+    out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in out["targets"].items()}
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, E2EConfig)
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--quick", action="store_true", help=f"a short run ({QUICK})")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from online_spec.benchutil import machine_info
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # --quick shortens what the command line did not set (unset flags are absent from args)
+    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    cfg = config_from_args(E2EConfig, args, **overrides)
+    res = run_bench(cfg)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": bool(args.quick), "machine": machine_info(),
+              **res}
+    text = json.dumps(report, indent=2, default=str)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    print(json.dumps({k: report[k] for k in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted",
+                                              "tokens_to_beat_plain_from_day0", "static_k", "overall", "met")},
+                     indent=2, default=str))
+    return 0

@@ -1,0 +1,208 @@
+"""`online-spec demo`: server + trainer + drifting traffic, live, ending with a report.
+
+Starts the embedded server (SmolLM2) with a head, the capture publisher, the control endpoint,
+and the trainer daemon in a child process (`online_spec.session`); replays a drifting trace
+(ShareGPT chat -> HumanEval code -> a mix, or `--trace FILE`) over HTTP with streaming clients;
+prints a progress line every few seconds (rounds, tokens/s, accept_len per batch-size slot, K,
+head version, swaps, alerts); writes OUT/summary.md, OUT/figures.json and two PNGs.
+
+    online-spec demo                                  # ~15 min on 2 cores the first time, ~10 after
+    online-spec demo --minutes 3 --head day0          # quick look, random day-0 head
+    online-spec demo --trace my.jsonl --concurrency 8 --out runs/demo-mine
+
+Head (`--head`): `sharegpt` (default) is a head pretrained on ShareGPT by `trainer.pretrain`
+with `--head-tokens` training tokens, built on first use into
+~/.cache/online-spec/heads/sharegpt-demo-N and reused; `day0` is a random head; a directory is
+a head checkpoint or a pretrain run directory (its `head/`).
+CPU sharing: the server process uses `--server-threads` (1) torch threads, the trainer
+`--trainer-threads` (1), so on 2 cores each has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from online_spec.config import check, doc
+
+log = logging.getLogger(__name__)
+
+# the daemon's settings for a demo: small batches, frequent evaluation, a small gate sample
+DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "512", "--eval-every-steps", "5",
+                     "--eval-every-s", "20", "--eval-tokens", "512", "--save-every-steps", "20",
+                     "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
+                     "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "1e-3"]
+
+
+@dataclass
+class DemoConfig:
+    minutes: float = doc("serving time budget (the first-time head build comes on top)", 10.0)
+    trace: str = doc("JSONL trace to replay; empty = the built-in drifting trace sized to --minutes", "")
+    concurrency: int = doc("streaming clients in flight", 4)
+    head: str = doc("day0 | sharegpt | a head checkpoint or pretrain run directory", "sharegpt")
+    head_tokens: int = doc("training tokens of the default ShareGPT head (first-time build)", 16_000)
+    out: str = doc("report directory", "runs/demo")
+    max_tokens: int = doc("max_tokens of trace lines that give none", 64)
+    requests_per_minute: float = doc("built-in trace: requests per phase per serving minute (each phase gets a "
+                                     "third of --minutes; lines left when it is up are skipped)", 8.0)
+    policy: str = doc("K policy of the server: cost (the project's controller), sglang_default, static", "cost")
+    num_steps: int = doc("initial / static K", 3)
+    server_threads: int = doc("torch threads of the server process", 1)
+    trainer_threads: int = doc("torch threads of the trainer process", 1)
+    seed: int = doc("seed of the built-in trace", 0)
+
+    def __post_init__(self):
+        check(self.minutes > 0, "minutes", "must be > 0")
+        check(self.concurrency >= 1, "concurrency", "must be >= 1")
+        check(self.head_tokens >= 1000, "head_tokens", "must be >= 1000")
+        check(self.requests_per_minute > 0, "requests_per_minute", "must be > 0")
+
+
+def resolve_head(name: str, target, head_tokens: int = 16_000) -> str:
+    """Checkpoint directory for `--head` ("" = random day-0 head); builds the ShareGPT head once."""
+    if name == "day0":
+        return ""
+    if name != "sharegpt":
+        p = Path(name).expanduser()
+        if (p / "head" / "config.json").exists():
+            return str(p / "head")
+        check((p / "config.json").exists(), "head", f"{p} is neither a head checkpoint nor a pretrain run directory")
+        return str(p)
+    return str(build_sharegpt_head(target, head_tokens))
+
+
+def cached_sharegpt_heads(min_tokens: int) -> list[tuple[int, Path]]:
+    """Finished ShareGPT pretrain runs in the cache with at least `min_tokens`: [(tokens, head dir)]."""
+    from online_spec.target import cache_dir
+
+    found = []
+    for run in (cache_dir() / "heads").glob("sharegpt-*"):
+        try:
+            conf = json.loads((run / "run.json").read_text())["pretrain"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if (run / "eval.json").exists() and (run / "head" / "config.json").exists() and conf.get("data") == "sharegpt" \
+                and conf.get("tokens", 0) >= min_tokens:
+            found.append((int(conf["tokens"]), run / "head"))
+    return sorted(found)
+
+
+def build_sharegpt_head(target, tokens: int) -> Path:
+    """The best finished ShareGPT head in ~/.cache/online-spec/heads with >= `tokens` training
+    tokens; if none, pretrain ~/.cache/online-spec/heads/sharegpt-demo-N once (resumable)."""
+    from online_spec.config import config_to_dict
+    from online_spec.target import cache_dir
+    from trainer.distill import DistillConfig
+    from trainer.pretrain import PretrainConfig, load_configs, pretrain
+
+    cached = cached_sharegpt_heads(tokens)
+    if cached:
+        print(f"head: {cached[-1][1]} ({cached[-1][0]} ShareGPT tokens, cached)", flush=True)
+        return cached[-1][1]
+    run = cache_dir() / "heads" / f"sharegpt-demo-{tokens}"
+    print(f"head: pretraining a ShareGPT head on {tokens} tokens into {run} (once; about "
+          f"{max(1, round(tokens / 4000))} min on 2 cores, rerun resumes) ...", flush=True)
+    t0 = time.time()
+    cfg = PretrainConfig(data="sharegpt", tokens=tokens, heldout_tokens=min(2000, tokens // 8), out=str(run),
+                         batch_tokens=1024, eval_prompts=0)
+    dcfg, lcfg = load_configs(cfg.config)
+    # a short run: the default warmup (20 steps) would outlast it; a higher peak rate learns faster
+    steps = max(1, tokens // cfg.batch_tokens)
+    dcfg = DistillConfig(**{**config_to_dict(dcfg), "lr": 1e-3, "warmup_steps": max(1, steps // 10)})
+    result = pretrain(cfg, dcfg, lcfg, target)
+    sim = (result.get("simulated") or {}).get("accept_length")
+    print(f"head: built in {time.time() - t0:.0f}s (simulated held-out accept length by K: {sim})", flush=True)
+    return run / "head"
+
+
+def trace_items(cfg: DemoConfig, out: Path):
+    from online_spec.trace import build_drift_trace, load_trace
+
+    if cfg.trace:
+        return load_trace(cfg.trace)
+    n = max(2, round(cfg.minutes * cfg.requests_per_minute))
+    path = build_drift_trace(out / "trace.jsonl", n, n, n, cfg.seed)
+    return load_trace(path)
+
+
+def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> dict:
+    """The whole demo; returns figures.json's content."""
+    import torch
+
+    from online_spec.report import plot_session, session_figures
+    from online_spec.session import SessionConfig, run_session
+    from online_spec.target import load_target
+    from online_spec.trace import phases
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(cfg.server_threads, cfg.trainer_threads))  # the head build uses both cores
+    target = target or load_target(dtype=torch.bfloat16)
+    head = resolve_head(cfg.head, target, cfg.head_tokens)
+    items = trace_items(cfg, out)
+    print(f"trace: {len(items)} requests, phases {[(n, len(r)) for n, r in phases(items)]}", flush=True)
+    scfg = SessionConfig(name="online-spec", run_dir=str(out / "session"), head=head, policy=cfg.policy,
+                         num_steps=cfg.num_steps, online=True, concurrency=cfg.concurrency,
+                         max_tokens=cfg.max_tokens, deadline_s=cfg.minutes * 60, server_threads=cfg.server_threads,
+                         trainer_threads=cfg.trainer_threads,
+                         phase_budget_s=0.0 if cfg.trace else cfg.minutes * 60 / 3,
+                         trainer_args=DEMO_TRAINER_ARGS if trainer_args is None else trainer_args)
+    result = run_session(target, scfg, items)
+    figs = session_figures(result)
+    figs["config"] = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    figs["head"] = head or "day0 (random)"
+    figs["requests"] = [r.to_dict() for r in result.requests]
+    pngs = plot_session(result, figs, out)
+    figs["plots"] = [p.name for p in pngs]
+    (out / "figures.json").write_text(json.dumps(figs, indent=2))
+    (out / "summary.md").write_text(summary_md(figs))
+    print(f"report: {out / 'summary.md'}", flush=True)
+    return figs
+
+
+def _f(x, nd=2) -> str:
+    return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def summary_md(figs: dict) -> str:
+    o, tr = figs["overall"], figs.get("trainer") or {}
+    lines = [f"# online-spec demo ({time.strftime('%Y-%m-%d %H:%M')})", "",
+             f"head at start: `{figs['head']}`; {figs['duration_s']:.0f} s of serving; "
+             f"{o['requests']} requests ({o['failed']} failed, {o['cancelled_at_deadline']} cut at the deadline), "
+             f"{o['completion_tokens']} tokens.", "",
+             f"Trainer: {tr.get('step')} steps, {tr.get('swaps')} swaps (live v{tr.get('live_version')}), "
+             f"{len(tr.get('rolled_back') or [])} rollbacks, {tr.get('refused_swaps')} refused; "
+             f"{len(figs['alerts'])} drift alerts.", "",
+             "| phase | requests | tokens | tokens/s | accept_len (no bonus) | TPOT p50 / p99 (s) |",
+             "|---|---|---|---|---|---|"]
+    for name, p in list(figs["phases"].items()) + [("overall", o)]:
+        lines.append(f"| {name} | {p['requests']} | {p['completion_tokens']} | {_f(p['tokens_per_s'], 1)} | "
+                     f"{_f(p['accept_len'])} | {_f(p['tpot_p50_s'], 3)} / {_f(p['tpot_p99_s'], 3)} |")
+    lines += ["", "Swaps (s from start): " + (", ".join(f"{s['t_s']:.0f} (v{s['to']}{', rollback' if s['rollback'] else ''})" for s in figs["swaps"]) or "none"),
+              "Alerts: " + (", ".join(f"{a['t_s']:.0f} ({a.get('kind', '?')}, slot {a.get('slot')}, tag "
+                                      f"{a.get('tag')!r})" for a in figs["alerts"]) or "none"), "",
+              "Adaptation after each shift:", ""]
+    for a in figs["adaptation"]:
+        lines.append(f"- {a['shift']} at {a['t_shift_s']:.0f}s: first swap after {_f(a['time_to_first_swap_s'], 0)} s "
+                     f"({_f(a['tokens_to_first_swap'])} tokens); 90 % of final accept_len ({_f(a['final_accept_len'])}) "
+                     f"after {_f(a['time_to_adapt_s'], 0)} s ({_f(a['tokens_to_adapt'])} tokens)")
+    lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in figs.get("plots", [])), ""]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from online_spec.config import add_config_args
+
+    add_config_args(parser, DemoConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from online_spec.config import config_from_args
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_demo(config_from_args(DemoConfig, args))
+    return 0

@@ -1,0 +1,300 @@
+"""One serving session: the embedded server, optionally the trainer beside it, a trace replayed.
+
+In: a loaded target, a `SessionConfig` (head, K policy, trainer on/off, concurrency, limits)
+and the trace items. Out: a `SessionResult` — every request (`traffic.RequestResult`), every
+verify round (time, batch size, K, accepted drafts per request, committed tokens, head
+version), the drift alerts, the head versions that went live and the trainer's summary.
+
+Process layout (2-core CPU): the server (engine thread + uvicorn + the replaying clients, all
+on loopback) stays in this process with `server_threads` torch threads; the trainer daemon runs
+in a child process (`python -m online_spec.demo_trainer`) with `trainer_threads` torch threads
+and OMP_NUM_THREADS to match, so neither starves the other. They talk over ZMQ ipc sockets in
+a private temporary directory: the capture stream (server -> trainer) and the control endpoint
+(trainer -> server swaps, `serving.control`). Drift alerts reach the daemon by its polling
+`/server_info` (`drift.recent_alerts`) and calling `daemon.on_drift`.
+
+Everything started here is stopped in `finally`: the trainer gets SIGTERM (it saves and
+exits), then SIGKILL after a grace period; control, HTTP and engine threads are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from online_spec.config import check, doc
+from online_spec.trace import TraceItem
+from online_spec.traffic import RequestResult, replay
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("static", "sglang_default", "cost")
+
+
+@dataclass
+class SessionConfig:
+    name: str = doc("label of the session in reports", "session")
+    run_dir: str = doc("where the session writes (trainer run directory, logs)", "runs/demo/session")
+    head: str = doc("head checkpoint directory (SGLang layout); empty = random day-0 head; 'none' = plain", "")
+    policy: str = doc("K policy: static (K = num_steps), sglang_default (SGLang's EMA tiers), "
+                      "cost (the project's cost-model controller over SGLang's default slots)", "static")
+    num_steps: int = doc("K of the static policy (0 = plain decoding)", 3)
+    online: bool = doc("run the trainer daemon beside the server (capture on, gated swaps)", False)
+    concurrency: int = doc("streaming clients in flight", 4)
+    max_tokens: int = doc("max_tokens of trace lines that give none", 64)
+    max_batch: int = doc("engine max_batch", 16)
+    deadline_s: float = doc("stop starting requests after this long", 600.0)
+    server_threads: int = doc("torch threads of the server process", 1)
+    trainer_threads: int = doc("torch threads of the trainer process", 1)
+    trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
+    progress_every_s: float = doc("console progress line period; 0 = quiet", 5.0)
+    phase_budget_s: float = doc("skip a phase's remaining lines once it has run this long; 0 = serve all", 0.0)
+    wait_trainer_s: float = doc("wait this long for the trainer to subscribe before sending traffic; 0 = don't", 300.0)
+
+    def __post_init__(self):
+        check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        check(self.concurrency >= 1, "concurrency", "must be >= 1")
+        check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        check(self.deadline_s > 0, "deadline_s", "must be > 0")
+        check(self.server_threads >= 1 and self.trainer_threads >= 1, "server_threads", "threads must be >= 1")
+
+
+@dataclass
+class SessionResult:
+    name: str
+    t0: float
+    t1: float = 0.0
+    requests: list[RequestResult] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
+    alerts: list[dict] = field(default_factory=list)
+    swaps: list[dict] = field(default_factory=list)
+    trainer: dict = field(default_factory=dict)
+    done: int = 0
+    server_info: dict = field(default_factory=dict)
+
+
+class RoundLog:
+    """Round observer: one compact dict per engine round (engine thread), request ids kept so
+    rounds can be attributed to phases afterwards."""
+
+    def __init__(self, result: SessionResult):
+        self.result = result
+        self.last_version = None
+
+    def __call__(self, stats, outs, tags) -> None:
+        now = time.time()
+        self.result.rounds.append({
+            "t": now, "batch_size": stats.batch_size, "num_steps": stats.num_steps,
+            "accepted": list(stats.accepted), "committed": stats.committed, "total_s": stats.total_s,
+            "head_version": stats.head_version, "request_ids": [o.request_id for o in outs], "tags": list(tags)})
+        if self.last_version is not None and stats.head_version != self.last_version:
+            # the daemon numbers versions upwards, so going down is a rollback
+            self.result.swaps.append({"t": now, "from": self.last_version, "to": stats.head_version,
+                                      "rollback": stats.head_version < self.last_version})
+        self.last_version = stats.head_version
+
+
+def build_policy(cfg: SessionConfig):
+    from online_spec.controller import CostModelPolicy, EmaTierPolicy, adaptive_config_path, load_adaptive_config
+
+    if cfg.policy == "static":
+        return None
+    adaptive = load_adaptive_config(adaptive_config_path("sglang_default"))
+    if cfg.policy == "sglang_default":
+        tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
+        return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
+    return CostModelPolicy(adaptive)
+
+
+def _control_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("serving.control") is not None
+
+
+def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionResult:
+    """Serve `items` with the configured head/policy (and trainer); always cleans up."""
+    from collector.publisher import CapturePublisher, PublisherConfig
+    from online_spec.alerts import CallbackAlertSink
+    from online_spec.checkpoint import load_head
+    from online_spec.head import new_head
+    from serving.engine import EngineConfig
+    from serving.server import HttpThread, ServerConfig, SpecServer
+    from trainer.distill import init_from_target
+
+    torch.set_num_threads(cfg.server_threads)
+    run_dir = Path(cfg.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="osd-"))  # short path: ipc socket names are limited to ~100 chars
+    result = SessionResult(cfg.name, time.time())
+    server = http = control = trainer = None
+    stop_progress = threading.Event()
+    try:
+        version, plain = 0, cfg.head == "none" or cfg.num_steps == 0 and cfg.policy == "static"
+        if cfg.head and cfg.head != "none":
+            head, meta = load_head(cfg.head, target.info, dtype=target.dtype)
+            version = int(meta.get("version", 0))
+        elif not plain:
+            # the day-0 head the trainer starts from too (trainer.daemon._initial_head), so both
+            # sides agree on v0: random weights, lm_head and norm from the target
+            head = init_from_target(new_head(target).float(), target).to(target.dtype).eval()
+        else:
+            head = None
+        engine_cfg = EngineConfig(max_batch=cfg.max_batch, num_steps=0 if plain else max(cfg.num_steps, 1))
+        publisher = None
+        if cfg.online:
+            publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"))
+        scfg = ServerConfig(engine=engine_cfg, capture=cfg.online, log_level="warning")
+        server = SpecServer(scfg, target, None if plain else head, head_version=version,
+                            policy=None if plain else build_policy(cfg), publisher=publisher)
+        server.round_observers.append(RoundLog(result))
+        if server.drift is not None:
+            server.drift.sinks.append(CallbackAlertSink(
+                lambda a: result.alerts.append({"t": time.time(), **_alert_dict(a)})))
+        server.start()
+        http = HttpThread(server).start()
+        if cfg.online:
+            control = _start_control(server, sock_dir, run_dir)
+            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None, version)
+            _wait_ready(trainer, run_dir / "trainer", cfg.wait_trainer_s)
+        progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress),
+                                    daemon=True, name="progress")
+        progress.start()
+        def on_done(res: RequestResult) -> None:
+            result.done += 1
+
+        result.requests = asyncio.run(replay(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
+                                             on_done=on_done, phase_budget_s=cfg.phase_budget_s or None))
+        result.server_info = server.info()
+    finally:
+        stop_progress.set()
+        result.t1 = time.time()
+        if trainer is not None:
+            result.trainer = _stop_trainer(trainer, run_dir)
+        for closer in (control, http, server):
+            if closer is not None:
+                try:
+                    closer.close() if hasattr(closer, "close") else closer.stop()
+                except Exception:  # noqa: BLE001 - keep cleaning up the rest
+                    log.exception("closing %r failed", closer)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return result
+
+
+def _alert_dict(alert) -> dict:
+    d = alert.to_dict() if hasattr(alert, "to_dict") else dict(alert)
+    return {k: v for k, v in d.items() if isinstance(v, (str, int, float, bool)) or v is None}
+
+
+def _start_control(server, sock_dir: Path, run_dir: Path):
+    if not _control_available():
+        log.warning("serving.control is not available: the trainer trains but cannot swap heads into the server")
+        return None
+    from serving.control import ControlConfig, ControlServer
+
+    return ControlServer(server, ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir))).start()
+
+
+def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool,
+                   head_version: int = 0):
+    import json
+
+    shutil.rmtree(run_dir / "trainer", ignore_errors=True)  # every session starts from its own head, fresh
+    if head_version:
+        # the daemon numbers its versions from 1; a head that is already vN must not be re-published as v1
+        # and a rollback to it must find it where the daemon keeps its versions
+        (run_dir / "trainer" / "ckpt").mkdir(parents=True)
+        (run_dir / "trainer" / "ckpt" / f"v{head_version}").symlink_to(Path(cfg.head).resolve())
+        (run_dir / "trainer" / "state.json").write_text(
+            json.dumps({"live_version": head_version, "next_version": head_version + 1}))
+    args = [sys.executable, "-m", "online_spec.demo_trainer", "--run-dir", str(run_dir / "trainer"),
+            "--capture-endpoint", f"ipc://{sock_dir}/capture.sock", "--alerts-url", url + "/server_info",
+            "--threads", str(cfg.trainer_threads), "--wandb-mode", "disabled",
+            "--max-seconds", str(cfg.deadline_s + 120)]
+    if with_control:
+        args += ["--control-run-dir", str(sock_dir)]
+    if cfg.head and cfg.head != "none":
+        args += ["--init-head", str(Path(cfg.head).resolve())]
+    args += [str(a) for a in cfg.trainer_args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.trainer_threads), "MKL_NUM_THREADS": str(cfg.trainer_threads),
+           "PYTHONUNBUFFERED": "1"}
+    repo = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    logf = open(run_dir / "trainer.log", "ab")
+    log.info("trainer: %s", " ".join(args))
+    proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=repo)
+    proc._logf = logf  # closed in _stop_trainer
+    return proc
+
+
+def _wait_ready(proc, trainer_dir: Path, timeout_s: float) -> None:
+    """Records published before the trainer subscribes are lost (ZMQ PUB/SUB): wait for it."""
+    from online_spec.demo_trainer import READY_FILE
+
+    t0 = time.monotonic()
+    while timeout_s > 0 and not (trainer_dir / READY_FILE).exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the trainer exited with {proc.returncode}; see {trainer_dir.parent / 'trainer.log'}")
+        if time.monotonic() - t0 > timeout_s:
+            log.warning("trainer not ready after %.0fs; sending traffic anyway", timeout_s)
+            return
+        time.sleep(0.5)
+    if timeout_s > 0:
+        print(f"trainer ready after {time.monotonic() - t0:.0f}s", flush=True)
+
+
+def _stop_trainer(proc, run_dir: Path, grace_s: float = 60.0) -> dict:
+    import json
+
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("trainer did not stop in %.0fs: killing pid %d", grace_s, proc.pid)
+                proc.kill()
+                proc.wait(10)
+    finally:
+        proc._logf.close()
+    state = run_dir / "trainer" / "state.json"
+    out = {"returncode": proc.returncode}
+    if state.exists():
+        s = json.loads(state.read_text())
+        out.update({k: s.get(k) for k in ("step", "live_version", "swaps", "refused_swaps", "evals", "published",
+                                          "rolled_back")})
+    return out
+
+
+def _progress(server, result: SessionResult, total: int, cfg: SessionConfig, stop: threading.Event) -> None:
+    """One console line every few seconds: what the loop is doing."""
+    if cfg.progress_every_s <= 0:
+        return
+    last_rounds = 0
+    while not stop.wait(cfg.progress_every_s):
+        rounds = result.rounds[last_rounds:]
+        last_rounds += len(rounds)
+        spec = [r for r in rounds if r["num_steps"] > 0]
+        per_slot: dict[int, list] = {}
+        for r in spec:
+            per_slot.setdefault(r["batch_size"], []).extend(r["accepted"])
+        acc = " ".join(f"b{b}:{sum(v) / len(v):.2f}" for b, v in sorted(per_slot.items())) or "-"
+        ks = {k: v for k, v in (server.info()["internal_states"][0].get("speculative_num_steps_per_slot") or {}).items()
+              if v is not None}
+        k_last = rounds[-1]["num_steps"] if rounds else "-"
+        tps = sum(r["committed"] for r in rounds) / cfg.progress_every_s
+        print(f"[{cfg.name} {time.time() - result.t0:5.0f}s] rounds {len(result.rounds):5d}  "
+              f"tok/s {tps:5.1f}  accept_len {acc}  K {k_last} "
+              f"K/slot {ks or '-'}  head v{server.engine.head_version}  swaps {len(result.swaps)}  "
+              f"alerts {len(result.alerts)}  done {result.done}/{total}", flush=True)

@@ -1,0 +1,138 @@
+"""Traffic traces: what the demo and `bench e2e` replay against a server, in file order.
+
+A trace is a JSONL file, one request a line:
+
+    {"messages": [{"role": "user", "content": "..."}], "tag": "chat", "max_tokens": 64}
+    {"prompt": "def add(a, b):", "tag": "code"}
+
+`messages` (chat, through the model's template) or `prompt` (raw completion), exactly one;
+optional `tag` (the traffic tag the server sees, default ""), `max_tokens` (default: the
+replayer's) and `phase` (default: the tag). Phases are runs of consecutive lines with the same
+phase; the demo reports each one separately. Validation names the file and line of anything
+wrong.
+
+`build_drift_trace(path, n_chat, n_code, n_mix, seed)` writes the built-in drifting trace:
+held-out ShareGPT chat (phase "chat"), then held-out HumanEval code (phase "code"), then a mix
+(phase "mix", lines tagged "chat" or "code"). Held-out, so a head pretrained on ShareGPT's train
+split never saw these conversations.
+
+    python -c "from online_spec.trace import build_drift_trace; build_drift_trace('t.jsonl', 16, 16, 16, 0)"
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+
+KEYS = {"messages", "prompt", "tag", "max_tokens", "phase"}
+
+
+class TraceError(ValueError):
+    """A malformed trace; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    index: int
+    """0-based position in the trace (file order = serving order)."""
+    messages: list[dict] | None
+    prompt: str | None
+    tag: str
+    phase: str
+    max_tokens: int | None
+
+
+def parse_line(raw: str, index: int, where: str = "<trace>") -> TraceItem:
+    """One JSONL line -> TraceItem, or TraceError naming `where:line`."""
+    at = f"{where}:{index + 1}"
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{at}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{at}: expected a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - KEYS
+    if unknown:
+        raise TraceError(f"{at}: unknown key(s) {sorted(unknown)}; allowed: {sorted(KEYS)}")
+    has_m, has_p = "messages" in obj, "prompt" in obj
+    if has_m == has_p:
+        raise TraceError(f"{at}: needs exactly one of 'messages' or 'prompt'")
+    messages = prompt = None
+    if has_m:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise TraceError(f"{at}: 'messages' must be a non-empty list")
+        for j, m in enumerate(messages):
+            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str)):
+                raise TraceError(f"{at}: messages[{j}] must be {{'role': system|user|assistant, 'content': str}}")
+    else:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise TraceError(f"{at}: 'prompt' must be a non-empty string")
+    tag = obj.get("tag", "")
+    if not isinstance(tag, str):
+        raise TraceError(f"{at}: 'tag' must be a string")
+    phase = obj.get("phase", tag)
+    if not isinstance(phase, str):
+        raise TraceError(f"{at}: 'phase' must be a string")
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise TraceError(f"{at}: 'max_tokens' must be an integer >= 1, got {max_tokens!r}")
+    return TraceItem(index, messages, prompt, tag, phase, max_tokens)
+
+
+def load_trace(path: str | Path) -> list[TraceItem]:
+    """Every non-blank line of a JSONL trace, validated; an empty trace is an error."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace file")
+    items = []
+    for i, raw in enumerate(path.read_text().splitlines()):
+        if raw.strip():
+            items.append(parse_line(raw, i, str(path)))
+    if not items:
+        raise TraceError(f"{path}: the trace has no requests")
+    return [TraceItem(k, it.messages, it.prompt, it.tag, it.phase, it.max_tokens) for k, it in enumerate(items)]
+
+
+def phases(items: list[TraceItem]) -> list[tuple[str, list[TraceItem]]]:
+    """Runs of consecutive items with the same phase, in order: [(phase, items), ...]."""
+    return [(name, list(run)) for name, run in groupby(items, key=lambda it: it.phase)]
+
+
+def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, seed: int = 0,
+                      max_tokens: int | None = None, max_prompt_tokens: int = 200) -> Path:
+    """Write the built-in drifting trace (chat, then code, then a mix) as JSONL; returns the path."""
+    from online_spec.data import humaneval_conversations, sharegpt_conversations
+    from transformers import AutoTokenizer
+
+    from online_spec.target import prepare_smollm2
+
+    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
+    n_chat_total = n_chat + (n_mix + 1) // 2
+    n_code_total = n_code + n_mix // 2
+    chat = sharegpt_conversations(limit=n_chat_total, seed=seed, split="heldout",
+                                  max_prompt_tokens=max_prompt_tokens, tokenizer=tok)
+    code = humaneval_conversations(split="heldout", seed=seed)
+    if len(chat) < n_chat_total:
+        raise TraceError(f"only {len(chat)} held-out ShareGPT conversations fit; asked for {n_chat_total}")
+    code = [code[i % len(code)] for i in range(n_code_total)]  # HumanEval held-out has ~40 tasks
+    lines = [{"messages": c[:1], "tag": "chat", "phase": "chat"} for c in chat[:n_chat]]
+    lines += [{"messages": c[:1], "tag": "code", "phase": "code"} for c in code[:n_code]]
+    mix = [{"messages": c[:1], "tag": "chat", "phase": "mix"} for c in chat[n_chat:]]
+    mix += [{"messages": c[:1], "tag": "code", "phase": "mix"} for c in code[n_code:]]
+    random.Random(seed).shuffle(mix)
+    lines += mix
+    if max_tokens is not None:
+        for line in lines:
+            line["max_tokens"] = max_tokens
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tmp.replace(path)
+    return path

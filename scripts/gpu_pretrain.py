@@ -1,0 +1,143 @@
+"""Pretrain EAGLE-3 heads for SmolLM2 on one GPU with the project's own loss and data path.
+
+The CPU here trains ~100-200 rows/s, far from the millions of token-steps a head needs, so the
+heads the benchmarks use are pretrained on a lent H100/H200 with this script (docs/distill.md
+says which figures used them). Same pieces as `online-spec pretrain`: self-distillation (the
+target's own greedy replies to training prompts), `trainer.data.capture_tokens` for the
+features, `trainer.loss.ttt_loss`, `trainer.evaluate.simulate_acceptance` on held-out
+conversations, `online_spec.checkpoint.save_head`. What differs: generation runs through HF
+`generate` batched on the GPU, and the optimizer is plain AdamW (no DeepSpeed on that machine).
+
+    python scripts/gpu_pretrain.py --gguf-dir /tmp/gguf --prompts .gpu/prompts.json --out $OUT/heads
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from online_spec.checkpoint import save_head
+from online_spec.head import new_head
+from online_spec.target import load_target, prepare_smollm2
+from trainer.batch import collate
+from trainer.data import capture_tokens
+from trainer.evaluate import simulate_acceptance
+from trainer.loss import LossConfig, SharedTarget, ttt_loss
+
+
+def generate(target, prompts: list[list[int]], new_tokens: int, batch: int, seconds: float) -> list[list[int]]:
+    """Greedy continuations (prompt + reply) of as many prompts as fit in `seconds`."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 2
+    out, t0 = [], time.time()
+    for i in range(0, len(prompts), batch):
+        if time.time() - t0 > seconds:
+            break
+        chunk = prompts[i:i + batch]
+        T = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), T), pad, dtype=torch.long)
+        mask = torch.zeros(len(chunk), T, dtype=torch.long)
+        for b, p in enumerate(chunk):  # left padding
+            ids[b, T - len(p):] = torch.tensor(p)
+            mask[b, T - len(p):] = 1
+        with torch.inference_mode():
+            gen = target.hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new_tokens,
+                                     do_sample=False, pad_token_id=pad)
+        for b, p in enumerate(chunk):
+            reply = gen[b, T:].tolist()
+            if 2 in reply:
+                reply = reply[:reply.index(2) + 1]
+            out.append(p + reply)
+        print(f"generated {len(out)} sequences, {sum(map(len, out))} tokens, {time.time() - t0:.0f}s", flush=True)
+    return out
+
+
+def records_of(target, seqs: list[list[int]], prefix: str, max_len: int = 768):
+    recs = []
+    for i in range(0, len(seqs), 32):
+        chunk = [s[:max_len] for s in seqs[i:i + 32]]
+        recs += capture_tokens(target, chunk, [f"{prefix}-{i + j}" for j in range(len(chunk))])
+    return recs
+
+
+def train_head(target, train, heldout, minutes: float, lr: float, batch_seqs: int, ttt_steps: int, name: str):
+    counts = torch.zeros(target.info.vocab_size)
+    for r in train:
+        counts += torch.bincount(r.tokens, minlength=target.info.vocab_size).float()
+    head = new_head(target, 8192, counts).float()
+    with torch.no_grad():  # the target's lm_head rows of the draft vocabulary; norm left at 1
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target].float())
+    head.train()
+    shared = SharedTarget.build(target, head)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    cfg = LossConfig(ttt_steps=ttt_steps)
+    t0, step, rows = time.time(), 0, 0
+    order = list(range(len(train)))
+    budget = minutes * 60
+    while time.time() - t0 < budget:
+        random.shuffle(order)
+        for i in range(0, len(order) - batch_seqs + 1, batch_seqs):
+            frac = (time.time() - t0) / budget
+            if frac >= 1:
+                break
+            for g in opt.param_groups:  # warmup, then cosine to 10%
+                g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            batch = collate([train[j] for j in order[i:i + batch_seqs]]).to("cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, m = ttt_loss(head, batch, shared, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step += 1
+            rows += batch.num_rows
+            if step % 100 == 0:
+                print(f"[{name}] step {step} rows {rows} loss {m['loss']:.3f} acc0 {m.get('acc_0', 0):.3f} "
+                      f"acc1 {m.get('acc_1', 0):.3f} {time.time() - t0:.0f}s", flush=True)
+    head.eval()
+    sim = simulate_acceptance(head, target, heldout, max_steps=7, ks=(1, 3, 5, 7))
+    return head, {"steps": step, "rows_trained": rows, "train_s": time.time() - t0, "simulated": sim}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf-dir", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gen-seconds", type=float, default=240)
+    ap.add_argument("--train-minutes", type=float, default=6)
+    ap.add_argument("--code-minutes", type=float, default=2)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    random.seed(0)
+    model_dir = prepare_smollm2(Path("/tmp/smollm2-bf16"), src=args.gguf_dir)
+    target = load_target(model_dir, dtype=torch.bfloat16, device="cuda")
+    data = json.loads(args.prompts.read_text())
+    report = {"gpu": torch.cuda.get_device_name(0)}
+    for name, minutes, gen_s in (("sharegpt", args.train_minutes, args.gen_seconds),
+                                 ("humaneval", args.code_minutes, args.gen_seconds / 4)):
+        enc = lambda msgs: target.encode_chat(msgs)  # noqa: E731
+        train_p = [enc(m) for m in data[name]["train"]]
+        held_p = [enc(m) for m in data[name]["heldout"]]
+        train_seqs = generate(target, train_p, 256, 256, gen_s)
+        held_seqs = generate(target, held_p, 256, 256, 60)
+        train, held = records_of(target, train_seqs, name), records_of(target, held_seqs, name + "-h")
+        head, rep = train_head(target, train, held, minutes, lr=2e-3, batch_seqs=32, ttt_steps=5, name=name)
+        rep.update(train_sequences=len(train_seqs), train_rows=sum(r.num_rows for r in train),
+                   heldout_sequences=len(held_seqs))
+        save_head(head.to(torch.bfloat16).cpu(), args.out / name, version=0,
+                  extra={"trained_on": f"{name} self-distilled on {report['gpu']}", **{k: rep[k] for k in
+                                                                                    ("steps", "rows_trained")}})
+        report[name] = rep
+        print(json.dumps({name: rep}, default=str), flush=True)
+    (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The control endpoint of the serving process (contract 4): swap, rollback, info, set_adaptive.
+
+Transport: a ZMQ REP socket, by default `ipc://RUN_DIR/control.sock`, or `tcp://127.0.0.1:PORT`.
+Why ZMQ and not routes on the HTTP server: the HTTP port is the public API and may be bound to a
+non-loopback address for clients; the control plane must not share that exposure. An ipc socket
+lives in the run directory (mode 0700, socket 0600), so only the serving user can reach it at
+all, the token is a second lock, and no TCP port is opened. ZMQ multipart frames also carry
+inline tensors as raw buffers without an encoding step, the collector stream already uses ZMQ,
+and REP answers every request in order.
+
+Wire format: a request is a multipart message
+    frame 0   JSON {"token": "...", "command": "swap|rollback|info|set_adaptive", "args": {...}}
+    frame 1.. raw tensor buffers (inline swaps only, in the order of args["tensors"])
+and the reply is one JSON frame {"ok": true, "result": {...}} or {"ok": false, "error": "reason"}.
+
+Commands (args):
+    info                                        server info + live/previous head versions
+    swap          {"dir": PATH, "version"?: int, "digest"?: sha256}
+                  {"config": {config.json}, "tensors": [{"name", "dtype", "shape"}...],
+                   "version": int, "digest": tensors_digest}        + one frame per tensor
+    rollback      {}                            reinstall the previous head, bit-identical
+    set_adaptive  {"config": {SGLang adaptive JSON}}  a new EmaTierPolicy, between rounds
+
+Security: the token (64 hex chars) is generated at start into RUN_DIR/control.token (0600) and
+compared with `hmac.compare_digest`; a request without it is refused with a reason and changes
+nothing. A tcp endpoint must be loopback unless `allow_remote` is set. Checkpoint directories must
+resolve under the allowed roots (serving/swap.py). Every request gets a reply, also malformed ones.
+
+    control = ControlServer(server, ControlConfig(run_dir="runs/serve")); control.start()
+    client = ControlClient.from_run_dir("runs/serve"); client.swap_dir("runs/heads/v3")
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import zmq
+
+from online_spec.config import ConfigError, check, doc
+from serving.swap import HeadSwapper, SwapError, tensor_bytes, tensor_from_bytes, tensors_digest
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE = "control.token"
+ENDPOINT_FILE = "control.endpoint"
+MAX_MESSAGE_BYTES = 1 << 30
+COMMANDS = ("info", "swap", "rollback", "set_adaptive")
+
+
+@dataclass
+class ControlConfig:
+    run_dir: str = doc("run directory: control token, ipc socket and endpoint file live here", "runs/serve")
+    control_endpoint: str = doc("control endpoint: empty = ipc://RUN_DIR/control.sock, tcp://127.0.0.1:PORT, "
+                                "or 'off'", "")
+    allowed_roots: str = doc("comma-separated directories swap checkpoints may come from; empty = RUN_DIR", "")
+    control_allow_remote: bool = doc("allow a non-loopback tcp control endpoint (the token still applies)", False)
+
+    def __post_init__(self):
+        check(bool(self.run_dir), "run_dir", "must be set")
+        ep = self.control_endpoint
+        if ep and ep != "off":
+            check(ep.startswith(("ipc://", "tcp://")), "control_endpoint", f"must be ipc:// or tcp://, got {ep!r}")
+            if ep.startswith("tcp://") and not self.control_allow_remote:
+                check(is_loopback(ep), "control_endpoint",
+                      f"{ep} is not a loopback address; pass --control-allow-remote to bind it anyway")
+
+    @property
+    def enabled(self) -> bool:
+        return self.control_endpoint != "off"
+
+    def endpoint(self) -> str:
+        return self.control_endpoint or f"ipc://{Path(self.run_dir).resolve() / 'control.sock'}"
+
+    def roots(self) -> list[Path]:
+        names = [r.strip() for r in self.allowed_roots.split(",") if r.strip()]
+        return [Path(r) for r in names] or [Path(self.run_dir)]
+
+
+def is_loopback(endpoint: str) -> bool:
+    host = urlparse(endpoint.replace("tcp://", "http://", 1)).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def write_token(run_dir: Path) -> str:
+    """A fresh token in RUN_DIR/control.token, created with mode 0600."""
+    token = secrets.token_hex(32)
+    path = run_dir / TOKEN_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+class ControlServer:
+    """A background thread answering control requests on a ZMQ REP socket."""
+
+    def __init__(self, server, cfg: ControlConfig, swapper: HeadSwapper | None = None):
+        self.server, self.cfg = server, cfg
+        self.swapper = swapper or HeadSwapper(server, cfg.roots())
+        self.run_dir = Path(cfg.run_dir)
+        self.endpoint = cfg.endpoint()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="control", daemon=True)
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self.token = ""
+        self.requests = self.refused = 0
+
+    def start(self) -> "ControlServer":
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.token = write_token(self.run_dir)
+        sock = self._ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.bind(self.endpoint)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://127.0.0.1:0 -> the real port
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+        (self.run_dir / ENDPOINT_FILE).write_text(self.endpoint)
+        self._sock = sock
+        self._thread.start()
+        log.info("control endpoint %s (token in %s)", self.endpoint, self.run_dir / TOKEN_FILE)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                try:
+                    frames = self._sock.recv_multipart(copy=False)
+                except zmq.ZMQError:
+                    log.exception("control recv failed")
+                    continue
+                reply = self.handle([f.buffer for f in frames])
+                try:
+                    self._sock.send(json.dumps(reply).encode())
+                except zmq.ZMQError:
+                    log.exception("control reply failed")
+        finally:
+            self._sock.close(0)
+
+    def handle(self, frames: list) -> dict:
+        """One request -> its reply; never raises (a failure becomes {"ok": false, "error": ...})."""
+        self.requests += 1
+        try:
+            req = json.loads(bytes(frames[0]))
+            if not isinstance(req, dict):
+                raise SwapError("request must be a JSON object")
+            token = req.get("token")
+            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+                self.refused += 1
+                return {"ok": False, "error": "refused: missing or wrong token"}
+            cmd, args = req.get("command"), req.get("args", {})
+            if cmd not in COMMANDS:
+                raise SwapError(f"unknown command {cmd!r} (one of {', '.join(COMMANDS)})")
+            if not isinstance(args, dict):
+                raise SwapError("args must be a JSON object")
+            return {"ok": True, "result": getattr(self, "_cmd_" + cmd)(args, frames[1:])}
+        except (SwapError, ConfigError, TypeError) as e:
+            return {"ok": False, "error": str(e)}
+        except (json.JSONDecodeError, UnicodeDecodeError, IndexError) as e:
+            return {"ok": False, "error": f"malformed request: {e}"}
+        except Exception as e:  # the endpoint keeps serving whatever a request does
+            log.exception("control request failed")
+            return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
+
+    # -- commands -------------------------------------------------------------------------------
+    def _cmd_info(self, args: dict, frames: list) -> dict:
+        return {**self.server.info(), "control": {**self.swapper.info(), "endpoint": self.endpoint,
+                                                  "requests": self.requests, "refused_requests": self.refused}}
+
+    def _cmd_swap(self, args: dict, frames: list) -> dict:
+        if "dir" in args:
+            if frames:
+                raise SwapError("a directory swap takes no tensor frames")
+            return self.swapper.swap_dir(args["dir"], args.get("version"), args.get("digest"))
+        specs = args.get("tensors")
+        if not isinstance(specs, list) or not specs:
+            raise SwapError("swap needs 'dir' or inline 'tensors' (with 'config', 'version', 'digest')")
+        if len(specs) != len(frames):
+            raise SwapError(f"{len(specs)} tensor specs but {len(frames)} buffers")
+        tensors = {}
+        for spec, buf in zip(specs, frames):
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise SwapError("each tensor spec needs a name, dtype and shape")
+            if spec["name"] in tensors:
+                raise SwapError(f"tensor {spec['name']} sent twice")
+            tensors[spec["name"]] = tensor_from_bytes(buf, spec.get("dtype"), spec.get("shape"))
+        if not isinstance(args.get("digest"), str):
+            raise SwapError("an inline swap needs its digest (serving.swap.tensors_digest)")
+        return self.swapper.swap_tensors(args.get("config"), tensors, args.get("version"), args["digest"])
+
+    def _cmd_rollback(self, args: dict, frames: list) -> dict:
+        return self.swapper.rollback()
+
+    def _cmd_set_adaptive(self, args: dict, frames: list) -> dict:
+        from online_spec.controller import AdaptiveConfig, EmaTierPolicy
+
+        config = AdaptiveConfig.from_dict(args.get("config"))  # the parser of load_adaptive_config
+        engine = self.server.engine
+        if max(config.candidate_steps) > engine.cfg.max_steps:
+            raise SwapError(f"candidate_steps go up to {max(config.candidate_steps)} but the engine's "
+                            f"max_steps is {engine.cfg.max_steps}")
+        policy = EmaTierPolicy(config, initial_steps=engine.cfg.num_steps or None)
+        engine.set_policy(policy)
+        self.server.loop.wake()
+        return {"installed": "ema_tier", "config": config.to_dict()}
+
+
+class ControlError(RuntimeError):
+    """The server refused a control request (the message is its reason) or did not answer."""
+
+
+class ControlClient:
+    """Talks to a `ControlServer`: one REQ socket per request, so a timeout never wedges it.
+
+        client = ControlClient(endpoint, token)
+        client.swap_dir("/runs/heads/v3", version=3, digest=sha256)   # what the trainer daemon calls
+        client.swap_tensors(head_tensors(head), config_json, version=3)
+        client.rollback(); client.info(); client.set_adaptive(sglang_json_dict)
+    """
+
+    def __init__(self, endpoint: str, token: str, timeout_s: float = 60.0):
+        self.endpoint, self.token, self.timeout_s = endpoint, token, timeout_s
+
+    @classmethod
+    def from_run_dir(cls, run_dir: str | Path, endpoint: str | None = None, token_file: str | Path | None = None,
+                     timeout_s: float = 60.0) -> "ControlClient":
+        run_dir = Path(run_dir)
+        endpoint = endpoint or (run_dir / ENDPOINT_FILE).read_text().strip()
+        token = Path(token_file or run_dir / TOKEN_FILE).read_text().strip()
+        return cls(endpoint, token, timeout_s)
+
+    def request(self, command: str, args: dict | None = None, buffers: list | None = None) -> dict:
+        """Send one request; returns its result or raises ControlError with the server's reason."""
+        header = json.dumps({"token": self.token, "command": command, "args": args or {}}).encode()
+        reply = self.send_raw([header, *(buffers or [])])
+        if not reply.get("ok"):
+            raise ControlError(reply.get("error", "no reason given"))
+        return reply["result"]
+
+    def send_raw(self, frames: list) -> dict:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+        try:
+            sock.connect(self.endpoint)
+            sock.send_multipart(frames, copy=False)
+            return json.loads(sock.recv())
+        except zmq.Again:
+            raise ControlError(f"no reply from {self.endpoint} within {self.timeout_s:g} s") from None
+        finally:
+            sock.close(0)
+
+    def info(self) -> dict:
+        return self.request("info")
+
+    def swap_dir(self, path: str | Path, version: int | None = None, digest: str | None = None) -> dict:
+        args = {"dir": str(Path(path).resolve())}
+        if version is not None:
+            args["version"] = version
+        if digest is not None:
+            args["digest"] = digest
+        return self.request("swap", args)
+
+    def swap_tensors(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> dict:
+        names = sorted(tensors)
+        specs = [{"name": n, "dtype": str(tensors[n].dtype).removeprefix("torch."), "shape": list(tensors[n].shape)}
+                 for n in names]
+        return self.request("swap", {"config": config, "tensors": specs, "version": version,
+                                     "digest": tensors_digest(tensors)},
+                            [tensor_bytes(tensors[n]) for n in names])
+
+    def rollback(self) -> dict:
+        return self.request("rollback")
+
+    def set_adaptive(self, config: dict) -> dict:
+        return self.request("set_adaptive", {"config": config})

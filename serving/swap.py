@@ -1,0 +1,230 @@
+"""Versioned head swaps: the one helper that turns a published checkpoint into the live head.
+
+A swap is a versioned publish (the trainer wrote a new directory and recorded its digest); here
+it is received, checked and applied in five steps, all off the engine thread except the last:
+
+    1) locate   a checkpoint directory under the allowed roots (resolved, no `..`/symlink
+                escape), or tensors sent inline with their config, version and digest
+    2) verify   the digest; then the codec's own checks (`read_checkpoint`, `validate_tensors`
+                with the live head's vocabulary map, `check_compatible` with the target)
+    3) load     into a spare head module (the one evicted two swaps ago, reused when the shape
+                matches), never into the live one
+    4) switch   `server.swap(head, version)`: the engine installs it between rounds; we wait
+                until it is live
+    5) keep     the head it replaced as `previous`, untouched, for `rollback()` (bit-identical)
+
+Any failure before step 4 raises `SwapError` with the reason and leaves serving untouched.
+
+    swapper = HeadSwapper(server, allowed_roots=[Path("runs/heads")])
+    swapper.swap_dir("runs/heads/v7")            # -> {"version": 7, "digest": ..., "landed": True}
+    swapper.rollback()                           # previous head back, exactly
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from online_spec.checkpoint import (CheckpointError, build_head, check_compatible, file_digest, head_config_from_json,
+                                    read_checkpoint, validate_tensors, WEIGHTS)
+from online_spec.head import EagleHead
+
+# dtypes a swap may carry inline (the checkpoint's float weights, d2t, t2d)
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+class SwapError(ValueError):
+    """A swap or rollback was refused; the message is the reason. Serving is untouched."""
+
+
+@dataclass
+class HeadVersion:
+    """One installed (or installable) head and where it came from."""
+
+    head: EagleHead | None
+    version: int
+    digest: str | None
+    source: str
+
+    def describe(self) -> dict:
+        return {"version": self.version, "digest": self.digest, "source": self.source}
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of inline tensors: for each name in sorted order, name, dtype, shape, raw bytes."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw buffer of a contiguous CPU tensor (bf16 included), without a copy."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def tensor_from_bytes(buf, dtype_name: str, shape: list[int]) -> torch.Tensor:
+    """Rebuild a tensor from its raw buffer; checks dtype name and byte count."""
+    if dtype_name not in WIRE_DTYPES:
+        raise SwapError(f"dtype {dtype_name!r} is not accepted (one of {sorted(WIRE_DTYPES)})")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise SwapError(f"shape {shape!r} is not a list of non-negative integers")
+    dtype = WIRE_DTYPES[dtype_name]
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    if len(buf) != size:
+        raise SwapError(f"buffer of {len(buf)} bytes for {dtype_name}{shape}, expected {size}")
+    if size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
+
+
+def resolve_under(path: str, roots: list[Path]) -> Path:
+    """`path` resolved (symlinks, `..`), if it lies under one of `roots`; else SwapError."""
+    if not isinstance(path, str) or not path:
+        raise SwapError("checkpoint directory must be a non-empty string")
+    try:
+        resolved = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise SwapError(f"checkpoint directory {path} does not exist") from None
+    for root in roots:
+        if resolved.is_relative_to(root.resolve()):
+            return resolved
+    raise SwapError(f"checkpoint directory {resolved} is outside the allowed roots "
+                    f"{[str(r) for r in roots]}")
+
+
+class HeadSwapper:
+    """Validates, loads and installs heads into a `SpecServer`; keeps live, previous and a spare."""
+
+    def __init__(self, server, allowed_roots: list[Path], land_timeout_s: float = 30.0):
+        self.server = server
+        self.engine = server.engine
+        self.allowed_roots = [Path(r) for r in allowed_roots]
+        self.land_timeout_s = land_timeout_s
+        self.live = HeadVersion(self.engine.head, self.engine.head_version, None, "initial")
+        self.previous: HeadVersion | None = None
+        self._spare: EagleHead | None = None
+        self._lock = threading.Lock()  # one swap at a time
+        self.swaps = self.rollbacks = self.refused = 0
+        self.last_swap: dict | None = None
+
+    # -- commands -------------------------------------------------------------------------------
+    def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict:
+        """Swap in the checkpoint directory `path` (under the allowed roots)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            try:
+                d = resolve_under(path, self.allowed_roots)
+                cfg, tensors, meta = read_checkpoint(d)  # refuses pickles, checks the meta digest
+                actual = file_digest(d / WEIGHTS)
+                if digest is not None and digest != actual:
+                    raise SwapError(f"digest mismatch: request says {digest}, {WEIGHTS} has {actual}")
+                version = self._version(version, meta.get("version"))
+                head = self._validate_and_load(cfg, tensors)
+            except CheckpointError as e:
+                self.refused += 1
+                raise SwapError(str(e)) from None
+            except SwapError:
+                self.refused += 1
+                raise
+            return self._install(HeadVersion(head, version, actual, str(d)), t0)
+
+    def swap_tensors(self, config: dict, tensors: dict[str, torch.Tensor], version: int, digest: str) -> dict:
+        """Swap in tensors sent inline, with their config.json dict, version and digest."""
+        t0 = time.perf_counter()
+        with self._lock:
+            try:
+                if not isinstance(config, dict):
+                    raise SwapError("config must be the checkpoint's config.json object")
+                actual = tensors_digest(tensors)
+                if digest != actual:
+                    raise SwapError(f"digest mismatch: request says {digest}, tensors hash to {actual}")
+                version = self._version(version, None)
+                head = self._validate_and_load(head_config_from_json(config), tensors)
+            except CheckpointError as e:
+                self.refused += 1
+                raise SwapError(str(e)) from None
+            except SwapError:
+                self.refused += 1
+                raise
+            return self._install(HeadVersion(head, version, actual, "inline"), t0)
+
+    def rollback(self) -> dict:
+        """Reinstall the previous head (the very module, weights untouched); live becomes previous."""
+        t0 = time.perf_counter()
+        with self._lock:
+            if self.previous is None:
+                raise SwapError("no previous head to roll back to")
+            return self._install(self.previous, t0, rollback=True)
+
+    def info(self) -> dict:
+        return {"live": self.live.describe(), "previous": None if self.previous is None else self.previous.describe(),
+                "swaps": self.swaps, "rollbacks": self.rollbacks, "refused": self.refused,
+                "last_swap": self.last_swap, "allowed_roots": [str(r) for r in self.allowed_roots]}
+
+    # -- steps -----------------------------------------------------------------------------------
+    @staticmethod
+    def _version(requested, from_meta) -> int:
+        v = requested if requested is not None else from_meta
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise SwapError(f"version must be a non-negative integer, got {v!r}")
+        return v
+
+    def _validate_and_load(self, cfg, tensors: dict[str, torch.Tensor]) -> EagleHead:
+        live = self.engine.head
+        vocab = None if live is None else (live.d2t, live.t2d)
+        validate_tensors(cfg, tensors, expect_vocab=vocab)
+        check_compatible(cfg, self.engine.target.info)
+        return self._load_spare(cfg, tensors)
+
+    def _load_spare(self, cfg, tensors: dict[str, torch.Tensor]) -> EagleHead:
+        """Copy validated tensors into the spare module (allocating one if none fits)."""
+        target = self.engine.target
+        spare, self._spare = self._spare, None
+        if spare is None or spare.cfg != cfg:
+            return build_head(cfg, tensors, target.dtype, target.device)
+        with torch.no_grad():
+            params = dict(spare.named_parameters())
+            for name, t in tensors.items():
+                if name in params:
+                    params[name].copy_(t)
+            spare.set_vocab_map(tensors["d2t"].long().to(target.device), tensors["t2d"].to(target.device))
+        return spare
+
+    def _install(self, new: HeadVersion, t0: float, rollback: bool = False) -> dict:
+        """Hand `new` to the engine, wait until it is live, rotate live -> previous -> spare."""
+        t_ready = time.perf_counter()
+        self.server.swap(new.head, new.version, rollback=rollback)
+        landed = self._wait_live(new.head)
+        old_previous = self.previous
+        self.previous, self.live = self.live, new
+        if not rollback and old_previous is not None and old_previous.head is not None \
+                and old_previous.head is not self.live.head:
+            self._spare = old_previous.head
+        if rollback:
+            self.rollbacks += 1
+        else:
+            self.swaps += 1
+        self.last_swap = {"version": new.version, "digest": new.digest, "rollback": rollback, "landed": landed,
+                          "prepare_s": t_ready - t0, "land_s": time.perf_counter() - t_ready}
+        return {**self.last_swap, "previous_version": self.previous.version}
+
+    def _wait_live(self, head: EagleHead | None) -> bool:
+        deadline = time.monotonic() + self.land_timeout_s
+        while time.monotonic() < deadline:
+            if self.engine.head is head and not self.engine.has_pending:
+                return True
+            time.sleep(0.001)
+        return False

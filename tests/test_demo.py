@@ -1,0 +1,117 @@
+"""`online-spec demo` and `online-spec bench e2e`: traces, the demo end to end, the bench's keys.
+
+The end-to-end cases run the real SmolLM2 server in this process and the real trainer daemon in
+a child process, on a six-request trace with max_tokens 4 and a day-0 head: they check the
+plumbing (reports, plots, keys), not the speed-ups.
+"""
+
+import json
+
+import pytest
+
+from online_spec.trace import TraceError, build_drift_trace, load_trace, parse_line, phases
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+TINY = [{"messages": [{"role": "user", "content": "Tell me about cats."}], "tag": "chat"},
+        {"messages": [{"role": "user", "content": "Name a colour."}], "tag": "chat"},
+        {"prompt": "def fib(n):", "tag": "code", "max_tokens": 3},
+        {"prompt": "def add(a, b):", "tag": "code"},
+        {"messages": [{"role": "user", "content": "Hello!"}], "tag": "chat", "phase": "mix"},
+        {"prompt": "import os\n", "tag": "code", "phase": "mix"}]
+
+
+def write_trace(path, lines):
+    path.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
+    return path
+
+
+def test_trace_parses_in_file_order_with_phases(tmp_path):
+    items = load_trace(write_trace(tmp_path / "t.jsonl", TINY[:2] + [""] + TINY[2:]))  # blank lines skipped
+    assert [it.index for it in items] == list(range(6))
+    assert [(name, len(run)) for name, run in phases(items)] == [("chat", 2), ("code", 2), ("mix", 2)]
+    assert items[2].prompt == "def fib(n):" and items[2].messages is None and items[2].max_tokens == 3
+    assert items[4].tag == "chat" and items[4].phase == "mix"
+    assert parse_line('{"prompt": "x"}', 0).phase == ""
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("{not json", "not valid JSON"),
+    ('["a"]', "expected a JSON object"),
+    ('{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "exactly one of"),
+    ('{"tag": "chat"}', "exactly one of"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "messages[0]"),
+    ('{"prompt": ""}', "non-empty string"),
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    ('{"prompt": "x", "tag": 3}', "'tag'"),
+    ('{"prompt": "x", "temperature": 0.5}', "unknown key"),
+])
+def test_trace_errors_name_the_line(tmp_path, line, needle):
+    path = write_trace(tmp_path / "bad.jsonl", [TINY[0], TINY[1], line])
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    assert f"bad.jsonl:3:" in str(e.value) and needle in str(e.value)
+
+
+def test_trace_missing_or_empty(tmp_path):
+    with pytest.raises(TraceError, match="no such trace"):
+        load_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(write_trace(tmp_path / "empty.jsonl", ["", "  "]))
+
+
+def test_built_in_drift_trace_is_chat_then_code_then_mix(tmp_path):
+    items = load_trace(build_drift_trace(tmp_path / "d.jsonl", 3, 2, 4, seed=0, max_tokens=7))
+    assert [(n, len(r)) for n, r in phases(items)] == [("chat", 3), ("code", 2), ("mix", 4)]
+    assert {it.tag for it in items[:3]} == {"chat"} and {it.tag for it in items[3:5]} == {"code"}
+    assert sorted(it.tag for it in items[5:]) == ["chat", "chat", "code", "code"]
+    assert all(it.max_tokens == 7 and it.messages[0]["role"] == "user" for it in items)
+    assert "Complete the following Python function" in items[3].messages[0]["content"]
+    chat_texts = [it.messages[0]["content"] for it in items if it.tag == "chat"]
+    assert len(set(chat_texts)) == len(chat_texts)  # the mix brings new conversations, not repeats
+
+
+def test_demo_end_to_end_writes_the_report(smol_bf16, tmp_path):
+    from online_spec.demo import DemoConfig, run_demo
+
+    trace = write_trace(tmp_path / "t.jsonl", TINY)
+    out = tmp_path / "demo"
+    figs = run_demo(DemoConfig(minutes=1.0, trace=str(trace), head="day0", max_tokens=4, concurrency=2,
+                               out=str(out)), target=smol_bf16)
+    for name in ("summary.md", "figures.json", "accept_len_tokens_per_s.png", "k_per_slot.png"):
+        assert (out / name).exists(), name
+    for png in ("accept_len_tokens_per_s.png", "k_per_slot.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    saved = json.loads((out / "figures.json").read_text())
+    for key in ("overall", "phases", "timeline", "swaps", "alerts", "adaptation", "trainer", "requests", "plots"):
+        assert key in saved, key
+    assert list(saved["phases"]) == ["chat", "code", "mix"]
+    assert saved["overall"]["requests"] == 6 and saved["overall"]["failed"] == 0
+    assert saved["overall"]["completion_tokens"] == figs["overall"]["completion_tokens"] > 0
+    assert saved["trainer"]["returncode"] == 0  # the daemon stopped on SIGTERM, saved, exited cleanly
+    assert [a["shift"] for a in saved["adaptation"]] == ["chat->code", "code->mix"]
+    assert "| chat |" in (out / "summary.md").read_text()
+
+
+def test_bench_e2e_quick_writes_every_key(tmp_path):
+    from online_spec.cli import main
+
+    trace = write_trace(tmp_path / "t.jsonl", [TINY[0], TINY[2], TINY[4]])  # one request per phase
+    path = tmp_path / "e2e.json"
+    # one calibration K (no calibration sessions) and no day-0 run keep this under a minute
+    assert main(["bench", "e2e", "--quick", "--head", "day0", "--trace", str(trace), "--max-tokens", "3",
+                 "--calib-steps", "2", "--bs1-requests", "1", "--no-day0",
+                 "--out", str(tmp_path / "runs"), "--json", str(path)]) == 0
+    rep = json.loads(path.read_text())
+    for key in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted", "tokens_to_beat_plain_from_day0",
+                "speedup_vs_static", "speedup_vs_plain", "static_k", "per_phase", "overall", "adaptation_online_spec",
+                "bs1", "machine", "targets", "met"):
+        assert key in rep, key
+    assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "online_spec"}
+    assert rep["static_k"]["best"] == 2 and rep["configs"]["static"]["timeline"]["num_steps_per_slot"]
+    assert rep["tokens_to_beat_plain_from_day0"] is None  # --no-day0: reported, not invented
+    assert set(rep["per_phase"]) == {"chat", "code", "mix"}
+    assert rep["overall"]["plain"]["accept_len"] is None and rep["overall"]["static"]["accept_len"] is not None
+    assert rep["speedup_vs_static_sglang_adaptive"] > 0 and rep["speedup_vs_plain_bs1_adapted"] > 0

@@ -1,0 +1,201 @@
+"""The trainer daemon with real parts: the real server (SmolLM2) streaming capture records over a
+real ZMQ socket, the control endpoint, DeepSpeed on CPU, the replay buffer on disk.
+
+- in-process: the daemon learns from live traffic and publishes a head that beats the live one
+  (a deliberately wrong head); the server drafts with it between rounds; no request fails
+- kill -9 of the daemon process under load: 0 failed requests, and the restarted daemon resumes
+  (step counter and buffer survive)
+- the gate refuses a deliberately worse candidate and publishes a better one (tiny target)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from collector.replay import ReplayConfig
+from collector.span import CaptureSpan
+from collector.subscriber import SubscriberConfig
+from online_spec.data import sharegpt_conversations
+from online_spec.head import new_head
+from serving.control import ControlClient, ControlConfig
+from serving.engine import EngineConfig
+from serving.lossless import wrong_head
+from serving.server import HttpThread, ServerConfig, SpecServer
+from collector.publisher import CapturePublisher, PublisherConfig
+from tests.distill_helpers import greedy_records, tiny8
+from trainer.batch import collate
+from trainer.daemon import DaemonConfig, TrainerDaemon
+from trainer.distill import DistillConfig, Distiller
+from trainer.gate import GateConfig
+from trainer.loss import LossConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Load:
+    """Streaming /v1/completions clients on loopback until stopped; counts failures."""
+
+    def __init__(self, url: str, prompts: list[str], clients: int = 3, max_tokens: int = 24):
+        self.url, self.prompts, self.max_tokens = url, prompts, max_tokens
+        self.done = self.failed = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        n = i
+        while not self._stop.is_set():
+            body = {"model": "m", "prompt": self.prompts[n % len(self.prompts)], "max_tokens": self.max_tokens,
+                    "temperature": 0, "stream": True}
+            n += len(self._threads)
+            try:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=300) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+                    text = "".join(line for line in r.iter_lines())
+                    if "[DONE]" not in text:
+                        raise RuntimeError("stream ended without [DONE]")
+                self.done += 1
+            except Exception as e:  # counted, reported by the test
+                self.failed += 1
+                self.errors.append(repr(e))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(300)
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_bf16):
+    convs = sharegpt_conversations(limit=24, seed=3, max_prompt_tokens=60, tokenizer=smol_bf16.tokenizer)
+    return [c[0]["content"] for c in convs]
+
+
+def start_server(target, tmp: Path, head, version: int):
+    pub = PublisherConfig(endpoint=f"ipc://{tmp}/capture.sock")
+    cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=512, num_steps=3), capture=True, publisher=pub,
+                       control=ControlConfig(run_dir=str(tmp / "serve"), allowed_roots=str(tmp)))
+    server = SpecServer(cfg, target, head, head_version=version, publisher=CapturePublisher(pub))
+    server.start()
+    http = HttpThread(server).start()
+    return server, http
+
+
+def daemon_cfgs(tmp: Path):
+    return (DaemonConfig(run_dir=str(tmp / "trainer"), batch_tokens=128, min_buffer_tokens=64, eval_every_steps=2,
+                         eval_every_s=1000, eval_tokens=256, eval_max_steps=3, save_every_steps=1),
+            SubscriberConfig(endpoint=f"ipc://{tmp}/capture.sock", idle_timeout_s=2.0),
+            ReplayConfig(root=str(tmp / "trainer" / "replay"), heldout_every=3, flush_interval_s=1.0),
+            DistillConfig(lr=2e-3, warmup_steps=0, schedule="constant"),
+            LossConfig(ttt_steps=2),
+            GateConfig(margin_rel=0.0, margin_abs=0.01, min_anchors=20, rollback_min_rounds=10_000))
+
+
+def test_daemon_learns_from_live_traffic_and_publishes(smol_bf16, prompts, tmp_path):
+    server, http = start_server(smol_bf16, tmp_path, wrong_head(smol_bf16), version=0)
+    rounds = []
+    server.round_observers.append(lambda s, o, t: rounds.append((s.head_version, s.num_steps, sum(s.accepted))))
+    load = Load(http.url, prompts)
+    try:
+        dcfg, scfg, rcfg, distill, loss, gate = daemon_cfgs(tmp_path)
+        daemon = TrainerDaemon(dcfg, smol_bf16, ControlClient.from_run_dir(tmp_path / "serve"), scfg, rcfg,
+                               distill, loss, gate)
+        summary = daemon.run(max_seconds=600, max_steps=12)
+        time.sleep(3)  # some rounds with the new head
+    finally:
+        load.stop()
+        http.stop()
+        server.close()
+    assert load.failed == 0, load.errors[:3]
+    assert load.done > 0
+    assert summary["step"] >= 2 and summary["buffer"]["received"] > 0
+    assert summary["swaps"] >= 1, summary  # a trained candidate beats the wrong head's 0
+    live = summary["live_version"]
+    assert (tmp_path / "trainer" / "ckpt" / f"v{live}" / "model.safetensors").exists()
+    drafted_new = [r for r in rounds if r[0] == live and r[1] > 0]
+    assert drafted_new, "the server never drafted with the published head"
+    assert all(acc == 0 for v, k, acc in rounds if v == 0)  # the wrong head: nothing accepted
+
+
+def test_kill_9_under_load_then_resume(smol_bf16, prompts, tmp_path):
+    server, http = start_server(smol_bf16, tmp_path, new_head(smol_bf16, seed=1), version=0)
+    load = Load(http.url, prompts)
+    run_dir = tmp_path / "trainer"
+    cmd = [sys.executable, "-m", "online_spec.cli", "train", "--run-dir", str(run_dir),
+           "--capture-endpoint", f"ipc://{tmp_path}/capture.sock", "--capture-idle-timeout-s", "2",
+           "--control-run-dir", str(tmp_path / "serve"), "--batch-tokens", "96", "--min-buffer-tokens", "48",
+           "--save-every-steps", "1", "--eval-every-steps", "1000", "--replay-flush-interval-s", "1",
+           "--replay-heldout-every", "3", "--loss-ttt-steps", "1", "--wandb-mode", "disabled", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        proc = subprocess.Popen(cmd + ["--max-seconds", "900"], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        state_file = run_dir / "state.json"
+        deadline = time.monotonic() + 600
+        saved = 0
+        while time.monotonic() < deadline and saved < 2:
+            time.sleep(1)
+            if state_file.exists():
+                saved = json.loads(state_file.read_text())["step"]
+        assert saved >= 2, "the daemon never trained"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        time.sleep(2)  # serving goes on without its trainer
+        before = json.loads(state_file.read_text())
+        received_before = before["buffer"]["counters"]["received"]
+        assert received_before > 0
+        # restart: it resumes from the saved step, with the buffer it had on disk
+        out = subprocess.run(cmd + ["--max-steps", str(before["step"] + 2)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"resumed at step {before['step']}" in out.stderr
+        after = json.loads(state_file.read_text())
+        assert after["step"] == before["step"] + 2
+        assert after["buffer"]["counters"]["received"] >= received_before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        load.stop()
+        http.stop()
+        server.close()
+    assert load.failed == 0, load.errors[:3]
+
+
+def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
+    target = tiny8()
+    recs, _ = greedy_records(target, num=6, new_tokens=40)
+    trained = Distiller(target, new_head(target, 256, seed=0).float(),
+                        DistillConfig(lr=3e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=3))
+    for _ in range(40):
+        trained.train_step(collate(recs))
+    good = trained.head
+    bad = new_head(target, 256, seed=0).float()
+
+    def daemon_with(candidate, live, sub):
+        d = TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / sub), eval_max_steps=3), target, None,
+                          SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                          ReplayConfig(root=str(tmp_path / sub / "replay"), heldout_every=1),
+                          DistillConfig(), LossConfig(ttt_steps=3), GateConfig(min_anchors=10), head=candidate)
+        d.live_head = d._live_head_from(live)
+        for r in recs:
+            d.on_span(CaptureSpan.from_records([r]))
+        return d
+
+    refused = daemon_with(bad, good, "a").evaluate_and_publish()
+    assert not refused.publish and refused.candidate < refused.live
+    d = daemon_with(good, bad, "b")
+    accepted = d.evaluate_and_publish()
+    assert accepted.publish and accepted.candidate > accepted.live + 0.5
+    assert d.state["live_version"] == 1 and (tmp_path / "b" / "ckpt" / "v1" / "config.json").exists()
