@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 from online_spec.kvcache import AttentionBatch, KVCache
 
@@ -61,6 +61,12 @@ class HeadConfig:
             setattr(c, k, v)
         c.mlp_bias = False
         return c
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B,heads,T,hd] with cos/sin [B,T,hd] (the target's convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
 
 
 class Eagle3Attention(nn.Module):
@@ -122,16 +128,12 @@ class EagleHead(nn.Module):
         """embeds [B,T,H] (the target's embeddings of the next tokens), hidden [B,T,3H|H],
         cos/sin [B,T,hd]; `attend(q, k, v) -> [B,T,nh*hd]` does the cached (or training) attention.
         Returns (draft logits [B,T,V_d], output hidden [B,T,H])."""
-        if hidden.shape[-1] != self.cfg.hidden_size:
-            hidden = self.fc(hidden)
-        layer = self.midlayer
-        a = layer.self_attn
+        hidden, x = self._attention_input(embeds, hidden)
+        layer, a = self.midlayer, self.midlayer.self_attn
         B, T, _ = embeds.shape
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         q = a.q_proj(x).view(B, T, a.nh, a.hd).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = self._rope_kv(x, cos, sin)
+        q = _rope(q, cos, sin)
         h = hidden + a.o_proj(attend(q, k, v))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h)), h
@@ -141,15 +143,21 @@ class EagleHead(nn.Module):
         """The keys/values rows write into the cache ([B,kvh,T,hd], rope applied), nothing else:
         a row's K/V depend only on its own inputs, so rebuilding a cache (after a swap, for a
         prompt) skips attention, MLP and lm_head for every row but the last. Same math as forward."""
+        return self._rope_kv(self._attention_input(embeds, hidden)[1], cos, sin)
+
+    def _attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [B,T,H] after fc where needed, attention input [norm(embeds), norm(hidden)] [B,T,2H])."""
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)
         layer = self.midlayer
-        a = layer.self_attn
-        B, T, _ = embeds.shape
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        return hidden, torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+
+    def _rope_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.midlayer.self_attn
+        B, T, _ = x.shape
         k = a.k_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
         v = a.v_proj(x).view(B, T, a.kvh, a.hd).transpose(1, 2)
-        return apply_rotary_pos_emb(k, k, cos, sin)[1], v
+        return _rope(k, cos, sin), v
 
     @torch.inference_mode()
     def fill_cache(self, embeds: torch.Tensor, hidden: torch.Tensor, slot: int, start: int, cache: KVCache,
