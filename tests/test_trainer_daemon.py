@@ -138,15 +138,20 @@ def test_kill_9_under_load_then_resume(smol_bf16, prompts, tmp_path):
            "--control-run-dir", str(tmp_path / "serve"), "--batch-tokens", "96", "--min-buffer-tokens", "48",
            "--save-every-steps", "1", "--eval-every-steps", "1000", "--replay-flush-interval-s", "1",
            "--replay-heldout-every", "3", "--loss-ttt-steps", "1", "--wandb-mode", "disabled", "--threads", "1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # a fresh process group of its own: not the rendezvous this pytest process may hold
+    dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars} | {"PYTHONPATH": str(REPO)}
+    proc = None
     try:
-        proc = subprocess.Popen(cmd + ["--max-seconds", "900"], cwd=REPO, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_file = open(tmp_path / "trainer.log", "w")
+        proc = subprocess.Popen(cmd + ["--max-seconds", "900"], cwd=REPO, env=env, stdout=log_file,
+                                stderr=subprocess.STDOUT)
         state_file = run_dir / "state.json"
         deadline = time.monotonic() + 600
         saved = 0
         while time.monotonic() < deadline and saved < 2:
             time.sleep(1)
+            assert proc.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
             if state_file.exists():
                 saved = json.loads(state_file.read_text())["step"]
         assert saved >= 2, "the daemon never trained"
@@ -165,7 +170,7 @@ def test_kill_9_under_load_then_resume(smol_bf16, prompts, tmp_path):
         assert after["step"] == before["step"] + 2
         assert after["buffer"]["counters"]["received"] >= received_before
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
         load.stop()
         http.stop()
