@@ -143,6 +143,7 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
+        self._swap_unreported = False
 
     # -- public API -----------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -208,11 +209,14 @@ class Engine:
     # -- one round --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        swapped = self._apply_pending_swap()
+        # a swap that lands while idle is reported with the next round
+        swapped = self._apply_pending_swap() or self._swap_unreported
+        self._swap_unreported = False
         self._release_finished()
         outs = self._admit()
         self._release_finished()
         if not self.running:
+            self._swap_unreported = swapped
             return outs
         reqs = self.running
         B = len(reqs)

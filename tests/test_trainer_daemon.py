@@ -10,6 +10,7 @@ real ZMQ socket, the control endpoint, DeepSpeed on CPU, the replay buffer on di
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,7 +166,9 @@ def test_kill_9_under_load_then_resume(smol_bf16, prompts, tmp_path):
         out = subprocess.run(cmd + ["--max-steps", str(before["step"] + 2)], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert f"resumed at step {before['step']}" in out.stderr
+        # state.json is written after distiller.pt: a kill between the two leaves it one step behind
+        resumed = int(re.search(r"resumed at step (\d+)", out.stderr).group(1))
+        assert resumed in (before["step"], before["step"] + 1), out.stderr[-2000:]
         after = json.loads(state_file.read_text())
         assert after["step"] == before["step"] + 2
         assert after["buffer"]["counters"]["received"] >= received_before
