@@ -99,7 +99,10 @@ class TrainerDaemon:
         if (self.run_dir / "distiller.pt").exists():
             self.distiller.load_state(self.run_dir / "distiller.pt")
             log.info("resumed at step %d", self.distiller.step)
-        self.subscriber = CaptureSubscriber(subscriber_cfg, on_span=self.on_span)
+        # sockets are opened only by run(): a daemon that never runs owns none (a zmq context
+        # garbage-collected with open sockets blocks its finalizer forever)
+        self.subscriber_cfg = subscriber_cfg
+        self.subscriber: CaptureSubscriber | None = None
         self._stop = threading.Event()
         self._last_eval_t = time.monotonic()
         self._last_eval_step = self.distiller.step
@@ -122,7 +125,7 @@ class TrainerDaemon:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict:
-        self.subscriber.start()
+        self.subscriber = CaptureSubscriber(self.subscriber_cfg, on_span=self.on_span).start()
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         try:
             while not self._stop.is_set():
@@ -262,15 +265,18 @@ class TrainerDaemon:
             try:
                 self.wandb.log({**metrics, "trainer/step": self.distiller.step,
                                 "buffer/tokens": self.buffer.num_tokens,
-                                **{f"stream/{k}": v for k, v in self.subscriber.stats().items()
+                                **{f"stream/{k}": v for k, v in self._stream_stats().items()
                                    if isinstance(v, (int, float))}})
             except Exception:  # W&B must never stop training
                 log.exception("wandb.log failed")
 
+    def _stream_stats(self) -> dict:
+        return self.subscriber.stats() if self.subscriber is not None else {}
+
     def summary(self) -> dict:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
-                "buffer": self.buffer.stats(), "stream": self.subscriber.stats(), "live": self.live.summary()}
+                "buffer": self.buffer.stats(), "stream": self._stream_stats(), "live": self.live.summary()}
 
 
 def install_signal_handlers(daemon: TrainerDaemon) -> None:
