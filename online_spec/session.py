@@ -231,6 +231,8 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, 
            "PYTHONUNBUFFERED": "1"}
     repo = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(var, None)  # the trainer forms its own process group, never one this process holds
     logf = open(run_dir / "trainer.log", "ab")
     log.info("trainer: %s", " ".join(args))
     proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=repo)
