@@ -94,6 +94,8 @@ class TrainerDaemon:
             head = self._initial_head()
         self.live_head = self._live_head_from(head)
         self.buffer = ReplayBuffer(replay_cfg or ReplayConfig(root=str(self.run_dir / "replay")))
+        if self._saved_buffer:  # its spans reload from disk; its counters from the state file
+            self.buffer.load_state_dict(self._saved_buffer)
         self.distiller = Distiller(target, head, distill_cfg or DistillConfig(schedule="constant"),
                                    loss_cfg or LossConfig())
         if (self.run_dir / "distiller.pt").exists():
@@ -233,11 +235,12 @@ class TrainerDaemon:
         tmp.replace(self.run_dir / "state.json")
 
     def _load_state(self) -> None:
+        self._saved_buffer = None
         path = self.run_dir / "state.json"
         if path.exists():
             saved = json.loads(path.read_text())
             self.rollbacks.load_state_dict(saved.pop("rollback_monitor", {}) or {})
-            saved.pop("buffer", None)
+            self._saved_buffer = saved.pop("buffer", None)
             self.state.update(saved)
 
     def _load_version(self, version: int) -> EagleHead:
