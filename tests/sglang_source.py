@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import importlib.machinery
 import sys
 import types
 from pathlib import Path
@@ -26,8 +27,12 @@ def sglang_root() -> Path:
 def import_srt(name: str):
     """Import `sglang.srt.<...>` from the installed files without running sglang/__init__.py."""
     if "sglang" not in sys.modules:
+        root = str(sglang_root())
         pkg = types.ModuleType("sglang")
-        pkg.__path__ = [str(sglang_root())]
+        pkg.__path__ = [root]
+        # a real spec, so later find_spec("sglang") calls still locate the installed files
+        pkg.__spec__ = importlib.machinery.ModuleSpec("sglang", None, is_package=True)
+        pkg.__spec__.submodule_search_locations = [root]
         sys.modules["sglang"] = pkg
     return importlib.import_module(name)
 
