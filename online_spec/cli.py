@@ -21,10 +21,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
     "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
     "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
-    "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
-    "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
-    "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
-    "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
     "demo": ("online_spec.demo", "server + trainer + drifting traffic, live, with a report"),
 }
 
@@ -36,9 +32,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
     "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
     "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
-    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
-    "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
-    "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
     "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
 }
 
