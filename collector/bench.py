@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
+from online_spec.benchutil import quick_overrides
 from online_spec.capture import CaptureRecord
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(CollectorBenchConfig, args, **overrides)
     results: dict[str, Any] = {"bench": "collector", "quick": bool(args.quick), "config": config_to_dict(cfg),
                                "torch_threads": torch.get_num_threads()}

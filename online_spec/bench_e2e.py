@@ -182,11 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from online_spec.benchutil import machine_info
+    from online_spec.benchutil import machine_info, quick_overrides
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --quick shortens what the command line did not set (unset flags are absent from args)
-    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(E2EConfig, args, **overrides)
     res = run_bench(cfg)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": bool(args.quick), "machine": machine_info(),

@@ -59,3 +59,9 @@ def write_report(path: Path | None, figures: dict) -> dict:
         Path(path).write_text(text)
     print(text)
     return report
+
+
+def quick_overrides(args, quick: dict) -> dict:
+    """With --quick, the `quick` settings for every flag the command line did not set (unset
+    flags are absent from args); otherwise nothing."""
+    return {k: v for k, v in quick.items() if args.quick and not hasattr(args, k)}

@@ -334,11 +334,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from online_spec.benchutil import write_report
+    from online_spec.benchutil import write_report, quick_overrides
     from online_spec.checkpoint import load_head
     from online_spec.target import load_target
 
-    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(DriftBenchConfig, args, **overrides)
     drift = config_from_args(DriftConfig, args, prefix="drift_")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from online_spec.benchutil import median_time, write_report
+from online_spec.benchutil import median_time, quick_overrides, write_report
 from online_spec.checkpoint import load_head
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
@@ -199,7 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = config_from_args(EngineBenchConfig, args, **({k: v for k, v in QUICK.items()
-                                                        if not hasattr(args, k)} if args.quick else {}))
+    cfg = config_from_args(EngineBenchConfig, args, **quick_overrides(args, QUICK))
     report = write_report(args.json, run_bench(cfg))
     return 0 if report["lossless"] else 1

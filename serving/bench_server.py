@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import torch
 
-from online_spec.benchutil import machine_info
+from online_spec.benchutil import machine_info, quick_overrides
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from serving.engine import EngineConfig
 from serving.server import HttpThread, ServerConfig, SpecServer
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from online_spec.head import new_head
     from online_spec.target import load_target
 
-    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(ServerBenchConfig, args, **overrides)
     results: dict[str, Any] = {"bench": "server", "quick": bool(args.quick), "config": config_to_dict(cfg),
                                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info()}

@@ -420,12 +420,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online_spec.benchutil import write_report
+    from online_spec.benchutil import write_report, quick_overrides
     from online_spec.checkpoint import load_head
     from online_spec.target import load_target
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    overrides = {k: v for k, v in QUICK.items() if args.quick and not hasattr(args, k)}
+    overrides = quick_overrides(args, QUICK)
     try:
         cfg = config_from_args(ControllerBenchConfig, args, **overrides)
         draft = Path(cfg.draft) if cfg.draft else default_draft_dir()
