@@ -130,3 +130,23 @@ def test_schedules_and_early_ttt_steps():
     assert LossConfig(ttt_steps=3).steps_at(0.0) == 3
     with pytest.raises(ValueError, match="early_ttt_steps"):
         LossConfig(ttt_steps=2, early_ttt_steps=3)
+
+
+def test_batch_without_anchors_trains_without_error():
+    """Live spans of a single row (a round that accepted nothing, alone in its span) have no
+    anchor: the loss is zero but still in the graph, so DeepSpeed's backward accepts it and the
+    step changes nothing it should not."""
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.data import capture_tokens
+    target = tiny8()
+    head = new_head(target, 256, seed=0).float()
+    one_row = capture_tokens(target, [[5, 6]], ["x"])  # one row
+    batch = collate(one_row)
+    assert batch.row_mask.shape[1] == 1
+    loss, _ = ttt_loss(head, batch, SharedTarget.build(target, head), LossConfig(ttt_steps=2))
+    assert loss.grad_fn is not None and float(loss.detach()) == 0.0
+    d = Distiller(target, head, DistillConfig(lr=2e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=2))
+    before = {k: v.clone() for k, v in d.head.state_dict().items()}
+    metrics = d.train_step(batch)
+    assert metrics["loss"] == 0.0 and d.step == 1
+    assert all(torch.equal(before[k], v) for k, v in d.head.state_dict().items())

@@ -156,9 +156,12 @@ def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
     probs = target_probs(batch, shared)
     in_vocab = head.t2d[batch.tokens]  # [B, T+1]
     d2t = head.draft_to_target
-    total = torch.zeros((), device=batch.tokens.device)
+    steps = ttt_unroll(head, batch, shared, num_steps or cfg.ttt_steps)
+    # A batch without any anchor (every span a single row) still yields a loss in the autograd
+    # graph: zero, with zero gradients, so every rank's backward and all-reduce run as usual.
+    total = steps[0].sum() * 0.0
     metrics: dict[str, float] = {}
-    for k, logits in enumerate(ttt_unroll(head, batch, shared, num_steps or cfg.ttt_steps)):
+    for k, logits in enumerate(steps):
         n = T - k - 1  # anchors 0..n-1 have a target row p+k+1 inside the batch
         if n <= 0:
             break
