@@ -173,7 +173,7 @@ class EagleHead(nn.Module):
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch, cache: KVCache,
              rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached inference over a slot KV cache; `rope(positions)` gives cos/sin [B,1,T,hd]."""
-        cos, sin = rope(batch.positions)
+        cos, sin = rope(batch.positions, batch.rope_bound)
         return self.forward(embeds, hidden, cos.squeeze(1), sin.squeeze(1),
                             lambda q, k, v: batch.attend(cache, 0, q, k, v))
 

@@ -43,6 +43,7 @@ class AttentionBatch:
         self.starts = starts
         self.B, self.T = len(starts), num_new
         self.kv_len = max(starts) + num_new
+        self.rope_bound = self.kv_len  # positions are < kv_len (TargetModel.rope sizes its table from it)
         t = torch.arange(num_new, device=device)
         st = torch.tensor(starts, device=device)
         self.positions = st[:, None] + t[None, :]  # [B, T]

@@ -146,9 +146,11 @@ class TargetModel(nn.Module):
         i = self.info
         return KVCache(i.num_layers, num_slots, i.kv_heads, max_len, i.head_dim, self.dtype, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B,1,T,hd] for positions [B,T], from a table grown on demand."""
-        need = int(positions.max()) + 1
+    def rope(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B,1,T,hd] for positions [B,T], from a table grown on demand. `bound` (> every
+        position) sizes the table without reading the positions back (no device sync, so the
+        lookup can be captured in a CUDA graph)."""
+        need = bound if bound is not None else int(positions.max()) + 1
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 1024)
             ids = torch.arange(n, device=self.device)[None]
@@ -180,7 +182,7 @@ class TargetModel(nn.Module):
         i = self.info
         B, T = tokens.shape
         h = m.embed_tokens(tokens)
-        cos, sin = self.rope(batch.positions)
+        cos, sin = self.rope(batch.positions, batch.rope_bound)
         cos, sin = cos.squeeze(1), sin.squeeze(1)
         feats: list[torch.Tensor | None] = [None, None, None]
         for li, layer in enumerate(m.layers):

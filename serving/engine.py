@@ -39,6 +39,7 @@ from online_spec.head import EagleHead
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, accept_sampled, probs_from_logits
 from online_spec.target import TargetModel
+from serving.cuda_graphs import CudaGraphs
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class EngineConfig:
     max_len: int = doc("longest sequence (prompt + output) per request, in tokens", 2048)
     max_steps: int = doc("largest number of draft steps K per round", 7)
     num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode)", 3)
+    cuda_graphs: bool = doc("on a CUDA device, replay CUDA graphs for the decode/verify/draft shapes "
+                            "(serving/cuda_graphs.py); ignored on CPU", True)
     max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
     swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
                               "(0 = switch at once and rebuild every row on the next draft)", 48)
@@ -129,6 +132,7 @@ class Engine:
         self.tcache = target.new_cache(S, L)
         self.tok_buf = torch.zeros(S, L + 1, dtype=torch.long)
         self.feat_buf = torch.zeros(S, L, 3 * info.hidden_size, dtype=target.dtype, device=target.device)
+        self.graphs = CudaGraphs.for_engine(target, S, L, c.cuda_graphs)  # None on CPU
         self.head: EagleHead | None = None
         self.dcache = None
         self.head_version = -1
@@ -177,9 +181,17 @@ class Engine:
                     r.finish_reason = "abort"
 
     def swap_head(self, head: EagleHead | None, version: int) -> None:
-        """Install `head` (already validated) before the next round. Thread-safe."""
+        """Install `head` (already validated) before the next round. Thread-safe. Everything a
+        staged swap needs (the head in the engine's dtype and device, an empty draft cache) is
+        prepared here, on the caller's thread, so the engine thread only starts filling it."""
+        staged = None
+        if head is not None:
+            head = head.to(dtype=self.target.dtype, device=self.target.device).eval()
+            staged = _StagedHead(head, version, self._staging_cache(head))
         with self._lock:
-            self._pending_swap = (head, version)
+            replaced, self._pending_swap = self._pending_swap, (head, version, staged)
+        if replaced is not None and replaced[2] is not None:
+            self._recycle_cache(replaced[2].cache)
 
     def set_policy(self, policy: StepPolicy) -> None:
         """Install a new step policy before the next round. Thread-safe."""
@@ -245,8 +257,11 @@ class Engine:
         # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
         #    target forward over the KV cache. tokens [B, K+1] -> logits [B, K+1, V].
         tokens = torch.cat([self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None]), drafts], dim=1)
-        batch = AttentionBatch(tlen, K + 1, self.target.device)
-        logits, feats, final = self.target.forward(tokens.to(self.target.device), batch, self.tcache)
+        if self.graphs is not None:
+            logits, feats, final = self.graphs.target_forward(tokens, tlen, self.tcache)
+        else:
+            batch = AttentionBatch(tlen, K + 1, self.target.device)
+            logits, feats, final = self.target.forward(tokens.to(self.target.device), batch, self.tcache)
 
         # 3) accept, 4) commit, 5) capture
         accepted, records, round_outs = [], [], []
@@ -307,15 +322,21 @@ class Engine:
             if j > 0:
                 # step j+1 reads (embedding of draft j, hidden of step j) at position tlen + j - 1
                 emb = self.target.embed_tokens(drafts[:, j - 1:j].to(self.target.device))
-                batch = AttentionBatch([t + j - 1 for t in tlen], 1, self.target.device)
-                lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
+                starts = [t + j - 1 for t in tlen]
+                if self.graphs is not None:
+                    lg, hid = self.graphs.head_step(head, self.dcache, emb, hidden[:, None], starts)
+                else:
+                    batch = AttentionBatch(starts, 1, self.target.device)
+                    lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
                 logits, hidden = lg[:, 0], hid[:, 0]
             lf = logits.float()
+            if any(r.params.greedy for r in reqs):  # greedy rows: one read-back for the whole batch
+                pr = torch.softmax(lf, -1)
+                d = pr.argmax(-1)
+                g_tok, g_prob = d2t[d].tolist(), pr.gather(1, d[:, None])[:, 0].tolist()
             for b, r in enumerate(reqs):
                 if r.params.greedy:
-                    pr = torch.softmax(lf[b], -1)
-                    d = int(pr.argmax())
-                    drafts[b, j], probs[b, j] = int(d2t[d]), float(pr[d])
+                    drafts[b, j], probs[b, j] = g_tok[b], g_prob[b]
                 else:
                     full = torch.full((self.target.info.vocab_size,), float("-inf"))
                     full[d2t] = lf[b]
@@ -387,6 +408,8 @@ class Engine:
         if len(slots) == 1 and slots[0] != 0:
             # a single slot not at the batch origin: run it through a one-slot view of the cache
             return self._head_rows_single(slots[0], starts[0], T, emb, hid)
+        if self.graphs is not None:
+            return self.graphs.head_step(self.head, self.dcache, emb, hid, starts)
         batch = AttentionBatch(starts, T, dev)
         return self.head.step(emb, hid, batch, self.dcache, self.target.rope)
 
@@ -508,28 +531,40 @@ class Engine:
             self.policy = policy
         self._filled = 0
         if pending is not None:
-            head, version = pending
-            if head is None or not self.running or self.cfg.swap_fill_rows == 0:
+            head, version, staged = pending
+            if self._staged is not None:  # superseded before it went live
+                self._recycle_cache(self._staged.cache)
                 self._staged = None
+            if head is None or not self.running or self.cfg.swap_fill_rows == 0:
+                if staged is not None:
+                    self._recycle_cache(staged.cache)
                 self._install_head(head, version)
                 self.policy.rewarm()
                 return True
-            self._staged = self._stage_head(head, version)
+            self._staged = staged
         return self._advance_staged()
 
     # A swap under load is staged: the new head's draft cache is rebuilt from the stored features
-    # a bounded number of rows per round (K/V only) while the old head keeps drafting, and the
-    # switch happens once every running slot is within one round's catch-up. Drafts never affect
-    # the output, so whichever head drafts a round, the output is the target's.
-    def _stage_head(self, head: EagleHead, version: int) -> "_StagedHead":
-        head = head.to(dtype=self.target.dtype, device=self.target.device).eval()
-        cache, self._spare_cache = self._spare_cache, None
+    # a bounded number of rows per round (K/V only, every slot's rows in one call) while the old
+    # head keeps drafting, and the switch happens once every running slot is within one round's
+    # catch-up. Drafts never affect the output, so whichever head drafts a round, the output is
+    # the target's.
+    def _staging_cache(self, head: EagleHead):
+        """An empty draft cache for a staged head: the spare (the cache of the head replaced by
+        the last switch) when its shape fits, else a new one. Any thread."""
+        with self._lock:
+            cache, self._spare_cache = self._spare_cache, None
         c = head.cfg
         if cache is None or cache.k[0].dtype != self.target.dtype or tuple(cache.k[0].shape) != \
                 (self.cfg.max_batch, c.num_key_value_heads, self.cfg.max_len, c.head_dim):
             cache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
         cache.lengths = [0] * self.cfg.max_batch
-        return _StagedHead(head, version, cache)
+        return cache
+
+    def _recycle_cache(self, cache) -> None:
+        with self._lock:
+            if self._spare_cache is None:
+                self._spare_cache = cache
 
     def _advance_staged(self) -> bool:
         """Rebuild up to swap_fill_rows rows of the staged cache; switch when it is caught up."""
@@ -538,22 +573,44 @@ class Engine:
             return False
         budget = self.cfg.swap_fill_rows
         behind = False
+        plan = []
         for b in range(len(self.running)):
             goal = self.tcache.lengths[b] - 1  # the last committed row is always recomputed
-            n = min(budget, goal - st.cache.lengths[b])
-            if n > 0:
-                self._fill_rows(st.head, st.cache, b, st.cache.lengths[b], n)
+            have = st.cache.lengths[b]
+            n = max(0, min(budget, goal - have))
+            if n:
+                plan.append((b, have, n))
                 budget -= n
-                self._filled += n
-            behind = behind or goal - st.cache.lengths[b] > self.cfg.max_steps
+            behind = behind or goal - (have + n) > self.cfg.max_steps
+        if plan:
+            self._fill_slots(st.head, st.cache, plan)
+            self._filled += sum(n for _, _, n in plan)
         if behind:
             return False
         self._staged = None
         old = self.dcache
         self.head, self.head_version, self.dcache = st.head, st.version, st.cache
-        self._spare_cache = old
+        self._recycle_cache(old)
         self.policy.rewarm()
         return True
+
+    def _fill_slots(self, head: EagleHead, cache, plan: list[tuple[int, int, int]]) -> None:
+        """K/V of rows start..start+n-1 of each (slot, start, n) in `plan` into `cache`, all in
+        one head call: the rows of every slot are gathered into one sequence (a row's K/V depend
+        only on its own inputs and position: `EagleHead.kv`) and scattered back."""
+        dev = self.target.device
+        slots = torch.tensor([b for b, _, n in plan for _ in range(n)])
+        pos = torch.cat([torch.arange(start, start + n) for _, start, n in plan])
+        emb = self.target.embed_tokens(self.tok_buf[slots, pos + 1][None].to(dev))  # row p reads token p+1
+        hid = self.feat_buf[slots.to(dev), pos.to(dev)][None]  # ... and the features of p
+        cos, sin = self.target.rope(pos[None].to(dev))
+        with torch.inference_mode():
+            k, v = head.kv(emb, hid, cos.squeeze(1), sin.squeeze(1))  # [1, kvh, N, hd]
+        s_dev, p_dev = slots.to(dev), pos.to(dev)
+        cache.k[0][s_dev, :, p_dev] = k[0].transpose(0, 1)
+        cache.v[0][s_dev, :, p_dev] = v[0].transpose(0, 1)
+        for b, start, n in plan:
+            cache.lengths[b] = start + n
 
     def _install_head(self, head: EagleHead | None, version: int) -> None:
         """Switch the live head. The new head has not seen any row: its cache restarts at 0 and

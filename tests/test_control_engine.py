@@ -77,3 +77,34 @@ def test_swap_when_idle_is_immediate(tiny8):
     assert eng.has_pending
     eng.step()  # no requests: the swap lands at once, nothing to rebuild
     assert eng.head_version == 4 and not eng.has_pending
+
+
+def test_staged_fill_is_one_call_per_round_and_prepared_off_the_engine_thread(tiny8):
+    """Each filling round rebuilds the rows of every slot that needs them in ONE head call; the
+    staged head's cache is allocated by swap_head (the caller's thread), so the engine thread only
+    fills; a swap superseded before it went live hands its cache on; the output stays the target's."""
+    prompts = [list(range(3 + i, 50 + 5 * i)) for i in range(3)]
+    plain = Engine(tiny8, None, EngineConfig(max_batch=4, max_len=256, num_steps=0)).generate(prompts, GREEDY)
+    eng = Engine(tiny8, new_head(tiny8, seed=1), EngineConfig(max_batch=4, max_len=256, num_steps=3,
+                                                             swap_fill_rows=200), head_version=1)
+    first, second = new_head(tiny8, seed=5), new_head(tiny8, seed=9)
+    calls, rounds = [], []
+    kv = second.kv
+    second.kv = lambda *a: calls.append(a[0].shape[1]) or kv(*a)  # rows per call
+
+    def on_round(stats, outs):
+        rounds.append(stats)
+        if len(rounds) == 3:
+            eng.swap_head(first, 2)
+            staged_cache = eng._pending_swap[2].cache  # ready before the engine thread sees it
+            assert staged_cache.lengths == [0] * 4
+            eng.swap_head(second, 3)  # supersedes it before the next round: its cache becomes the spare
+            assert eng._spare_cache is staged_cache
+
+    eng.on_round.append(on_round)
+    assert eng.generate(prompts, GREEDY) == plain
+    filled = [r for r in rounds if r.swap_fill_rows]
+    assert filled and len(calls) == len(filled)  # one call per filling round, all slots in it
+    assert calls[0] == filled[0].swap_fill_rows > max(len(p) for p in prompts)  # rows of several slots at once
+    assert eng.head is second and rounds[-1].head_version == 3
+    assert not any(r.head_version == 2 for r in rounds)  # the superseded head never went live

@@ -87,9 +87,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_distributed() -> None:
-    """Join (or, alone, create) the process group DeepSpeed uses; gloo on CPU."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def ensure_distributed(device: str = "cpu") -> None:
+    """Join (or, alone, create) the process group DeepSpeed uses: gloo on CPU; on CUDA, DeepSpeed's
+    cuda accelerator with NCCL (gloo if NCCL cannot form the group)."""
+    cuda = torch.device(device).type == "cuda"
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
     if "MASTER_PORT" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())  # alone: any free port, never a clash
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
@@ -98,6 +100,16 @@ def ensure_distributed() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            try:
+                deepspeed.init_distributed(dist_backend="nccl")
+                return
+            except Exception as e:  # noqa: BLE001 - fall back to gloo, which needs no NCCL
+                import logging
+                logging.getLogger(__name__).warning("NCCL process group failed (%s): using gloo", e)
+                if dist.is_initialized():
+                    dist.destroy_process_group()
         deepspeed.init_distributed(dist_backend="gloo")
 
 
@@ -134,12 +146,13 @@ class Distiller:
     """Owns the trainable head (fp32 master weights) and its DeepSpeed engine."""
 
     def __init__(self, target, head: EagleHead, cfg: DistillConfig, loss_cfg: LossConfig):
+        self.device = target.device  # the target's device: CPU, or the GPU the server shares
+        ensure_distributed(str(self.device))  # sets DS_ACCELERATOR before deepspeed is first imported
         import deepspeed
         import torch.distributed as dist
 
-        ensure_distributed()
         self.cfg, self.loss_cfg, self.target = cfg, loss_cfg, target
-        head = head.float().train()
+        head = head.float().to(self.device).train()
         for p in target.parameters():
             p.requires_grad_(False)
         self.shared = SharedTarget.build(target, head)
@@ -162,7 +175,8 @@ class Distiller:
         import torch.distributed as dist
 
         self.engine.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+        batch = batch.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
             loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
         self.engine.backward(loss)
@@ -170,7 +184,7 @@ class Distiller:
         grads = [p.grad for p in self.head.parameters() if p.grad is not None]
         pre_clip = float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
         self.engine.step()
-        n = torch.tensor([batch.num_rows], dtype=torch.long)
+        n = torch.tensor([batch.num_rows], dtype=torch.long, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(n)
         self.step += 1

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, SubscriberConfig, prefix="capture_")
     parser.add_argument("--control-run-dir", type=Path, default=None,
                         help="the server's run directory (control endpoint + token); omit to train without publishing")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the target and the trainer ('cuda': DeepSpeed on that GPU, NCCL)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the trainer (share the CPU politely)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
@@ -58,7 +60,7 @@ def build_daemon(args: argparse.Namespace) -> TrainerDaemon:
     if args.wandb_mode != "disabled":
         run = init_wandb(args.wandb_project, args.wandb_entity, run_dir / "wandb", mode=args.wandb_mode,
                          config={"daemon": config_to_dict(cfg)}, name="trainer")
-    return TrainerDaemon(cfg, load_target(), publisher, config_from_args(SubscriberConfig, args, prefix="capture_"),
+    return TrainerDaemon(cfg, load_target(device=getattr(args, "device", "cpu")), publisher, config_from_args(SubscriberConfig, args, prefix="capture_"),
                          replay, config_from_args(DistillConfig, args, prefix="distill_", **(
                              {} if hasattr(args, "distill_schedule") else {"schedule": "constant"})),
                          config_from_args(LossConfig, args, prefix="loss_"),

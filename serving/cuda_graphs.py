@@ -1,0 +1,207 @@
+"""CUDA graphs for the engine's fixed-shape forwards: target decode (b, 1), target verify
+(b, K+1), the head's draft step (b, 1) and its per-round catch-up (b, T <= K+2).
+
+On a GPU a small model's eager step is launch-bound: each of the ~30 layers launches a dozen
+kernels, and HF-style Python around them costs more than the arithmetic. A CUDA graph records a
+forward's kernels once and replays them with one launch. What a replay needs, and how it is met:
+
+- Fixed shapes. The batch is padded up to a bucket (1, 2, 4, 8, 16, ..., max_batch); padded rows
+  run on the free slots max_batch > b >= B (slots 0..B-1 are the running requests, so rows B..
+  write only into slots nobody uses: a new request's prefill and catch-up rewrite them from 0).
+  Attention reads every key of the cache (max_len) under a causal mask built from the positions,
+  instead of the eager path's keys 0..max(start)+T-1.
+- Inputs and outputs at fixed addresses: tokens/embeddings, hidden and positions are copied into
+  static buffers before a replay; outputs are cloned after it (graphs share one memory pool, so
+  the next replay of any graph may overwrite them).
+- No host work inside: positions are device tensors, the rotary table is sized up front
+  (`TargetModel.rope(positions, bound)` reads no value back), cache writes are index_put on
+  device indices, and the mask is computed inside the graph from the positions.
+
+A graph is captured lazily per (bucket, tokens, input width, model, cache) at its first use,
+after two warm-up runs on a side stream with that call's inputs; the head's graphs are dropped when another head (a swap) goes live.
+Used only on CUDA (`CudaGraphs.for_engine` returns None elsewhere); the CPU path is the eager one.
+Greedy output equals eager output token for token in fp32 (scripts/gpu_bench.py checks it): the
+same weights and operations, only the attention's masked-out keys differ, and those weigh zero.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: powers of two below max_batch, then max_batch itself."""
+    return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+class StaticBatch:
+    """`AttentionBatch`'s interface (positions, rope_bound, attend) over a fixed (B, T) and the
+    whole cache length, with positions in a device buffer the caller fills before each replay."""
+
+    def __init__(self, B: int, T: int, max_len: int, device):
+        self.B, self.T, self.kv_len, self.rope_bound = B, T, max_len, max_len
+        self.positions = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.b_idx = torch.arange(B, device=device)[:, None].expand(B, T)
+        self._keys = torch.arange(max_len, device=device)
+        self.mask = None
+
+    def build_mask(self) -> None:
+        """Causal mask [B,1,T,max_len] from the current positions (runs inside the graph)."""
+        self.mask = self._keys[None, None, None, :] <= self.positions[:, None, :, None]
+
+    def attend(self, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ck, cv = cache.k[layer], cache.v[layer]
+        ck[self.b_idx, :, self.positions] = k.transpose(1, 2)
+        cv[self.b_idx, :, self.positions] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, ck[:self.B], cv[:self.B], attn_mask=self.mask,
+                                             enable_gqa=q.shape[1] != ck.shape[1])
+        return out.transpose(1, 2).reshape(self.B, self.T, -1)
+
+
+class _Graph:
+    def __init__(self, graph, inputs: dict, outputs: tuple, batch: StaticBatch, owners: tuple):
+        self.graph, self.inputs, self.outputs, self.batch, self.owners = graph, inputs, outputs, batch, owners
+        self.fn = None
+
+
+class CudaGraphs:
+    """Captures and replays the engine's forwards; one per engine (it holds the target cache's
+    graphs; the head's follow the live head)."""
+
+    def __init__(self, target, max_batch: int, max_len: int):
+        self.target, self.max_len = target, max_len
+        self.buckets = buckets_for(max_batch)
+        self.device = target.device
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None
+        self._stream = None  # one side stream for every warm-up and capture
+        self.captures = 0  # graphs captured so far (tests, benches)
+        self.capture_failures = 0  # failed captures (after one, every new shape runs eagerly)
+        self.disabled = False
+        # the rotary table must cover every position before any capture (it is never regrown inside one)
+        target.rope(torch.zeros(1, 1, dtype=torch.long, device=self.device), max_len + 1)
+
+    @classmethod
+    def for_engine(cls, target, max_batch: int, max_len: int, enabled: bool = True) -> "CudaGraphs | None":
+        if not enabled or target.device.type != "cuda":
+            return None
+        return cls(target, max_batch, max_len)
+
+    def bucket(self, B: int) -> int:
+        return next(b for b in self.buckets if b >= B)
+
+    # -- the forwards -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def target_forward(self, tokens: torch.Tensor, starts: list[int], cache):
+        """tokens [B,T] at positions starts[b].. over slots 0..B-1 -> (logits [B,T,V], features
+        [B,T,3H], final hidden [B,T,H]), as `TargetModel.forward(tokens, AttentionBatch(starts, T), cache)`."""
+        B, T = tokens.shape
+        key = ("target", self.bucket(B), T)
+        g = self._get(key, (cache,), lambda Bp: {"tokens": torch.zeros(Bp, T, dtype=torch.long, device=self.device)},
+                      lambda ins, sb: self.target.forward(ins["tokens"], sb, cache))
+        g.inputs["tokens"][:B].copy_(tokens)
+        return self._replay(g, B, starts)
+
+    @torch.inference_mode()
+    def head_step(self, head, cache, embeds: torch.Tensor, hidden: torch.Tensor, starts: list[int]):
+        """The head over rows starts[b]..starts[b]+T-1 of slots 0..B-1 (embeds [B,T,H], hidden
+        [B,T,3H|H]) -> (draft logits [B,T,Vd], output hidden [B,T,H]), as `head.step`."""
+        B, T, W = hidden.shape
+        if any(k[0] == "head" and g.owners[0] is not head for k, g in self._graphs.items()):
+            self.drop_head_graphs()  # a new head is live: the old head's graphs point at its weights
+        key = ("head", self.bucket(B), T, W)
+        rope = self.target.rope
+
+        def make(Bp):
+            return {"embeds": torch.zeros(Bp, T, embeds.shape[-1], dtype=embeds.dtype, device=self.device),
+                    "hidden": torch.zeros(Bp, T, W, dtype=hidden.dtype, device=self.device)}
+
+        g = self._get(key, (head, cache), make,
+                      lambda ins, sb: head.step(ins["embeds"], ins["hidden"], sb, cache, rope))
+        g.inputs["embeds"][:B].copy_(embeds)
+        g.inputs["hidden"][:B].copy_(hidden)
+        return self._replay(g, B, starts)
+
+    def drop_head_graphs(self) -> None:
+        for k in [k for k in self._graphs if k[0] == "head"]:
+            del self._graphs[k]
+
+    # -- capture / replay -------------------------------------------------------------------
+    def _positions(self, Bp: int, T: int, starts: list[int]) -> torch.Tensor:
+        """[Bp,T] positions: the real rows', then 0..T-1 for the padding rows (free slots)."""
+        st = torch.zeros(Bp, dtype=torch.long)
+        st[:len(starts)] = torch.tensor(starts, dtype=torch.long)
+        return st[:, None] + torch.arange(T)[None]
+
+    def _replay(self, g: _Graph, B: int, starts: list[int]):
+        g.batch.positions.copy_(self._positions(g.batch.B, g.batch.T, starts))
+        if g.graph is None:
+            if self.disabled:
+                g.graph = False
+            else:
+                self._capture(g)  # with this call's inputs in place: the warm-up writes what the replay writes
+        if g.graph is False:  # capture failed: this shape runs the same forward eagerly
+            g.batch.build_mask()
+            return tuple(o[:B] for o in g.fn(g.inputs, g.batch) if o is not None)
+        g.graph.replay()
+        return tuple(o[:B].clone() for o in g.outputs)
+
+    def _get(self, key: tuple, owners: tuple, make_inputs, fn) -> _Graph:
+        """The graph for `key` and these owners (model, cache), created uncaptured if new."""
+        full = key + tuple(id(o) for o in owners)
+        g = self._graphs.get(full)
+        if g is not None and all(a is b for a, b in zip(g.owners, owners)):
+            return g
+        inputs = make_inputs(key[1])
+        g = _Graph(None, inputs, (), StaticBatch(key[1], key[2], self.max_len, self.device), owners)
+        g.fn = fn
+        self._graphs[full] = g
+        return g
+
+    def _capture(self, g: _Graph) -> None:
+        sb, inputs, fn = g.batch, g.inputs, g.fn
+
+        def run():
+            sb.build_mask()
+            return tuple(o for o in fn(inputs, sb) if o is not None)
+
+        # warm up on the stream the capture records on (cuBLAS sets up its workspace per stream
+        # on a shape's first use, which must not happen mid-capture) before recording. The real
+        # rows' inputs and positions are in place, so the K/V the warm-up writes are the replay's.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        s = self._stream
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        # No garbage collection during a capture: collecting a dropped engine's graphs (reference
+        # cycles) destroys CUDA graphs, which is illegal mid-capture and invalidated one (seen on
+        # the H100 while benches built engine after engine).
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+                g.outputs = run()
+        except RuntimeError as e:  # reported, and no graph is captured again by this runner
+            log.warning("CUDA graph capture failed for B=%d T=%d (running eagerly from now on): %s", sb.B, sb.T, e)
+            torch.cuda.synchronize()
+            g.graph = False
+            self.capture_failures += 1
+            self.disabled = True
+            return
+        finally:
+            gc.enable()
+        self._pool = graph.pool()
+        g.graph = graph
+        self.captures += 1
+        log.debug("captured CUDA graph B=%d T=%d", sb.B, sb.T)

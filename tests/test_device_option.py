@@ -1,0 +1,67 @@
+"""The device option of the e2e path: flags and the trainer child's command line (CPU), and the
+Distiller on a GPU where one exists."""
+
+import argparse
+
+import pytest
+import torch
+
+from online_spec.bench_e2e import E2EConfig
+from online_spec.session import SessionConfig, _start_trainer
+from trainer.train_cli import add_arguments
+
+
+def test_train_cli_device_flag_defaults_to_cpu():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).device == "cpu"
+    assert p.parse_args(["--device", "cuda"]).device == "cuda"
+    assert E2EConfig().device == "cpu" and SessionConfig().device == "cpu"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, device):
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, args, **kw):
+            seen["args"], seen["env"] = args, kw["env"]
+
+    monkeypatch.setattr("online_spec.session.subprocess.Popen", FakePopen)
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    proc = _start_trainer(SessionConfig(device=device, trainer_args=["--eval-every-s", "5"]), tmp_path, tmp_path,
+                          "http://127.0.0.1:1", False)
+    proc._logf.close()
+    args = seen["args"]
+    if device == "cpu":
+        assert "--device" not in args
+    else:
+        assert args[args.index("--device") + 1] == "cuda"
+    assert args[-2:] == ["--eval-every-s", "5"]
+    assert "MASTER_PORT" not in seen["env"]
+
+
+def test_e2e_trainer_args_are_appended_to_the_demo_flags():
+    from online_spec.demo import DEMO_TRAINER_ARGS
+
+    cfg = E2EConfig(trainer_args="--eval-every-s 5")
+    assert (DEMO_TRAINER_ARGS + cfg.trainer_args.split())[-2:] == ["--eval-every-s", "5"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_distiller_trains_on_the_gpu():
+    from online_spec.head import new_head
+    from tests.distill_helpers import greedy_records, tiny8
+    from trainer.batch import collate
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.loss import LossConfig
+
+    target = tiny8()
+    recs, _ = greedy_records(target, num=2, new_tokens=16)
+    target.hf.to("cuda")
+    target._rope_len = 0  # the rope table was built on the CPU by greedy_records
+    d = Distiller(target, new_head(target, 128, seed=0).float(), DistillConfig(warmup_steps=1, total_steps=10),
+                  LossConfig(ttt_steps=2))
+    m = [d.train_step(collate(recs)) for _ in range(3)]
+    assert d.head.fc.weight.device.type == "cuda"
+    assert m[-1]["loss"] < m[0]["loss"]
