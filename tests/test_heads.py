@@ -1,0 +1,39 @@
+"""online_spec.heads: the one rule that turns a --head / --draft value into a checkpoint directory."""
+
+import json
+
+import pytest
+import torch
+
+from online_spec.checkpoint import load_head, save_head
+from online_spec.config import ConfigError
+from online_spec.heads import SHIPPED_HEAD, resolve_head
+
+
+def test_resolve_names_and_directories(tiny, tmp_path):
+    from online_spec.head import new_head
+
+    assert resolve_head("day0") == "" and resolve_head("") == ""
+    assert resolve_head("shipped") == str(SHIPPED_HEAD)
+    head = new_head(tiny, draft_vocab_size=64)
+    save_head(head, tmp_path / "ckpt")
+    assert resolve_head(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt")
+    save_head(head, tmp_path / "run" / "head")  # a pretrain run directory resolves to its head/
+    assert resolve_head(str(tmp_path / "run")) == str(tmp_path / "run" / "head")
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        resolve_head(str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="needs the target"):
+        resolve_head("sharegpt")
+
+
+@pytest.mark.slow
+def test_shipped_head_drafts_for_smollm2(smol_bf16, sharegpt_prompts):
+    """The shipped ShareGPT head validates against SmolLM2 and its drafts are accepted on ShareGPT
+    prompts: ~2 drafts per round at K=5 when it was trained; a random head gets ~0."""
+    from trainer.evaluate import engine_accept_length
+
+    head, meta = load_head(resolve_head("shipped"), smol_bf16.info, dtype=torch.bfloat16)
+    provenance = json.loads((SHIPPED_HEAD / "online_spec.json").read_text())
+    assert meta["digest"] == provenance["digest"]
+    got = engine_accept_length(smol_bf16, head, sharegpt_prompts[:4], num_steps=5, max_tokens=48)
+    assert got["accept_length"] > 1.2, got["accept_length"]
