@@ -18,7 +18,7 @@ from online_spec.checkpoint import save_head
 from online_spec.cli import BENCHES, main
 from online_spec.config import ConfigError
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-from online_spec.controller.bench import ControllerBenchConfig, Phase, Traffic, default_draft_dir, run_bench
+from online_spec.controller.bench import ControllerBenchConfig, Phase, Traffic, run_bench
 from online_spec.controller.calibrate import (calibrate_cost_model, measure_round_timings, median_per_point,
                                               prediction_errors)
 from online_spec.controller.replay import attach_trace_recorder
@@ -76,28 +76,63 @@ def test_bench_runs_end_to_end_and_writes_every_key(tiny8, tmp_path):
 
     rep = out["trace_replay"]
     assert rep["matches_live"] is True and rep["rounds"] == len(trace.read_text().splitlines()) > 10
-    assert set(out["decision_cost_us"]["1"]) == {"ema", "cost_model", "static"}
+    assert set(out["decision_cost_us"]) == {"1", "16", "64"}
+    assert set(out["decision_cost_us"]["1"]) == {"ema", "cost_model", "static", "cost_model_at_k3"}
     assert all(v > 0 for v in out["decision_cost_us"]["16"].values())
+    assert any(n.startswith("decision cost") for n in out["notes"])
     assert "no device synchronization" in out["no_device_sync"]
-    assert len(out["notes"]) == 2 * 2 + 2 or len(out["notes"]) == 2 * 2 + 3
+    assert len(out["notes"]) == 2 * 2 + 3 or len(out["notes"]) == 2 * 2 + 4
 
 
 def test_calibrated_cost_model_predicts_engine_rounds(tiny8):
-    """Fit on a grid, predict rounds at batch sizes, K and context lengths the fit never saw.
+    """Fit on a grid, predict the rounds of batch sizes and K the fit never saw — all measured in
+    one interleaved run (`measure_round_timings` steps every engine at every K each cycle), so a
+    busy spell of the shared CPU lands on fitted and held-out points alike; comparing against a
+    later run instead made this test fail whenever the load changed between the two runs.
 
-    Tolerance: median relative error <= 35% over the held-out points (each the median of its
-    rounds). A tiny model's round is a few milliseconds, mostly Python and kernel-launch
-    overhead, so single rounds on a shared CPU jitter by tens of percent and a preempted round
-    by several times; medians per point and over points absorb that, while a model missing a
-    term (no per-request or per-token cost) is off by more than 35% across b in 1..12.
+    Tolerances and why:
+    - median relative error <= 35% over the 4 held-out points, each the median of its 5 rounds:
+      a tiny model's round is a few ms of mostly Python and launch overhead, so single rounds
+      jitter by tens of percent and a preempted one by several times; the medians absorb that;
+    - the fit beats the best constant (the median round of the fitted points) on the held-out
+      points, grows with batch size and with K, and orders them as measured where the measurements
+      differ by 2x or more: a model missing the per-request or per-token term fails these.
     """
     target, head = tiny8
-    model = calibrate_cost_model(target, head, batch_sizes=[1, 4, 12], ks=[0, 1, 3, 6], ctx_lens=[64], rounds=3)
-    held_out = median_per_point(measure_round_timings(target, head, batch_sizes=[2, 8], ks=[2, 5], ctx_lens=[64],
-                                                      rounds=5, seed=3))
+    failures = []
+    for attempt in range(3):  # a busy spell of another job can swamp one run; a wrong model fails all three
+        try:
+            _check_calibration(target, head, seed=3 + attempt)
+            return
+        except AssertionError as e:
+            failures.append(str(e)[:300])
+    raise AssertionError(f"all 3 calibration runs failed: {failures}")
+
+
+def _check_calibration(target, head, seed: int) -> None:
+    fit_b, fit_k, held_b, held_k = [1, 4, 12], [0, 1, 3, 6], [2, 8], [2, 5]
+    timings = measure_round_timings(target, head, batch_sizes=sorted(fit_b + held_b),
+                                    ks=sorted(fit_k + held_k), ctx_lens=[64], rounds=5, seed=seed)
+    fit = [t for t in timings if t.batch_size in fit_b and t.num_steps in fit_k]
+    held_out = median_per_point([t for t in timings if t.batch_size in held_b and t.num_steps in held_k])
+    model = calibrate_cost_model(target, head, timings=fit)
     errs = prediction_errors(model, held_out)
     assert len(errs) == 2 * 2
     assert statistics.median(errs) <= 0.35, (statistics.median(errs), model.draft_coef, model.verify_coef)
+
+    const = statistics.median(t.draft_s + t.verify_s for t in median_per_point(fit))
+    const_errs = [abs(const - (t.draft_s + t.verify_s)) / (t.draft_s + t.verify_s) for t in held_out]
+    assert statistics.median(errs) < statistics.median(const_errs), (errs, const_errs)
+    measured = {(t.batch_size, t.num_steps): t.draft_s + t.verify_s for t in held_out}
+    predicted = {(t.batch_size, t.num_steps): model.predict_round_s(t.batch_size, t.num_steps, t.ctx_len)
+                 for t in held_out}
+    # more requests and more draft steps cost more: a model missing either term fails this
+    assert predicted[(8, 2)] > predicted[(2, 2)] and predicted[(8, 5)] > predicted[(2, 5)], predicted
+    assert predicted[(2, 5)] > predicted[(2, 2)] and predicted[(8, 5)] > predicted[(8, 2)], predicted
+    # and where the measurements differ by 2x or more (b=8 K=5 vs b=2 K=2 is ~2.5x on a quiet
+    # machine), in the measured order; 1.5x failed when another job shared the 2 cores
+    pairs = [(p, q) for p in measured for q in measured if measured[p] >= 2.0 * measured[q]]
+    assert all(predicted[p] > predicted[q] for p, q in pairs), (measured, predicted)
     # the fit is not the prior: the measured rounds moved it
     assert model.observations > 0 and model.verify_coef[0] != 0.02
 
@@ -137,23 +172,6 @@ def test_recorded_trace_replays_to_the_live_ema_decisions(tiny8, tmp_path):
     assert len({k for _, k in live}) >= 2  # K moved, so the comparison can fail
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert {r["batch_size"] for r in rows} >= {1, 9} and all("draft_s" in r and "num_steps" in r for r in rows)
-
-
-def test_default_draft_dir_picks_the_newest_head(tiny8, tmp_path):
-    target, head = tiny8
-    with pytest.raises(ConfigError, match="online-spec pretrain"):
-        default_draft_dir(tmp_path)
-    (tmp_path / "run" / "records").mkdir(parents=True)  # a training run without a head yet
-    with pytest.raises(ConfigError, match="online-spec pretrain"):
-        default_draft_dir(tmp_path)
-    save_head(head, tmp_path / "run" / "old")
-    save_head(head, tmp_path / "other")
-    (tmp_path / ".other.tmp9").mkdir()  # a save in progress is never picked
-    (tmp_path / ".other.tmp9" / "config.json").write_text("{}")
-    old = (tmp_path / "run" / "old" / "config.json").stat().st_mtime
-    import os
-    os.utime(tmp_path / "other" / "config.json", (old + 10, old + 10))
-    assert default_draft_dir(tmp_path) == tmp_path / "other"
 
 
 def test_bench_is_registered():

@@ -96,7 +96,7 @@ def test_cost_config_errors_name_the_field(field, kw):
 # -- acceptance estimates --------------------------------------------------------------------
 
 def test_acceptance_counts_trials_up_to_the_first_rejection():
-    acc = AcceptanceEstimate(depth=5, prior=0.5, alpha=1.0)
+    acc = AcceptanceEstimate(depth=5, prior=0.5, window=1)
     acc.observe([0, 1, 3, 3], 3)  # trials per position 4, 3, 2; hits 3, 2, 2
     assert acc.estimates() == [0.75, 2 / 3, 1.0, 1.0, 1.0]  # positions 4-5 never tried: borrow position 3
 
@@ -109,6 +109,20 @@ def test_acceptance_per_request_lengths_match_the_uniform_case():
     c = AcceptanceEstimate(4, 0.5, 1.0)
     c.observe([1, 2], [1, 3])  # request 0 verified 1 draft: it says nothing about position 2
     assert c.estimates()[:3] == [1.0, 1.0, 0.0]
+
+
+def test_acceptance_forgets_per_trial_not_per_round():
+    """Sixteen rounds of one request move the estimate as far as one round of sixteen."""
+    one, many = AcceptanceEstimate(2, 0.5, 64), AcceptanceEstimate(2, 0.5, 64)
+    for _ in range(64):  # a long history at 0.75
+        one.observe([1, 1, 1, 0], 1)
+        many.observe([1, 1, 1, 0], 1)
+    for _ in range(16):
+        one.observe([0], 1)
+    many.observe([0] * 16, 1)
+    assert one.estimates()[0] == pytest.approx(many.estimates()[0], rel=0.05)  # a per-round EMA: 0.02 vs 0.6
+    # 16 of a 64-trial window at 0 pull 0.75 about a quarter of the way down, not to 0
+    assert 0.5 < one.estimates()[0] < 0.65
 
 
 def test_k0_round_teaches_nothing():
@@ -178,6 +192,32 @@ def test_learns_from_rounds_and_moves_k():
         k = p.steps_for(4)
         p.update(4, [0] * 4)
     assert p.steps_for(4) == 1
+
+
+@pytest.mark.parametrize("probe_interval", [0, 32])
+def test_plain_decoding_is_not_absorbing(probe_interval):
+    """A run of rejections drives the slot to K = 0, where nothing is observed; the probe (one
+    round at the next tier up every `probe_interval` decisions) finds the acceptance back."""
+    p = policy([0, 1, 3, 7], 0.6, draft=(0.05, 0, 0), verify=(0.5, 0, 0, 0), probe_interval=probe_interval)
+    for _ in range(20):
+        p.update(1, [0], num_steps=p.steps_for(1))
+    assert p.steps_for(1) == 0
+    ks = []
+    for _ in range(200):  # the traffic turns easy: every draft accepted
+        ks.append(p.steps_for(1))
+        p.update(1, [ks[-1]], num_steps=ks[-1])
+    if probe_interval:
+        assert ks[-1] == 7 and ks.index(1) < probe_interval  # found back at the first probe
+        # once there, it stays: nothing is probed at the deepest tier
+        assert set(ks[-50:]) == {7}
+    else:
+        assert set(ks) == {0}
+
+
+def test_probe_runs_the_next_tier_once_per_interval():
+    p = policy([1, 3, 7], 0.0, probe_interval=10)  # acceptance 0: K = 1 is best
+    ks = [p.steps_for(4) for _ in range(30)]
+    assert ks == ([1] * 9 + [3]) * 3
 
 
 def test_update_without_num_steps_uses_the_last_choice():
@@ -338,8 +378,9 @@ def test_load_state_dict_names_the_bad_field():
         p.load_state_dict(state)
 
 
-@pytest.mark.parametrize("field, kw", [("accept_alpha", {"accept_alpha": 0}), ("prior_accept", {"prior_accept": 1.5}),
-                                       ("tpot_slo_s", {"tpot_slo_s": 0.0}), ("calib_bins", {"calib_bins": 0})])
+@pytest.mark.parametrize("field, kw", [("accept_window", {"accept_window": 0.5}), ("prior_accept", {"prior_accept": 1.5}),
+                                       ("tpot_slo_s", {"tpot_slo_s": 0.0}), ("calib_bins", {"calib_bins": 0}),
+                                         ("probe_interval", {"probe_interval": -1})])
 def test_policy_config_errors_name_the_field(field, kw):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         CostPolicyConfig(**kw)

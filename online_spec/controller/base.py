@@ -3,7 +3,8 @@
 The engine holds one policy and, per round, calls `steps_for(batch_size, ctx_len)` before
 drafting and `update(batch_size, accepted, num_steps=..., ...)` after verify; on a head swap
 it calls `rewarm()`. `info()` feeds logs and the control endpoint; `state_dict()` is stored with
-the run. `measure_decision_cost_us` times one round of those calls for the benchmarks.
+the run. `measure_decision_cost_us` times one round of those calls (with the in-round
+`should_continue` / `verify_lengths` of policies that have them) for the benchmarks.
 """
 
 from __future__ import annotations
@@ -42,19 +43,35 @@ class StepPolicy(Protocol):
 
 def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int = 8,
                              ctx_len: int = 512) -> float:
-    """Median microseconds of one round's policy work (steps_for + update), on a copy of `policy`.
+    """Median microseconds of one round's policy work, on a copy of `policy`: steps_for, then
+    as the engine calls them when the policy has them, should_continue after each draft step
+    and verify_lengths over the round's confidences, then update.
 
-    Acceptance follows a fixed pattern (request r accepts r mod (K+1) drafts) so runs compare.
+    Acceptance and confidences follow fixed patterns (request r accepts r mod (K+1) drafts;
+    confidences cycle through the ten deciles) so runs compare.
     """
     policy = copy.deepcopy(policy)
+    early_stop = getattr(policy, "should_continue", None)
+    truncate = getattr(policy, "verify_lengths", None)
     patterns: dict[int, list[int]] = {}
+    conf = [[((3 * r + 7 * i) % 10 + 0.5) / 10 for i in range(64)] for r in range(batch_size)]
     times = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
         k = policy.steps_for(batch_size, ctx_len)
+        if early_stop is not None:
+            for i in range(1, k):
+                if not early_stop(i, [row[i - 1] for row in conf], batch_size, ctx_len):
+                    k = i
+                    break
+        lens: int | list[int] = k
+        if truncate is not None and k > 0:
+            lens = [min(k, m) for m in truncate([row[:k] for row in conf], ctx_len)]
         accepted = patterns.get(k)
         if accepted is None:
             accepted = patterns[k] = [r % (k + 1) for r in range(batch_size)]
-        policy.update(batch_size, accepted, num_steps=k, ctx_len=ctx_len)
+        if not isinstance(lens, int):
+            accepted = [min(a, m) for a, m in zip(accepted, lens)]
+        policy.update(batch_size, accepted, num_steps=lens, ctx_len=ctx_len)
         times.append(time.perf_counter_ns() - t0)
     return statistics.median(times) / 1000.0

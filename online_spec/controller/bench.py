@@ -8,14 +8,15 @@ Steps, all in one process, side by side (repeats interleaved across policies, me
      coefficients stored in the report; the cost policy refines it online from every round.
   2. stationary: decode tokens/s per static K and per policy at each batch size (ShareGPT
      held-out prompts); per batch size the best static K and each policy's ratio to it.
-  3. phase change: phases of different load and traffic (default: batch 1 ShareGPT, batch 16
-     HumanEval, batch 4 mixed) fed to one engine; tokens/s over the whole trace of every
-     static K, of each policy (cold start), and each policy's ratio to the best single K.
+  3. phase change: phases of different load and traffic (default: batch 1 ShareGPT, batch 64
+     HumanEval, batch 4 mixed) fed to one engine per policy, interleaved phase by phase across
+     policies; tokens/s over the whole trace of every static K, of each policy (cold start),
+     and each policy's ratio to the best single K.
   4. decision cost per policy (`measure_decision_cost_us`).
   5. the EMA run of the trace is recorded (`attach_trace_recorder`) and replayed; the report
      says whether the replay ran the same K sequence.
 
-Without `--draft`, the newest head under ~/.cache/online-spec/heads/ is used. Greedy decoding
+Without `--draft`, the shipped ShareGPT head is used (online_spec.heads). Greedy decoding
 with ignore_eos: every policy produces the same tokens, so tokens/s ratios are time ratios.
 """
 
@@ -33,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from online_spec.config import ConfigError, add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
 from online_spec.controller.base import measure_decision_cost_us
 from online_spec.controller.calibrate import (RoundTiming, calibrate_cost_model, cost_model_report,
                                               measure_round_timings, median_relative_error)
@@ -42,6 +43,7 @@ from online_spec.controller.cost import CostModel, CostModelPolicy
 from online_spec.controller.ema import EmaTierPolicy
 from online_spec.controller.replay import attach_trace_recorder, read_trace, replay_steps_used
 from online_spec.controller.static import StaticSteps
+from online_spec.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +52,6 @@ NO_DEVICE_SYNC = (
     "take Python ints and floats the engine already holds on the host (batch size, mean context length, "
     "accepted lengths, perf_counter timings, draft probabilities it converted with .tolist() for its own "
     "acceptance and capture), and contain no torch calls.")
-
-
-def heads_root() -> Path:
-    return Path.home() / ".cache" / "online-spec" / "heads"
-
-
-def default_draft_dir(root: Path | None = None) -> Path:
-    """The newest directory under `root` (recursively) holding a head's config.json.
-
-    Directories whose name starts with "." (a save in progress) are skipped."""
-    root = heads_root() if root is None else root
-    found = [p.parent for p in root.rglob("config.json")
-             if not any(part.startswith(".") for part in p.parent.relative_to(root).parts)] if root.is_dir() else []
-    if not found:
-        raise ConfigError(f"draft: no pretrained head (a directory with config.json) under {root}; "
-                          f"run `online-spec pretrain` first, or pass --draft DIR")
-    return max(found, key=lambda d: (d / "config.json").stat().st_mtime)
 
 
 @dataclass(frozen=True)
@@ -93,7 +78,7 @@ class Phase:
 class ControllerBenchConfig:
     """What `bench controller` measures."""
 
-    draft: str = doc("head checkpoint directory (default: newest under ~/.cache/online-spec/heads/)", "")
+    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped)", "")
     static_steps: list[int] = doc("static K baselines", lambda: [0, 1, 3, 5, 7])
     batch_sizes: list[int] = doc("batch sizes of the stationary comparison", lambda: [1, 4, 16])
     new_tokens: int = doc("tokens generated per request in stationary runs", 64)
@@ -104,16 +89,17 @@ class ControllerBenchConfig:
     initial_steps: int = doc("EMA policy's initial K (SGLang's --speculative-num-steps)", 3)
     cost_tiers: list[int] = doc("K tiers the cost-model policy chooses from (one slot for every batch size)",
                                 lambda: [0, 1, 3, 5, 7])
-    calib_batch_sizes: list[int] = doc("batch sizes of the start-up calibration", lambda: [1, 4, 16])
+    calib_batch_sizes: list[int] = doc("batch sizes of the start-up calibration", lambda: [1, 4, 16, 64])
     calib_steps: list[int] = doc("K values of the start-up calibration", lambda: [0, 1, 3, 7])
     calib_ctx_lens: list[int] = doc("context lengths of the start-up calibration (tokens)", lambda: [128, 384])
     calib_rounds: int = doc("measured rounds per calibration point", 3)
     phases: list[str] = doc("phase-change trace, each SOURCE:BATCH:REQUESTS",
-                            lambda: ["sharegpt:1:3", "humaneval:16:32", "mixed:4:12"])
-    phase_new_tokens: int = doc("tokens generated per request in the phase-change trace", 48)
+                            lambda: ["sharegpt:1:4", "humaneval:64:64", "mixed:4:16"])
+    phase_new_tokens: int = doc("tokens generated per request in the phase-change trace", 32)
     phase_repeats: int = doc("repeats of the phase-change trace (median reported)", 2)
-    max_prompt_tokens: int = doc("longest prompt taken from the data (tokens)", 160)
+    max_prompt_tokens: int = doc("longest ShareGPT first turn taken (tokens; HumanEval tasks are used whole)", 160)
     trace_out: str = doc("where to write the EMA run's recorded trace (default: next to --json, or a temp file)", "")
+    threads: int = doc("torch CPU threads (0 = torch's default)", 0)
 
     def __post_init__(self):
         check(all(k >= 0 for k in self.static_steps) and self.static_steps, "static_steps", "must be K values >= 0")
@@ -124,6 +110,7 @@ class ControllerBenchConfig:
         check(self.phase_repeats >= 1, "phase_repeats", "must be >= 1")
         check(self.phase_new_tokens >= 1, "phase_new_tokens", "must be >= 1")
         check(self.calib_rounds >= 1, "calib_rounds", "must be >= 1")
+        check(self.threads >= 0, "threads", "must be >= 0")
         for p in self.phases:
             Phase.parse(p)
 
@@ -133,7 +120,7 @@ class ControllerBenchConfig:
 
 
 QUICK = dict(new_tokens=32, repeats=2, static_steps=[0, 1, 3, 5, 7], calib_ctx_lens=[256], calib_rounds=2,
-             phases=["sharegpt:1:2", "humaneval:16:16", "mixed:4:8"], phase_new_tokens=32, phase_repeats=1)
+             phases=["sharegpt:1:2", "humaneval:64:64", "mixed:4:8"], phase_new_tokens=24, phase_repeats=1)
 
 
 def load_ema_config(name_or_path: str) -> AdaptiveConfig:
@@ -154,6 +141,10 @@ class Traffic:
             return [pools[i % 2][(offset + i // 2) % len(pools[i % 2])] for i in range(n)]
         pool = getattr(self, source)
         return [pool[(offset + i) % len(pool)] for i in range(n)]
+
+    def longest(self) -> int:
+        """Tokens of the longest prompt (HumanEval tasks are not cut to max_prompt_tokens)."""
+        return max(len(p) for p in self.sharegpt + self.humaneval)
 
 
 def load_traffic(target, n: int, max_prompt_tokens: int) -> Traffic:
@@ -236,7 +227,7 @@ def run_stationary(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
     """Per batch size: tokens/s of every policy, best static K, each policy's ratio to it."""
     out: dict = {}
     static_timings: list[RoundTiming] = []
-    max_len = cfg.max_prompt_tokens + 64 + cfg.new_tokens + 2 * cfg.max_steps + 8
+    max_len = traffic.longest() + cfg.new_tokens + 2 * cfg.max_steps + 8
     for b in cfg.batch_sizes:
         prompts = traffic.take("sharegpt", b)
         policies = {name: make() for name, make in factories.items()}
@@ -267,75 +258,99 @@ def run_stationary(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
     return out, static_timings
 
 
-def run_trace(target, head, traffic: Traffic, phases: Sequence[Phase], policy, new_tokens: int, max_steps: int,
-              max_prompt_tokens: int, trace_path: str | Path | None = None) -> dict:
-    """Feed the phases to one engine, keeping `phase.batch_size` requests in flight; each phase
-    drains before the next. Returns total and per-phase tokens/s, K histograms, live Ks."""
-    from serving.engine import Request
-    from online_spec.sampling import SamplingParams
+class TraceRun:
+    """One policy's pass through the phase-change trace on its own engine, a phase at a time
+    (`run_phase`), keeping `phase.batch_size` requests in flight; each phase drains before the
+    next, and the policy carries what it learned into the next phase."""
 
-    max_batch = max(p.batch_size for p in phases)
-    engine = new_engine(target, head, policy, max_batch, max_prompt_tokens + 64 + new_tokens + 2 * max_steps + 8,
-                        max_steps)
-    recorder = attach_trace_recorder(engine, trace_path) if trace_path is not None else None
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    per_phase, total_tokens, total_s, live_steps = {}, 0, 0.0, []
-    try:
-        for i, phase in enumerate(phases):
-            queue = traffic.take(phase.source, phase.requests, offset=7 * i)
-            lg = RoundLog()
-            engine.on_round.append(lg)
-            reqs = []
-            t0 = time.perf_counter()
-            while queue or engine.has_work():
-                while queue and len(engine.running) + len(engine.waiting) < phase.batch_size:
-                    reqs.append(engine.add_request(Request(list(queue.pop(0)), params)))
-                engine.step()
-            dt = time.perf_counter() - t0
-            engine.on_round.remove(lg)
-            tokens = sum(len(r.output_ids) for r in reqs)
-            total_tokens, total_s = total_tokens + tokens, total_s + dt
-            live_steps += [s.num_steps for s in lg.rounds]
-            per_phase[phase.label()] = {"tokens_per_s": tokens / dt, "seconds": dt, "tokens": tokens,
-                                        "rounds": len(lg.rounds), "k_histogram": lg.k_histogram(),
-                                        "accept_length": lg.accept_length()}
-    finally:
-        if recorder is not None:
-            recorder.close()
-    return {"tokens_per_s": total_tokens / total_s, "seconds": total_s, "tokens": total_tokens,
-            "phases": per_phase, "live_steps": live_steps}
+    def __init__(self, target, head, traffic: Traffic, phases: Sequence[Phase], policy, new_tokens: int,
+                 max_steps: int, trace_path: str | Path | None = None):
+        from online_spec.sampling import SamplingParams
+
+        self.traffic = traffic
+        self.engine = new_engine(target, head, policy, max(p.batch_size for p in phases),
+                                 traffic.longest() + new_tokens + 2 * max_steps + 8, max_steps)
+        self.recorder = attach_trace_recorder(self.engine, trace_path) if trace_path is not None else None
+        self.params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        self.phases: dict[str, dict] = {}
+        self.live_steps: list[int] = []
+
+    def run_phase(self, i: int, phase: Phase) -> None:
+        from serving.engine import Request
+
+        engine = self.engine
+        queue = self.traffic.take(phase.source, phase.requests, offset=7 * i)
+        lg = RoundLog()
+        engine.on_round.append(lg)
+        reqs = []
+        t0 = time.perf_counter()
+        while queue or engine.has_work():
+            while queue and len(engine.running) + len(engine.waiting) < phase.batch_size:
+                reqs.append(engine.add_request(Request(list(queue.pop(0)), self.params)))
+            engine.step()
+        dt = time.perf_counter() - t0
+        engine.on_round.remove(lg)
+        tokens = sum(len(r.output_ids) for r in reqs)
+        self.live_steps += [s.num_steps for s in lg.rounds]
+        self.phases[phase.label()] = {"tokens_per_s": tokens / dt, "seconds": dt, "tokens": tokens,
+                                      "rounds": len(lg.rounds), "k_histogram": lg.k_histogram(),
+                                      "accept_length": lg.accept_length()}
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def run_phase_change(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
                      factories: dict[str, PolicyFactory], trace_path: Path) -> dict:
-    """Every policy through the same trace (cold start each repeat); ratios to the best single K."""
+    """Every policy through the same trace (cold start each repeat); ratios to the best single K.
+
+    Interleaved phase by phase: every policy runs phase 1 on its own engine, then every policy
+    phase 2, and so on, so the runs compared within a phase are seconds apart, not minutes (on
+    a shared CPU the load moves on a scale of minutes). Greedy with ignore_eos, so every policy
+    commits the same tokens per phase; trace totals add per-phase median seconds, which makes
+    the per-phase oracle (each phase at its own best static K) >= the best single K by
+    construction."""
     phases = [Phase.parse(p) for p in cfg.phases]
-    runs: dict[str, list[dict]] = {name: [] for name in factories}
+    labels = [p.label() for p in phases]
+    runs: dict[str, list[TraceRun]] = {name: [] for name in factories}
     for rep in range(cfg.phase_repeats):
-        for name, make in factories.items():
-            runs[name].append(run_trace(target, head if name != "K=0" else None, traffic, phases, make(),
-                                        cfg.phase_new_tokens, cfg.max_steps, cfg.max_prompt_tokens,
-                                        trace_path if (name == "ema" and rep == 0) else None))
-            log.info("phase change %s: %.1f tok/s", name, runs[name][-1]["tokens_per_s"])
-    tps = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+        live = {name: TraceRun(target, head if name != "K=0" else None, traffic, phases, make(), cfg.phase_new_tokens,
+                               cfg.max_steps, trace_path if (name == "ema" and rep == 0) else None)
+                for name, make in factories.items()}
+        try:
+            for i, phase in enumerate(phases):
+                for run in live.values():
+                    run.run_phase(i, phase)
+                log.info("phase %s: %s", phase.label(), ", ".join(
+                    f"{n} {r.phases[phase.label()]['tokens_per_s']:.1f}" for n, r in live.items()))
+        finally:
+            for run in live.values():
+                run.close()
+        for name, run in live.items():
+            runs[name].append(run)
+    seconds = {name: {lab: statistics.median(r.phases[lab]["seconds"] for r in rs) for lab in labels}
+               for name, rs in runs.items()}
+    tokens = {lab: runs["ema"][0].phases[lab]["tokens"] for lab in labels}
+    total = sum(tokens.values())
+    tps = {name: total / sum(sec.values()) for name, sec in seconds.items()}
     static = {n: v for n, v in tps.items() if n.startswith("K=")}
     best = max(static, key=static.get)
-    labels = [p.label() for p in phases]
-    phase_tps = {name: {lab: statistics.median(r["phases"][lab]["tokens_per_s"] for r in rs) for lab in labels}
-                 for name, rs in runs.items()}
-    best_per_phase = {lab: max(static, key=lambda n: phase_tps[n][lab]) for lab in labels}
-    # the per-phase oracle: each phase at its own best static K (seconds add up)
-    tokens = runs[best][0]["tokens"]
-    oracle_s = sum(statistics.median(r["phases"][lab]["seconds"] for r in runs[best_per_phase[lab]]) for lab in labels)
+    phase_tps = {name: {lab: tokens[lab] / sec[lab] for lab in labels} for name, sec in seconds.items()}
+    best_per_phase = {lab: min(static, key=lambda n: seconds[n][lab]) for lab in labels}
+    oracle_s = sum(seconds[best_per_phase[lab]][lab] for lab in labels)
     out = {"phases": cfg.phases, "tokens_per_s": tps, "best_static": best, "best_static_tokens_per_s": static[best],
            "phase_tokens_per_s": phase_tps, "best_static_per_phase": best_per_phase,
-           "per_phase_oracle_tokens_per_s": tokens / oracle_s,
-           "k_histogram": {n: {lab: runs[n][0]["phases"][lab]["k_histogram"] for lab in labels}
+           "per_phase_oracle_tokens_per_s": total / oracle_s,
+           "repeat_tokens_per_s": {name: [sum(r.phases[lab]["tokens"] for lab in labels) /
+                                          sum(r.phases[lab]["seconds"] for lab in labels) for r in rs]
+                                   for name, rs in runs.items()},
+           "k_histogram": {n: {lab: runs[n][0].phases[lab]["k_histogram"] for lab in labels}
                            for n in ("ema", "cost_model")},
-           "accept_length": {n: {lab: runs[n][0]["phases"][lab]["accept_length"] for lab in labels} for n in runs}}
+           "accept_length": {n: {lab: runs[n][0].phases[lab]["accept_length"] for lab in labels} for n in runs}}
     for name in ("ema", "cost_model"):
         out[f"{name}_vs_best_static"] = tps[name] / static[best]
-    out["_ema_live_steps"] = runs["ema"][0]["live_steps"]
+    out["_ema_live_steps"] = runs["ema"][0].live_steps
     return out
 
 
@@ -356,7 +371,10 @@ def explain(name: str, ratio: float, aim: float, hist: dict[str, float], tps: di
     why = ""
     if ratio < aim:
         static_top = tps.get(f"K={top}")
-        if f"K={top}" != best and static_top is not None:
+        if static_top is None:
+            why = (f"; it mostly ran K={top} (drafts cut short by its early stop / verify lengths), which has "
+                   f"no static baseline here: not the best static {best}")
+        elif f"K={top}" != best:
             why = (f"; it mostly ran K={top}, which measured {static_top / tps[best]:.3f}x of {best} static: "
                    f"a wrong choice (acceptance or cost estimate off, or still learning)")
         else:
@@ -388,9 +406,12 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
 
     probe = {name: make() for name, make in factories.items() if name in ("ema", "cost_model")}
     probe["static"] = StaticSteps(3)
-    out["decision_cost_us"] = {b: {name: measure_decision_cost_us(p, batch_size=b) for name, p in probe.items()}
-                               for b in ("1", "16") for b in [int(b)]}
-    out["decision_cost_us"] = {str(b): v for b, v in out["decision_cost_us"].items()}
+    # the cost policy's in-round work (early stop, verify lengths) grows with B x K; at large b
+    # it usually picks K = 0 and skips it, so also time it held at K = 3 (its most work per round)
+    probe["cost_model_at_k3"] = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [3]}}),
+                                                cost_model=copy.deepcopy(model))
+    out["decision_cost_us"] = {str(b): {name: measure_decision_cost_us(p, batch_size=b) for name, p in probe.items()}
+                               for b in (1, 16, 64)}
     out["no_device_sync"] = NO_DEVICE_SYNC
 
     notes = []
@@ -406,6 +427,10 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
         notes.append(f"phase change {name}: {ratio:.3f}x of best single static {phase['best_static']} "
                      f"({'meets' if ratio >= 1.10 else 'misses'} the 1.10 aim; per-phase best static "
                      f"{phase['best_static_per_phase']}, oracle {phase['per_phase_oracle_tokens_per_s'] / phase['best_static_tokens_per_s']:.3f}x); ran {ran}")
+    over = [f"{name} at b={b}: {us:.1f}" for b, row in out["decision_cost_us"].items() for name, us in row.items()
+            if us > 50]
+    notes.append("decision cost: every policy <= 50 us per round" if not over else
+                 "decision cost over the 50 us aim (us per round): " + "; ".join(over))
     if phase["per_phase_oracle_tokens_per_s"] < 1.10 * phase["best_static_tokens_per_s"]:
         notes.append("the per-phase oracle itself is < 1.10x the best single K: no K policy can reach the "
                      "phase-change aim on this head and machine")
@@ -414,9 +439,9 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, ControllerBenchConfig)
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--quick", action="store_true", help=f"a few-minute version ({QUICK})")
+    from online_spec.benchutil import add_bench_args
+
+    add_bench_args(parser, ControllerBenchConfig, QUICK, "a few-minute version")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -428,10 +453,12 @@ def run(args: argparse.Namespace) -> int:
     overrides = quick_overrides(args, QUICK)
     try:
         cfg = config_from_args(ControllerBenchConfig, args, **overrides)
-        draft = Path(cfg.draft) if cfg.draft else default_draft_dir()
+        draft = Path(resolve_head(cfg.draft or "shipped"))
     except ConfigError as e:
         print(f"online-spec bench controller: error: {e}")
         return 2
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     target = load_target(dtype=torch.bfloat16)
     head, _ = load_head(draft, target.info, dtype=target.dtype)
     phases = [Phase.parse(p) for p in cfg.phases]

@@ -10,9 +10,11 @@ every round's `policy.update(..., draft_s=, verify_s=)`.
     policy = CostModelPolicy(adaptive, cost_model=model)
 
 Per (batch size, context length) one engine is filled with `batch_size` requests of
-`ctx_len` random tokens (round time does not depend on the text), then K cycles round by round
-through `ks`, so drift in machine load hits every K alike. The first cycle is discarded: it
-holds the draft cache's catch-up over the whole prompt, a one-off cost of a new request.
+`ctx_len` random tokens (round time does not depend on the text). Then, cycle after cycle,
+every engine runs one round at each K of `ks` in turn, so drift in machine load (a shared
+CPU) hits every point of the grid alike instead of whichever point was measured during a busy
+spell. The first cycle is discarded: it holds the draft cache's catch-up over the whole prompt,
+a one-off cost of a new request.
 """
 
 from __future__ import annotations
@@ -50,23 +52,26 @@ def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence
     check(len(ks) >= 1 and all(k >= 0 for k in ks), "ks", f"must be non-empty K values >= 0, got {list(ks)}")
     gen = torch.Generator().manual_seed(seed)
     vocab = target.info.vocab_size
-    out: list[RoundTiming] = []
+    cycles = rounds + 1
+    engines = []
     for ctx in ctx_lens:
         for b in batch_sizes:
-            cycles = rounds + 1
             max_len = ctx + cycles * sum(k + 1 for k in ks) + max(ks) + 32
             engine = Engine(target, head, EngineConfig(max_batch=b, max_len=max_len, max_steps=max(ks), num_steps=0))
             params = SamplingParams(max_tokens=max_len, ignore_eos=True)
             for _ in range(b):
                 ids = torch.randint(1, vocab - 1, (ctx,), generator=gen).tolist()
                 engine.add_request(Request(ids, params))
-            for cycle in range(cycles):
-                for k in ks:
-                    engine.policy = StaticSteps(k)
-                    engine.step()
-                    s = engine.last_round
-                    if cycle > 0 and s.batch_size == b:
-                        out.append(RoundTiming(s.batch_size, s.num_steps, s.ctx_len, s.draft_s, s.verify_s))
+            engines.append((b, engine))
+    out: list[RoundTiming] = []
+    for cycle in range(cycles):
+        for b, engine in engines:
+            for k in ks:
+                engine.policy = StaticSteps(k)
+                engine.step()
+                s = engine.last_round
+                if cycle > 0 and s.batch_size == b:
+                    out.append(RoundTiming(s.batch_size, s.num_steps, s.ctx_len, s.draft_s, s.verify_s))
     return out
 
 

@@ -10,8 +10,10 @@ Three parts:
     time, (1, b, b*n, b*ctx) with n = K + 1 tokens verified per request and ctx in thousands
     of tokens; refined online with exponential forgetting, pulled toward a prior where the
     data say nothing.
-  - `AcceptanceEstimate` (one per batch-size slot): EMA of a_i = P(draft i accepted | drafts
-    < i accepted), so the expected committed tokens of K drafts, E(K) = 1 + sum_{i<=K}
+  - `AcceptanceEstimate` (one per batch-size slot): a_i = P(draft i accepted | drafts < i
+    accepted), hits over trials with exponential forgetting per trial (a window of
+    `accept_window` request-drafts, so one request at batch 1 moves it as little as one of 16
+    requests does), so the expected committed tokens of K drafts, E(K) = 1 + sum_{i<=K}
     prod_{j<=i} a_j, is known before drafting. Positions never tried borrow the deepest tried
     estimate to their left, which lets the policy look one tier deeper.
   - `ConfidenceCalibrator`: maps the head's draft confidence to an acceptance probability
@@ -34,6 +36,8 @@ from online_spec.config import ConfigError, check, doc
 from online_spec.controller.config import AdaptiveConfig
 
 CTX_SCALE = 1000.0  # context length enters the model in thousands of tokens (conditioning)
+PRIOR_TRIALS = 4.0  # the acceptance prior counts as this many trials: one lucky draft at a rarely
+                    # tried position must not read as certainty (1/1 = 1.0 made K = 7 look free)
 
 
 def draft_features(batch_size: float, ctx_len: float) -> tuple[float, float, float]:
@@ -204,12 +208,15 @@ class CostModel:
 
 
 class AcceptanceEstimate:
-    """EMA of the conditional acceptance of each draft position, for one batch-size slot."""
+    """Conditional acceptance of each draft position, for one batch-size slot: hits / trials,
+    both discounted by (1 - 1/window) per later trial of the same position, starting from the
+    prior counted as PRIOR_TRIALS trials."""
 
-    def __init__(self, depth: int, prior: float, alpha: float):
-        self.depth, self.prior, self.alpha = depth, prior, alpha
+    def __init__(self, depth: int, prior: float, window: float):
+        self.depth, self.prior, self.window = depth, prior, window
         self.rates = [prior] * depth
-        self.seen = [0] * depth
+        self.seen = [0] * depth  # rounds that tried the position
+        self.weight = [PRIOR_TRIALS] * depth  # discounted trials (prior included) behind rates[i]
         self._filled: list[float] | None = None
 
     def observe(self, accepted: Sequence[int], num_steps: int | Sequence[int]) -> None:
@@ -236,9 +243,12 @@ class AcceptanceEstimate:
                     trials[i] += 1
                     if i < a:
                         hits[i] += 1
+        keep = 1.0 - 1.0 / self.window
         for i in range(k):
             if trials[i]:
-                self.rates[i] = (1 - self.alpha) * self.rates[i] + self.alpha * (hits[i] / trials[i])
+                old = self.weight[i] * keep ** trials[i]
+                self.weight[i] = old + trials[i]
+                self.rates[i] = (old * self.rates[i] + hits[i]) / self.weight[i]
                 self.seen[i] += 1
         self._filled = None
 
@@ -255,6 +265,7 @@ class AcceptanceEstimate:
     def reset(self) -> None:
         self.rates = [self.prior] * self.depth
         self.seen = [0] * self.depth
+        self.weight = [PRIOR_TRIALS] * self.depth
         self._filled = None
 
 
@@ -266,16 +277,27 @@ class ConfidenceCalibrator:
 
     def __init__(self, bins: int, prior_weight: float):
         self.bins, self.prior_weight = bins, prior_weight
-        self.hits = [0.0] * bins
-        self.trials = [0.0] * bins
+        self.load(None, None)
 
     def _bin(self, confidence: float) -> int:
         return min(self.bins - 1, max(0, int(confidence * self.bins)))
 
+    def _values(self) -> list[float]:
+        """Calibrated value of every bin, recomputed only after new observations (the engine
+        calibrates B x K confidences per round: a table lookup each keeps that cheap)."""
+        if self._table is None:
+            w, n = self.prior_weight, self.bins
+            self._table = [(h + w * (b + 0.5) / n) / (t + w) for b, (h, t) in enumerate(zip(self.hits, self.trials))]
+        return self._table
+
     def __call__(self, confidence: float) -> float:
-        b = self._bin(confidence)
-        mid = (b + 0.5) / self.bins
-        return (self.hits[b] + self.prior_weight * mid) / (self.trials[b] + self.prior_weight)
+        return self._values()[self._bin(confidence)]
+
+    def rows(self, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
+        """`self(c)` for every confidence (a probability, in [0, 1]) of every row."""
+        table, n = self._values(), self.bins
+        table = table + [table[-1]]  # confidence 1.0 falls in the top bin
+        return [[table[int(c * n)] for c in row] for row in confidences]
 
     def observe(self, confidences: Sequence[Sequence[float]], accepted: Sequence[int]) -> None:
         for row, a in zip(confidences, accepted):
@@ -283,30 +305,41 @@ class ConfidenceCalibrator:
                 b = self._bin(c)
                 self.trials[b] += 1
                 self.hits[b] += i < a
+        self._table = None
+
+    def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:
+        self.hits = [0.0] * self.bins if hits is None else [float(x) for x in hits]
+        self.trials = [0.0] * self.bins if trials is None else [float(x) for x in trials]
+        self._table: list[float] | None = None
 
     def reset(self) -> None:
-        self.hits = [0.0] * self.bins
-        self.trials = [0.0] * self.bins
+        self.load(None, None)
 
 
 @dataclass(frozen=True)
 class CostPolicyConfig:
     """Knobs of the cost-model policy (its K tiers come from the adaptive config's slots)."""
 
-    accept_alpha: float = doc("EMA factor of the per-position acceptance estimates", 0.2)
+    accept_window: float = doc("request-drafts each per-position acceptance estimate averages over "
+                               "(exponential forgetting per trial)", 64.0)
     prior_accept: float = doc("per-position acceptance assumed before any round", 0.6)
     tpot_slo_s: float | None = doc("never pick a K whose predicted round seconds exceed this (None = off)", None)
     calib_bins: int = doc("confidence bins of the calibrator", 10)
     calib_prior_weight: float = doc("pseudo-observations holding each bin at its midpoint", 4.0)
+    probe_interval: int = doc("decisions a slot makes below its deepest tier before it runs one round at the "
+                              "next tier up, re-measuring positions it no longer drafts (0 = never)", 32)
 
     def __post_init__(self) -> None:
-        check(0 < self.accept_alpha <= 1, "accept_alpha", f"must be in (0, 1], got {self.accept_alpha!r}")
+        check(math.isfinite(self.accept_window) and self.accept_window >= 1, "accept_window",
+              f"must be >= 1, got {self.accept_window!r}")
         check(0 <= self.prior_accept <= 1, "prior_accept", f"must be in [0, 1], got {self.prior_accept!r}")
         check(self.tpot_slo_s is None or (math.isfinite(self.tpot_slo_s) and self.tpot_slo_s > 0), "tpot_slo_s",
               f"must be > 0 seconds or None, got {self.tpot_slo_s!r}")
         check(isinstance(self.calib_bins, int) and self.calib_bins >= 1, "calib_bins",
               f"must be an int >= 1, got {self.calib_bins!r}")
         check(self.calib_prior_weight > 0, "calib_prior_weight", f"must be > 0, got {self.calib_prior_weight!r}")
+        check(isinstance(self.probe_interval, int) and self.probe_interval >= 0, "probe_interval",
+              f"must be an int >= 0, got {self.probe_interval!r}")
 
 
 class CostModelPolicy:
@@ -320,11 +353,12 @@ class CostModelPolicy:
         self.config = cfg = config or CostPolicyConfig()
         self.cost = cost_model or CostModel()
         self._slots = adaptive.slots
-        self._accept = [AcceptanceEstimate(max(s.candidate_steps), cfg.prior_accept, cfg.accept_alpha)
+        self._accept = [AcceptanceEstimate(max(s.candidate_steps), cfg.prior_accept, cfg.accept_window)
                         for s in self._slots]
         self._calib = ConfidenceCalibrator(cfg.calib_bins, cfg.calib_prior_weight)
         self._last: list[int | None] = [None] * len(self._slots)
         self._decisions = [0] * len(self._slots)
+        self._below = [0] * len(self._slots)  # decisions since the slot last drafted its next tier up
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -365,9 +399,23 @@ class CostModelPolicy:
         return self._slots[i].candidate_steps[0] if best_k is None else best_k
 
     def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
-        """`choose_steps`, remembered as this slot's K for an `update` that omits num_steps."""
+        """`choose_steps`, remembered as this slot's K for an `update` that omits num_steps.
+
+        Every `probe_interval` decisions below the slot's deepest tier, one round runs the next
+        tier up instead. Positions beyond the chosen K are never observed, so without the probe
+        an estimate that a run of bad rounds pushed down would stay down for good (at K = 0
+        nothing is observed at all: plain decoding would be absorbing, as SGLang's policy also
+        knows, which probes up from K = 0)."""
         i = self.adaptive.slot_index(batch_size)
         k = self.choose_steps(batch_size, ctx_len)
+        tiers = self._slots[i].candidate_steps
+        if self.config.probe_interval and k < tiers[-1]:
+            self._below[i] += 1
+            if self._below[i] >= self.config.probe_interval:
+                self._below[i] = 0
+                k = tiers[tiers.index(k) + 1]
+        else:
+            self._below[i] = 0
         self._last[i] = k
         self._decisions[i] += 1
         return k
@@ -392,7 +440,7 @@ class CostModelPolicy:
         if isinstance(draft_confidence, (int, float)):
             p_last = self._calib(draft_confidence)
         else:
-            p_last = sum(self._calib(c) for c in draft_confidence) / max(1, len(draft_confidence))
+            p_last = sum(self._calib.rows([draft_confidence])[0]) / max(1, len(draft_confidence))
         expected, surv = 1.0, 1.0
         for j in range(step_index - 1):
             surv *= a[j]
@@ -415,30 +463,42 @@ class CostModelPolicy:
         tok_s = self.cost.verify_token_s()
         if tok_s <= 0:
             return full
-        surv = []
-        for row in confidences:
-            s, out = 1.0, []
-            for c in row:
-                s *= self._calib(c)
-                out.append(s)
-            surv.append(out)
+        # Survival S_rm = prod_{j<=m} p(conf_rj) never rises along a row, so every
+        # throughput threshold keeps a prefix of each row, and the rows' kept drafts together
+        # are the largest survivals of the batch: sort them once and scan the cut (the
+        # Dinkelbach fixed point is the best cut, and on a tie it keeps the equal drafts too).
+        calibrated = self._calib.rows(confidences)
+        flat = []
+        for row in calibrated:
+            s = 1.0
+            for p in row:
+                s *= p
+                flat.append(s)
+        flat.sort(reverse=True)
         draft_s = max(full) * self.cost.draft_step_s(b, ctx_len)  # already spent, part of the round
-        # Dinkelbach: keep the drafts that pay at the current throughput, recompute the
-        # throughput of what is kept, repeat; it stops at the best tokens/second selection.
-        lengths: list[int] = full
-        for _ in range(8):
-            tokens = sum(1.0 + sum(s[:n]) for s, n in zip(surv, lengths))
-            round_s = draft_s + self.cost.verify_s(b, sum(lengths) / b, ctx_len)
-            threshold = tokens / max(round_s, 1e-12) * tok_s
-            new = []
-            for s in surv:
-                n = 0
-                while n < len(s) and s[n] >= threshold:
-                    n += 1
-                new.append(n)
-            if new == lengths:
-                break
-            lengths = new
+        v0 = _dot(self.cost.verify_coef, verify_features(b, 1, ctx_len))  # verify with no draft kept
+        best_m, best_rate, tokens = 0, b / max(draft_s + max(0.0, v0), 1e-12), float(b)
+        for m, sv in enumerate(flat, 1):
+            tokens += sv
+            if m < len(flat) and flat[m] == sv:
+                continue  # a cut between equal survivals keeps them all
+            rate = tokens / max(draft_s + max(0.0, v0 + tok_s * m), 1e-12)
+            if rate >= best_rate:
+                best_m, best_rate = m, rate
+        if best_m == len(flat):
+            return full
+        if best_m == 0:
+            return [0] * b
+        cut = flat[best_m - 1]
+        lengths = []
+        for row in calibrated:
+            s, n = 1.0, 0
+            for p in row:
+                s *= p
+                if s < cut:
+                    break
+                n += 1
+            lengths.append(n)
         return lengths
 
     # -- after verify ------------------------------------------------------------------------
@@ -488,9 +548,11 @@ class CostModelPolicy:
     def state_dict(self) -> dict:
         return {"policy": self.name, "cost": self.cost.state_dict(),
                 "calibrator": {"hits": self._calib.hits[:], "trials": self._calib.trials[:]},
-                "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:], "steps": last,
-                                                  "decisions": n}
-                          for s, acc, last, n in zip(self._slots, self._accept, self._last, self._decisions)}}
+                "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:],
+                                                  "weight": acc.weight[:], "steps": last,
+                                                  "decisions": n, "below": below}
+                          for s, acc, last, n, below in zip(self._slots, self._accept, self._last, self._decisions,
+                                                            self._below)}}
 
     def load_state_dict(self, state: dict) -> None:
         check(state.get("policy") == self.name, "state.policy", f"expected {self.name!r}, got {state.get('policy')!r}")
@@ -503,12 +565,13 @@ class CostModelPolicy:
                   f"has {len(entry['rates'])} positions, the slot drafts up to {acc.depth}")
             acc.rates = [float(r) for r in entry["rates"]]
             acc.seen = [int(s) for s in entry["seen"]]
+            acc.weight = [float(w) for w in entry.get("weight", [PRIOR_TRIALS] * acc.depth)]
             acc._filled = None
             self._last[j] = entry["steps"]
             self._decisions[j] = int(entry["decisions"])
+            self._below[j] = int(entry.get("below", 0))  # states written before probing have none
         calib = state["calibrator"]
         check(len(calib["hits"]) == self._calib.bins, "state.calibrator.hits",
               f"has {len(calib['hits'])} bins, the config has {self._calib.bins}")
-        self._calib.hits = [float(x) for x in calib["hits"]]
-        self._calib.trials = [float(x) for x in calib["trials"]]
+        self._calib.load(calib["hits"], calib["trials"])
         self.cost.load_state_dict(state["cost"])
