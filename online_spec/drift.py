@@ -19,15 +19,21 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   weighted by its number of requests w, capped at `max_round_weight` (the requests of a batch
   stay together for many rounds, so a big batch is fewer independent samples than its size).
   The SD is inflated by a dispersion factor measured on the reference rounds (never below 1),
-  for traffic noisier than the model. The increment per round is `w * d * (r - d/2)`, d the
-  minimum effect (`min_effect` of the reference mean, at least `min_effect_abs` drafts) in SD
+  for traffic noisier than the model: the larger of the per-round one and a batch-means one
+  (standardised sums over blocks of `block_rounds` rounds). Rounds are not independent — a
+  request lives for tens of rounds and an easy prompt stays easy — so per-round noise alone
+  understates how far the level wanders (on the real server this raised a +35% "rise" on
+  stationary ShareGPT traffic); the change test waits until the reference has 4 blocks.
+  The increment per round is `w * d * (r - d/2)`, d the minimum effect (`min_effect` of the reference mean, at least `min_effect_abs` drafts) in SD
   units: Page's CUSUM, with `threshold` in nats. A chance excursion falls back to zero; a
   sustained shift of D SDs crosses the threshold after about `threshold / (w d (D - d/2))`
   rounds. Measured with the defaults (2.6 -> 1.6 at K=5): about 100 rounds at B=1, 25 at B=4,
   13 at B=16; on stationary noise, 2 false alerts in 300 runs of 3,000 rounds.
+  (Those figures are for independent rounds; with persistent requests, tests/test_drift.py's
+  `persistent_rounds`, a 1.26 -> 0.39 drop at B=4 takes ~470 rounds: the honest price.)
   The reference is learned over a warm-up (`warmup_rounds` and `warmup_requests`) and then
   keeps absorbing rounds in which no change is suspected (both statistics below half the
-  threshold) until it holds `reference_requests` requests — a self-starting CUSUM, so a short
+  threshold) until it holds `reference_requests` requests and 4 blocks — a self-starting CUSUM, so a short
   warm-up does not leave a biased reference for good. A change during the warm-up becomes part
   of the reference (collapse still catches the extreme case). After a change alert the stream
   re-learns its reference (the new level is the new normal) and raises no further change alert
@@ -36,11 +42,17 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   with K > 0 is below `collapse_accept_len` — speculation is pure overhead. Needs no warm-up.
 - **losing** (level "warn"): over the last `losing_window` rounds with K > 0 and both speeds
   measured, tokens/s with speculation is below `(1 - losing_margin)` of plain decoding.
-  Collapse and losing fire once and re-arm when their condition clears (and `cooldown_rounds`
-  have passed).
-- A **head version change** resets the stream: the new head's level is learned afresh, so a
-  swap never raises an alert by itself (a better head shows up as a change only against a
-  reference learned with that head).
+  Collapse and losing fire once and re-arm when their condition clearly clears — the window
+  mean back to at least twice `collapse_accept_len`, or speculation back at parity with plain
+  decoding — so a window mean wandering around the threshold by chance does not alert again
+  at every crossing; and only once `cooldown_rounds` have passed.
+- A **head version change** re-warms the stream (`_Stream.rewarm`): the change test's
+  reference and CUSUM, and the collapse and losing windows, restart on the new head's rounds
+  only (its acceptance is a new baseline, so a swap never raises a drop or rise by itself, and
+  no window mixes two heads). What the stream has already reported stays: a rule's latch and
+  cool-down carry over, so a condition that was alerted under the old head and persists under
+  the new one (a weak head replaced by a still-weak one) is not reported again because a
+  version went live. A new head that collapses where the old one did not is still reported.
 
 Use (in the engine, once per round, after accept):
 
@@ -76,6 +88,9 @@ class DriftConfig:
     max_round_weight: int = doc("most requests a round counts for in the change test: requests of one "
                                 "batch stay together for many rounds, so a big batch is less than that "
                                 "many independent samples", 8)
+    block_rounds: int = doc("rounds per block of the batch-means dispersion: consecutive rounds share "
+                            "their requests (a request lives for tens of rounds), so the reference's noise "
+                            "is also measured on block means, about a request's lifetime long", 50)
     threshold: float = doc("CUSUM decision threshold in nats; higher = fewer false alarms, slower "
                            "detection", 13.0)
     cooldown_rounds: int = doc("rounds after an alert during which the stream raises no alert of the "
@@ -95,6 +110,7 @@ class DriftConfig:
         check(0.0 < self.min_effect < 1.0, "min_effect", f"must be in (0, 1), got {self.min_effect}")
         check(self.min_effect_abs > 0.0, "min_effect_abs", f"must be > 0, got {self.min_effect_abs}")
         check(self.max_round_weight >= 1, "max_round_weight", f"must be >= 1, got {self.max_round_weight}")
+        check(self.block_rounds >= 2, "block_rounds", f"must be >= 2, got {self.block_rounds}")
         check(self.threshold > 0.0, "threshold", f"must be > 0, got {self.threshold}")
         check(self.cooldown_rounds >= 0, "cooldown_rounds", f"must be >= 0, got {self.cooldown_rounds}")
         check(self.collapse_accept_len >= 0.0, "collapse_accept_len",
@@ -155,6 +171,9 @@ class DriftAlert:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+MIN_BLOCKS = 4  # block means the reference needs before the change test runs (fewer: too noisy)
 
 
 # --- the truncated-geometric model of one request's accept length ----------------------------
@@ -228,6 +247,10 @@ class _Stream:
     alpha: Optional[float] = None
     prev_alpha: Optional[float] = None  # the reference before the last re-learn, for alert texts
     dispersion: float = 1.0
+    # Batch means of the reference rounds, per K: [requests, sum w*a]; `block` is the one filling.
+    blocks: list = field(default_factory=list)
+    block: dict = field(default_factory=dict)
+    block_len: int = 0
     up: _Side = field(default_factory=_Side)
     down: _Side = field(default_factory=_Side)
     last_alert: dict = field(default_factory=dict)  # rule -> stream round of its last alert
@@ -239,13 +262,25 @@ class _Stream:
         return (sum(int(v[0]) for v in self.ref.values()), sum(v[1] for v in self.ref.values()))
 
     def relearn(self) -> None:
-        self.ref, self.prev_alpha, self.alpha, self.dispersion = {}, self.alpha, None, 1.0
+        self.prev_alpha = self.alpha if self.alpha is not None else self.prev_alpha
+        self.ref, self.alpha, self.dispersion = {}, None, 1.0
+        self.blocks, self.block, self.block_len = [], {}, 0
         self.up, self.down = _Side(), _Side()
+
+    def rewarm(self, head_version: int) -> None:
+        """A new head went live: relearn its level, judge windows on its rounds only; keep
+        `rounds`, `last_alert` and `latched` (what was reported, and when)."""
+        self.head_version = head_version
+        self.relearn()
+        self.collapse.clear()
+        self.losing.clear()
 
     def to_dict(self) -> dict:
         return {"head_version": self.head_version, "rounds": self.rounds,
                 "ref": {k: list(v) for k, v in self.ref.items()}, "alpha": self.alpha,
                 "prev_alpha": self.prev_alpha, "dispersion": self.dispersion, "up": asdict(self.up), "down": asdict(self.down),
+                "blocks": [{k: list(v) for k, v in b.items()} for b in self.blocks],
+                "block": {k: list(v) for k, v in self.block.items()}, "block_len": self.block_len,
                 "last_alert": dict(self.last_alert), "latched": dict(self.latched),
                 "collapse": list(self.collapse), "losing": [list(x) for x in self.losing]}
 
@@ -254,6 +289,8 @@ class _Stream:
         return cls(head_version=int(d["head_version"]), rounds=int(d["rounds"]),
                    ref={str(k): list(v) for k, v in d["ref"].items()}, alpha=d["alpha"],
                    prev_alpha=d["prev_alpha"], dispersion=float(d["dispersion"]), up=_Side(**d["up"]), down=_Side(**d["down"]),
+                   blocks=[{str(k): list(v) for k, v in b.items()} for b in d.get("blocks", [])],
+                   block={str(k): list(v) for k, v in d.get("block", {}).items()}, block_len=int(d.get("block_len", 0)),
                    last_alert=dict(d["last_alert"]), latched=dict(d["latched"]),
                    collapse=deque(d["collapse"], maxlen=cfg.collapse_window),
                    losing=deque((tuple(x) for x in d["losing"]), maxlen=cfg.losing_window))
@@ -303,9 +340,10 @@ class DriftDetector:
     def _stream(self, obs: RoundObservation) -> _Stream:
         key = (obs.slot, obs.tag)
         s = self._streams.get(key)
-        if s is None or s.head_version != obs.head_version:
-            s = self._new_stream(obs.head_version)  # a swap: the new head's level is learned afresh
-            self._streams[key] = s
+        if s is None:
+            s = self._streams[key] = self._new_stream(obs.head_version)
+        elif s.head_version != obs.head_version:
+            s.rewarm(obs.head_version)  # a swap: the new head's level is a new baseline
         self._streams.move_to_end(key)
         while len(self._streams) > self.cfg.max_streams:
             self._streams.popitem(last=False)
@@ -316,15 +354,23 @@ class DriftDetector:
         cfg, w, k = self.cfg, obs.weight, obs.num_steps
         rounds, requests = s.ref_totals()
         suspect = max(s.up.stat, s.down.stat) > 0.5 * cfg.threshold  # a change may be under way
-        if requests < cfg.reference_requests and not suspect:  # warm-up, then self-starting refinement
+        blocks_short = len(s.blocks) < MIN_BLOCKS
+        if (requests < cfg.reference_requests or blocks_short) and not suspect:  # warm-up, then refinement
             v = s.ref.setdefault(str(k), [0, 0.0, 0.0, 0.0])
             v[0] += 1
             v[1] += w
             v[2] += w * obs.accept_len
             v[3] += w * obs.accept_len ** 2
+            bv = s.block.setdefault(str(k), [0.0, 0.0])
+            bv[0] += w
+            bv[1] += w * obs.accept_len
+            s.block_len += 1
+            if s.block_len >= cfg.block_rounds:
+                s.blocks.append(s.block)
+                s.block, s.block_len = {}, 0
             if s.alpha is not None or (rounds + 1 >= cfg.warmup_rounds and requests + w >= cfg.warmup_requests):
-                self._fit_reference(s)
-        if s.alpha is None:
+                self._fit_reference(s, cfg.block_rounds)
+        if s.alpha is None or len(s.blocks) < MIN_BLOCKS:  # the noise is not known yet
             return None
         mu, sd = accept_len_moments(s.alpha, k)
         sd *= math.sqrt(s.dispersion)
@@ -346,7 +392,7 @@ class DriftDetector:
         return None
 
     @staticmethod
-    def _fit_reference(s: _Stream) -> None:
+    def _fit_reference(s: _Stream, block_rounds: int) -> None:
         s.alpha = fit_alpha({int(k): v[1] for k, v in s.ref.items()}, sum(v[2] for v in s.ref.values()))
         # Dispersion: the mean of B r^2 is 1 if the model's per-request SD is right; more means
         # noisier traffic (sum over rounds of w (a - mu)^2 = S2 - 2 mu S1 + mu^2 S0, per K).
@@ -355,21 +401,38 @@ class DriftDetector:
             mu, sd = accept_len_moments(s.alpha, int(k))
             z2 += max(s2 - 2 * mu * s1 + mu * mu * s0, 0.0) / max(sd, 1e-6) ** 2
             n += int(rounds)
-        s.dispersion = max(1.0, z2 / n)
+        per_round = z2 / n
+        # Batch means: with independent rounds, a block's standardised sum
+        # z = sum_K (S1 - mu S0) / sqrt(sum_K S0 sd^2) has E[z^2] = 1; rounds that share their
+        # requests (an easy prompt stays easy for its whole life) make it larger, by about the
+        # rounds a request's level persists. Counted once 4 blocks exist (fewer are too noisy).
+        per_block = 0.0
+        if len(s.blocks) >= MIN_BLOCKS:
+            moments = {int(k): accept_len_moments(s.alpha, int(k)) for b in s.blocks for k in b}
+            zb = []
+            for b in s.blocks:
+                num = sum(v[1] - moments[int(k)][0] * v[0] for k, v in b.items())
+                var = sum(v[0] * max(moments[int(k)][1], 1e-6) ** 2 for k, v in b.items())
+                zb.append(num * num / var)
+            per_block = sum(zb) / len(zb)
+        s.dispersion = max(1.0, per_round, per_block)
 
     # rules: collapse, losing ------------------------------------------------------------------
     def _collapse(self, s: _Stream, obs: RoundObservation) -> Optional[DriftAlert]:
-        full = len(s.collapse) == self.cfg.collapse_window
+        if len(s.collapse) < self.cfg.collapse_window:  # no verdict yet: the latch stays as it was
+            return None
         mean = sum(s.collapse) / len(s.collapse)
-        if not self._latch(s, "collapse", full and mean < self.cfg.collapse_accept_len):
+        thr = self.cfg.collapse_accept_len
+        if not self._latch(s, "collapse", mean < thr, clears=mean >= 2.0 * thr):
             return None
         return self._alert("collapse", "error", obs, self._ref_mean(s, obs.num_steps), mean)
 
     def _losing(self, s: _Stream, obs: RoundObservation) -> Optional[DriftAlert]:
-        full = len(s.losing) == self.cfg.losing_window
+        if len(s.losing) < self.cfg.losing_window:
+            return None
         spec = sum(x[0] for x in s.losing)
         plain = sum(x[1] for x in s.losing)
-        if not self._latch(s, "losing", full and spec < (1.0 - self.cfg.losing_margin) * plain):
+        if not self._latch(s, "losing", spec < (1.0 - self.cfg.losing_margin) * plain, clears=spec >= plain):
             return None
         n = len(s.losing)
         return self._alert("losing", "warn", obs, self._ref_mean(s, obs.num_steps),
@@ -377,10 +440,12 @@ class DriftDetector:
                            extra=f" Speculative {spec / n:.1f} tok/s vs plain {plain / n:.1f} tok/s "
                                  f"over the last {n} rounds.")
 
-    def _latch(self, s: _Stream, rule: str, holds: bool) -> bool:
-        """True when `rule` should fire now: it holds, is not already latched, and is not cooling."""
+    def _latch(self, s: _Stream, rule: str, holds: bool, clears: bool) -> bool:
+        """True when `rule` should fire now: it holds, is not already latched, and is not cooling.
+        The latch opens again only when `clears` (between holding and clearing it stays as it is)."""
         if not holds:
-            s.latched[rule] = False
+            if clears:
+                s.latched[rule] = False
             return False
         if s.latched.get(rule) or self._cooling(s, rule):
             return False

@@ -51,7 +51,8 @@ from typing import Callable
 import httpx
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
-from online_spec.drift import DriftAlert, DriftConfig
+from online_spec.drift import DriftAlert, DriftConfig, accept_len_moments
+from online_spec.heads import HEAD_CHOICES, resolve_head
 from serving.engine import EngineConfig, RequestOutput, RoundStats
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,14 @@ REQUIRED_STATIONARY_ROUNDS = 2000  # issue 7: the stationary phase must be at le
 
 @dataclass
 class DriftBenchConfig:
-    draft: str = doc("head checkpoint directory; empty = the newest ShareGPT-pretrained head under "
-                     "~/.cache/online-spec/heads (a directory holding config.json, under a name "
-                     "starting with 'sharegpt')", "")
-    clients: int = doc("concurrent closed-loop chat clients (keeps the batch size steady)", 4)
+    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped, pretrained on ShareGPT)", "")
+    clients: int = doc("concurrent closed-loop chat clients (keeps the batch size steady; 1 = batch-1 rounds, "
+                       "the cheapest, so 2,000 of them take a few minutes)", 1)
     num_steps: int = doc("K, fixed for the whole run", 5)
     stationary_rounds: int = doc("verify rounds of ShareGPT traffic before the switch", 2000)
     min_switch_rounds: int = doc("verify rounds of HumanEval traffic to run at least (accept length after)", 200)
-    max_switch_rounds: int = doc("stop the HumanEval phase after this many rounds even without a drop alert", 1000)
+    max_switch_rounds: int = doc("stop the HumanEval phase after this many rounds even without a drop alert "
+                                  "(as long as the stationary phase, so both accept lengths rest on as many rounds)", 2000)
     max_tokens: int = doc("max_tokens per request (greedy requests also stop at EOS)", 96)
     max_prompt_tokens: int = doc("longest first turn used as a prompt, in tokens", 256)
     prompts: int = doc("prompts per source (ShareGPT held-out, HumanEval), used in turn", 500)
@@ -165,6 +166,23 @@ class RoundLog:
                     "alerts": [a for a in self.alerts if a["phase"] == phase]}
 
 
+def detector_references(drift, cfg: DriftConfig, num_steps: int) -> dict:
+    """What the detector learned per (slot, tag) stream: its reference accept length at K, the
+    dispersion of the traffic around the model, and the smallest drop it is tuned to see."""
+    with drift._lock:
+        streams = drift.detector.state_dict()["streams"]
+    out = {}
+    for slot, tag, st in streams:
+        alpha = st["alpha"] if st["alpha"] is not None else st["prev_alpha"]
+        if alpha is None:
+            continue
+        mu, sd = accept_len_moments(alpha, num_steps)
+        out[f"{slot}/{tag}"] = {"rounds": st["rounds"], "reference_accept_len": mu, "per_request_sd": sd,
+                               "dispersion": st["dispersion"],
+                               "min_effect_drafts": max(cfg.min_effect * mu, cfg.min_effect_abs)}
+    return out
+
+
 # -- traffic -------------------------------------------------------------------------------------
 
 def load_prompts(cfg: DriftBenchConfig, tokenizer) -> tuple[list[list[dict]], list[list[dict]]]:
@@ -253,6 +271,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
             [r.request_id for r in server.engine.waiting]
         if left:
             raise RuntimeError(f"server not drained at the switch: {left}")
+        references = detector_references(server.drift, drift, cfg.num_steps)
         rounds.switch()
 
         def switched_done() -> bool:
@@ -287,6 +306,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
         "wandb_alert": wandb_row,
         "wandb_alerts_read_back": len(rows),
         "wandb_run_dir": str(run_dir),
+        "detector_references_at_switch": references,
         "accept_len_before": before["accept_len"],
         "accept_len_after": after["accept_len"],
         "tokens_per_s_before": phases["stationary"]["tokens_per_s"],
@@ -304,23 +324,10 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
 
 REPORT_KEYS = ("bench", "stationary_rounds", "meets_stationary_round_requirement", "false_alerts",
                "false_alerts_by_kind", "switch_round", "switched_rounds", "rounds_to_alert", "first_drop_alert",
-               "alert_in_wandb_offline_run", "wandb_alert", "wandb_run_dir", "accept_len_before",
+               "alert_in_wandb_offline_run", "wandb_alert", "wandb_run_dir", "detector_references_at_switch",
+               "accept_len_before",
                "accept_len_after", "tokens_per_s_before", "tokens_per_s_after", "failed_requests", "phases",
                "config", "drift_config", "model", "head", "quick", "note", "date", "command", "machine")
-
-
-def default_draft() -> Path:
-    """The newest directory under the heads cache that holds config.json and sits under (or is)
-    a directory whose name starts with 'sharegpt'."""
-    from online_spec.target import cache_dir
-
-    root = cache_dir() / "heads"
-    found = [p.parent for p in root.glob("**/config.json")
-             if any(part.startswith("sharegpt") for part in p.parent.relative_to(root).parts)]
-    if not found:
-        raise SystemExit(f"no ShareGPT-pretrained head under {root}: run `online-spec pretrain --data sharegpt ...` "
-                         "first, or pass --draft DIR")
-    return max(found, key=lambda d: (d / "config.json").stat().st_mtime)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -345,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     load_at_start = os.getloadavg()
-    draft = Path(cfg.draft) if cfg.draft else default_draft()
+    draft = Path(resolve_head(cfg.draft or "shipped"))
     target = load_target()
     head, meta = load_head(draft, target.info, dtype=target.dtype)
     figures = measure(cfg, drift, target, head, head_version=int(meta.get("version", 0)))

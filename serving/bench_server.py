@@ -23,14 +23,13 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
 from online_spec.benchutil import machine_info, quick_overrides
-from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.config import check, config_from_args, config_to_dict, doc
 from serving.engine import EngineConfig
 from serving.server import HttpThread, ServerConfig, SpecServer
 
@@ -143,9 +142,9 @@ def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, ServerBenchConfig)
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--quick", action="store_true", help=f"a short run ({QUICK})")
+    from online_spec.benchutil import add_bench_args
+
+    add_bench_args(parser, ServerBenchConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,7 +65,8 @@ def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_bf16, tmp_path):
                            work_dir=str(tmp_path))
     # a short warm-up, a low threshold and no cooldown (a chance change alert in 16 stationary
     # rounds must not mute the drop): tiny settings for speed, not the calibrated defaults
-    drift = DriftConfig(warmup_rounds=6, warmup_requests=10, reference_requests=30, threshold=6.0, cooldown_rounds=0)
+    drift = DriftConfig(warmup_rounds=6, warmup_requests=10, reference_requests=30, threshold=6.0, cooldown_rounds=0,
+                        block_rounds=3)
     chat, _ = load_prompts(cfg, smol_bf16.tokenizer)
     head = bigram_head(smol_bf16, [smol_bf16.encode_chat(m) for m in chat], cfg.max_tokens)
 
@@ -80,6 +81,11 @@ def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_bf16, tmp_path):
     assert written["stationary_rounds"] >= cfg.stationary_rounds and written["switch_round"] == written["stationary_rounds"]
     assert written["meets_stationary_round_requirement"] is False
     assert written["accept_len_before"] > written["accept_len_after"] + 0.5  # the stand-in is good on A only
+    refs = written["detector_references_at_switch"]
+    assert refs and all(0 < r["reference_accept_len"] <= cfg.num_steps and r["min_effect_drafts"] >= 0.1
+                        for r in refs.values())
+    busiest = max(refs.values(), key=lambda r: r["rounds"])  # learned on the stationary traffic
+    assert abs(busiest["reference_accept_len"] - written["accept_len_before"]) < 0.5
     # the drop is found, counted from the switch, and read back from the offline W&B run
     first = written["first_drop_alert"]
     assert first is not None and first["phase"] == "switched"
