@@ -12,7 +12,11 @@ written checkpoint directory. Reported:
     swap_draft_ms p50/max   the same difference for the draft phase alone
     swap_work_ms p50/max    time a round spends in the engine's swap step (filling the new head's
                             cache, or switching), timed directly: the stall without the noise
-                            of a shared CPU
+                            of the neighbouring rounds
+    swap_work_cpu_ms        the same step in CPU time of the engine thread (time.thread_time):
+                            what it costs on a core of its own, without the preemption of a
+                            shared CPU; the whole cost only with --threads 1 (other torch
+                            threads' CPU time is not counted)
     fill_round_extra_ms     the same difference for the rounds before the switch in which the new
                             head's cache was being rebuilt (EngineConfig.swap_fill_rows rows each)
     swaps, rollbacks        applied through the control endpoint (landed between rounds)
@@ -41,7 +45,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.config import check, config_from_args, config_to_dict, doc
 from serving.engine import Engine, EngineConfig
 
 
@@ -58,6 +62,7 @@ class SwapBenchConfig:
     num_steps: int = doc("K per round", 3)
     max_batch: int = doc("engine max_batch", 8)
     threads: int = doc("torch CPU threads (the CPU may be shared)", 2)
+    device: str = doc("torch device of the served model ('cuda': the engine replays CUDA graphs)", "cpu")
     swap_fill_rows: int = doc("EngineConfig.swap_fill_rows: cache rows rebuilt per round before the switch "
                               "(0 = old behaviour: switch at once, rebuild every row in the swap round)", 48)
 
@@ -122,7 +127,9 @@ class LoadClients:
         return (ids, None) if finished else (None, "no finish_reason")
 
 
-def measure(cfg: SwapBenchConfig) -> dict:
+def measure(cfg: SwapBenchConfig, prompts: list[list[int]] | None = None) -> dict:
+    """The figures above; `prompts` (token ids) replace the ShareGPT prompts where that package
+    is missing (the GPU machine)."""
     from online_spec.checkpoint import save_head
     from online_spec.data import sharegpt_conversations
     from online_spec.head import new_head
@@ -132,10 +139,13 @@ def measure(cfg: SwapBenchConfig) -> dict:
     from serving.server import HttpThread, ServerConfig, SpecServer
 
     torch.set_num_threads(cfg.threads)
-    target = load_target(dtype=torch.float32)  # fp32: greedy is token-identical (bf16 only up to near-ties)
-    convs = sharegpt_conversations(limit=cfg.prompts, seed=1, max_prompt_tokens=cfg.max_prompt_tokens,
-                                   tokenizer=target.tokenizer)
-    prompts = [target.encode_chat(c[:1]) for c in convs][:cfg.prompts]
+    # fp32: greedy is token-identical (bf16 only up to near-ties)
+    target = load_target(dtype=torch.float32, device=cfg.device)
+    if prompts is None:
+        convs = sharegpt_conversations(limit=cfg.prompts, seed=1, max_prompt_tokens=cfg.max_prompt_tokens,
+                                       tokenizer=target.tokenizer)
+        prompts = [target.encode_chat(c[:1]) for c in convs]
+    prompts = prompts[:cfg.prompts]
     engine_cfg = EngineConfig(max_batch=cfg.max_batch, max_len=1024, num_steps=cfg.num_steps,
                               swap_fill_rows=cfg.swap_fill_rows)
     plain = Engine(target, None, EngineConfig(max_batch=cfg.max_batch, max_len=1024, num_steps=0))
@@ -146,15 +156,15 @@ def measure(cfg: SwapBenchConfig) -> dict:
     server = SpecServer(ServerConfig(engine=engine_cfg, drift_monitor=False,
                                      control=ControlConfig(run_dir=str(run_dir))), target, new_head(target, seed=0))
     rounds: list[tuple[float, object]] = []
-    swap_work: list[tuple[float, bool]] = []  # (seconds in the engine's swap step, switched)
+    swap_work: list[tuple[float, bool, float]] = []  # (seconds in the engine's swap step, switched, CPU seconds)
     apply = server.engine._apply_pending_swap
 
     def timed_apply() -> bool:  # instrumentation only: the time a round spends on a swap, noise-free
         staged = server.engine.has_pending
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         switched = apply()
         if staged:
-            swap_work.append((time.perf_counter() - t, switched))
+            swap_work.append((time.perf_counter() - t, switched, time.thread_time() - c))
         return switched
     server.engine._apply_pending_swap = timed_apply
     server.round_observers.append(lambda stats, outs, tags: rounds.append((time.perf_counter(), stats)))
@@ -222,9 +232,11 @@ def measure(cfg: SwapBenchConfig) -> dict:
         "swap_draft_ms_p50": q(draft_stall, 50),
         "swap_draft_ms_max": round(max(draft_stall), 3) if draft_stall else None,
         "stall_samples": len(stall),
-        "swap_work_ms_p50": q([1000 * t for t, _ in swap_work], 50),
-        "swap_work_ms_max": round(1000 * max(t for t, _ in swap_work), 3) if swap_work else None,
-        "switch_work_ms_max": round(1000 * max((t for t, sw in swap_work if sw), default=0), 3),
+        "swap_work_ms_p50": q([1000 * t for t, _, _ in swap_work], 50),
+        "swap_work_ms_max": round(1000 * max(t for t, _, _ in swap_work), 3) if swap_work else None,
+        "swap_work_cpu_ms_p50": q([1000 * c for _, _, c in swap_work], 50),
+        "swap_work_cpu_ms_max": round(1000 * max(c for _, _, c in swap_work), 3) if swap_work else None,
+        "switch_work_ms_max": round(1000 * max((t for t, sw, _ in swap_work if sw), default=0), 3),
         "fill_round_extra_ms_p50": q(fill, 50), "fill_round_extra_ms_max": round(max(fill), 3) if fill else None,
         "fill_rounds": sum(1 for s in stats if s.swap_fill_rows and not s.swapped),
         "fill_rows_per_swap": round(sum(s.swap_fill_rows for s in stats) / max(1, sum(s.swapped for s in stats)), 1),
@@ -241,9 +253,9 @@ def measure(cfg: SwapBenchConfig) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, SwapBenchConfig)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--quick", action="store_true", help=f"a short run: {QUICK}")
+    from online_spec.benchutil import add_bench_args
+
+    add_bench_args(parser, SwapBenchConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -209,3 +209,57 @@ def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
     accepted = d.evaluate_and_publish()
     assert accepted.publish and accepted.candidate > accepted.live + 0.5
     assert d.state["live_version"] == 1 and (tmp_path / "b" / "ckpt" / "v1" / "config.json").exists()
+
+
+class FakeServer:
+    """The control endpoint as the daemon sees it: info (the live version), swap_dir, rollback."""
+
+    def __init__(self, version: int, with_info: bool = True):
+        self.version, self.history = version, [version]
+        if not with_info:
+            self.info = None
+
+    def info(self):
+        return {"head_version": self.version}
+
+    def swap_dir(self, path, version=None, digest=None):
+        self.version = version
+        self.history.append(version)
+        return {"version": version}
+
+    def rollback(self):
+        self.history.append(self.history[-2])
+        self.version = self.history[-1]
+        return {"version": self.version}
+
+
+def test_published_versions_continue_after_the_live_head(tmp_path):
+    """The daemon numbers its versions after the server's live head (control `info`), or after
+    the starting checkpoint's metadata version: never a second v1 beside a live v1. A rollback to
+    the starting version restores the starting head for the daemon's own comparisons."""
+    from online_spec.checkpoint import save_head
+
+    target = tiny8()
+    start = tmp_path / "start"
+    save_head(new_head(target, 256, seed=0), start, version=7)
+
+    def daemon(sub, publisher):
+        return TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / sub), init_head=str(start)), target, publisher,
+                             SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                             ReplayConfig(root=str(tmp_path / sub / "replay")), DistillConfig(), LossConfig(ttt_steps=1))
+
+    d = daemon("meta", None)  # no server to ask: the checkpoint's metadata says v7
+    assert d.state["live_version"] == 7 and d.publish() == 8 and d.publish() == 9
+    server = FakeServer(12)  # the server says v12 (an operator swapped heads after v7)
+    d = daemon("server", server)
+    assert d.state["live_version"] == 12 and d.publish() == 13
+    server.version = 20  # an operator swap while the daemon runs: the next version goes above it
+    assert d.publish() == 21 and server.history == [12, 13, 21]
+    assert d.state["published"][-1]["version"] == 21
+    # restart: the saved state keeps the numbering; the rollback target of the first version is
+    # the starting head, which has no ckpt/v12 directory
+    d2 = daemon("server", server)
+    assert d2.state["next_version"] == 22 and d2.state["initial_version"] == 12
+    assert torch.equal(d2._load_version(12).fc.weight, d2._initial_head().fc.weight)
+    d3 = daemon("unreachable", FakeServer(3, with_info=False))
+    assert d3.state["live_version"] == 7

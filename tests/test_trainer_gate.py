@@ -62,3 +62,30 @@ def test_gate_config_errors_name_the_field():
         GateConfig(rollback_threshold=1.5)
     with pytest.raises(ConfigError, match="min_anchors"):
         GateConfig(min_anchors=0)
+
+
+def test_rollback_compares_versions_on_the_same_traffic_tags():
+    # v1 served chat (accept 2.0) and code (accept 1.0); after the swap v2 serves code only at 1.0:
+    # overall that is half of v1's 1.5 (a rollback by the overall figure), on code it is equal
+    live = LiveAcceptance()
+    live.observe_rows([1, 1, 0] * 10, [3] * 30, [1] * 30, [1] * 30, "chat")  # v1 chat: 10 rounds, 2.0
+    live.observe_rows([1, 0] * 10, [3] * 20, [1] * 20, [1] * 20, "code")  # v1 code: 10 rounds, 1.0
+    acc, rounds = live.accept_length(1)
+    assert acc == pytest.approx(1.5) and live.by_tags(1) == {"chat": (20, 10), "code": (10, 10)}
+    mon = RollbackMonitor(CFG)
+    mon.start(2, 1, acc, rounds, live.by_tags(1))
+    live.observe_rows([1, 0] * 3, [3] * 6, [2] * 6, [1] * 6, "code")  # v2 code: 3 rounds, 1.0
+    d = mon.update(live)
+    assert d.action == "keep" and "code" in d.reason
+    # a v3 worse on code than v2 (0.33 < 1.0 * 0.8) is rolled back
+    mon.start(3, 2, *live.accept_length(2), live.by_tags(2))
+    live.observe_rows([1, 0, 0, 0], [3] * 4, [3] * 4, [1] * 4, "code")
+    assert mon.update(live).action == "rollback"
+    # no tag in common with the previous version: the overall figures decide (as before)
+    mon.start(4, 1, acc, rounds, {"other": (5, 5)})
+    live.observe_rows([1, 0] * 3, [3] * 6, [4] * 6, [1] * 6, "code")
+    d = mon.update(live)
+    assert d.action == "rollback" and "overall" in d.reason
+    mon2 = RollbackMonitor(CFG)
+    mon2.load_state_dict(__import__("json").loads(__import__("json").dumps(mon.state_dict())))
+    assert mon2.baseline == mon.baseline

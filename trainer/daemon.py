@@ -35,7 +35,7 @@ import torch
 from collector.replay import ReplayBuffer, ReplayConfig
 from collector.span import CaptureSpan
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
-from online_spec.checkpoint import load_head
+from online_spec.checkpoint import META, load_head
 from online_spec.config import check, doc
 from online_spec.head import EagleHead
 from trainer.batch import collate
@@ -52,6 +52,8 @@ class HeadPublisher(Protocol):
 
     def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict: ...
     def rollback(self) -> dict: ...
+    # optional: `info() -> {"head_version": N, ...}` (the server's live version), used to number
+    # published versions after it
 
 
 @dataclass
@@ -88,10 +90,15 @@ class TrainerDaemon:
         self.rollbacks = RollbackMonitor(self.gate_cfg)
         self.live = LiveAcceptance()
         self.state = {"step": 0, "next_version": 1, "live_version": 0, "previous_version": None,
-                      "published": [], "rolled_back": [], "swaps": 0, "refused_swaps": 0, "evals": 0}
-        self._load_state()
+                      "initial_version": 0, "published": [], "rolled_back": [], "swaps": 0, "refused_swaps": 0,
+                      "evals": 0}
+        self._init_meta: dict = {}
         if head is None:
             head = self._initial_head()
+        if not self._load_state():
+            # a fresh run continues the live head's numbering: versions stay unique and monotonic
+            v0 = self._starting_version()
+            self.state.update(live_version=v0, initial_version=v0, next_version=v0 + 1)
         self.live_head = self._live_head_from(head)
         self.buffer = ReplayBuffer(replay_cfg or ReplayConfig(root=str(self.run_dir / "replay")))
         if self._saved_buffer:  # its spans reload from disk; its counters from the state file
@@ -184,7 +191,8 @@ class TrainerDaemon:
 
     def publish(self) -> int | None:
         """Write the candidate as a new version and swap it into the server."""
-        version = self.state["next_version"]
+        # above anything the server has had live (an operator may have swapped in a head meanwhile)
+        version = max(self.state["next_version"], self._server_version() + 1)
         out = self.run_dir / "ckpt" / f"v{version}"
         digest = self.distiller.save(out, version)
         self.state["next_version"] = version + 1
@@ -198,7 +206,7 @@ class TrainerDaemon:
                 return None
         prev = self.state["live_version"]
         acc, rounds = self.live.accept_length(prev)
-        self.rollbacks.start(version, prev, acc, rounds)
+        self.rollbacks.start(version, prev, acc, rounds, self.live.by_tags(prev))
         self.state.update(previous_version=prev, live_version=version, swaps=self.state["swaps"] + 1)
         self.state["published"].append({"version": version, "digest": digest, "step": self.distiller.step,
                                         "time": time.time()})
@@ -234,24 +242,48 @@ class TrainerDaemon:
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "state.json")
 
-    def _load_state(self) -> None:
+    def _load_state(self) -> bool:
+        """Restore state.json if there is one (a restart); False on a fresh run directory."""
         self._saved_buffer = None
         path = self.run_dir / "state.json"
-        if path.exists():
-            saved = json.loads(path.read_text())
-            self.rollbacks.load_state_dict(saved.pop("rollback_monitor", {}) or {})
-            self._saved_buffer = saved.pop("buffer", None)
-            self.state.update(saved)
+        if not path.exists():
+            return False
+        saved = json.loads(path.read_text())
+        self.rollbacks.load_state_dict(saved.pop("rollback_monitor", {}) or {})
+        self._saved_buffer = saved.pop("buffer", None)
+        self.state.update(saved)
+        return True
+
+    def _server_version(self) -> int:
+        """The server's live head version (control endpoint `info`); -1 when it cannot say."""
+        info = getattr(self.publisher, "info", None)
+        if info is None:
+            return -1
+        try:
+            v = info().get("head_version")
+        except Exception as e:  # noqa: BLE001 - unreachable now; the starting head's metadata decides
+            log.warning("server info unavailable: %s", e)
+            return -1
+        return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+    def _starting_version(self) -> int:
+        """Version of the head the daemon starts from: the server's live version, else the
+        starting checkpoint's metadata (`online_spec.json`), else 0; never below either."""
+        meta = self._init_meta
+        if not meta and self.cfg.init_head and (Path(self.cfg.init_head) / META).exists():
+            meta = json.loads((Path(self.cfg.init_head) / META).read_text())
+        v = meta.get("version", 0)
+        return max(self._server_version(), v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0)
 
     def _load_version(self, version: int) -> EagleHead:
-        if version == 0:
+        if version == self.state.get("initial_version", 0):
             return self._initial_head()
         head, _ = load_head(self.run_dir / "ckpt" / f"v{version}", self.target.info, dtype=torch.float32)
         return head
 
     def _initial_head(self) -> EagleHead:
         if self.cfg.init_head:
-            head, _ = load_head(self.cfg.init_head, self.target.info, dtype=torch.float32)
+            head, self._init_meta = load_head(self.cfg.init_head, self.target.info, dtype=torch.float32)
             return head
         from online_spec.head import new_head
         from trainer.distill import init_from_target
@@ -261,7 +293,7 @@ class TrainerDaemon:
         copy = EagleHead(head.cfg)
         copy.load_state_dict(head.state_dict())
         copy.set_vocab_map(head.d2t.cpu(), head.t2d.cpu())
-        return copy.to(self.target.dtype).eval()
+        return copy.to(dtype=self.target.dtype, device=self.target.device).eval()
 
     def _log(self, metrics: dict) -> None:
         if self.wandb is not None:

@@ -10,7 +10,10 @@ one accepted draft; each drafted round ends in exactly one row with accepted != 
 
 `RollbackMonitor.update(live) -> RollbackDecision`: after a swap to version v from p, once v has
 drafted `min_rounds` rounds, roll back if its live accept length is below p's by more than the
-threshold; otherwise confirm v. Before enough rounds, wait.
+threshold; otherwise confirm v. Before enough rounds, wait. Both are compared on the same
+traffic: per traffic tag, p's accept length weighted by v's rounds of each tag (tags p served;
+v's accept length on those tags), so a shift in the traffic mix at the swap (chat before, code
+after) is not mistaken for a worse head. Without such tags, the overall accept lengths.
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ class LiveAcceptance:
         t = self.by_version.get(version)
         return (t.accept_length, t.rounds) if t else (0.0, 0)
 
+    def by_tags(self, version: int) -> dict[str, tuple[int, int]]:
+        """{tag: (accepted drafts, rounds)} of one version."""
+        return {g: (t.accepted, t.rounds) for (v, g), t in list(self.by_tag.items()) if v == version and t.rounds}
+
     def summary(self) -> dict:
         return {"version": {str(v): {"accept_length": t.accept_length, "rounds": t.rounds}
                             for v, t in self.by_version.items()},
@@ -129,9 +136,24 @@ class RollbackMonitor:
     watching: tuple[int, int] | None = None  # (new version, previous version)
     baseline: dict = field(default_factory=dict)
 
-    def start(self, new_version: int, previous_version: int, previous_accept: float, previous_rounds: int) -> None:
+    def start(self, new_version: int, previous_version: int, previous_accept: float, previous_rounds: int,
+              previous_tags: dict[str, tuple[int, int]] | None = None) -> None:
+        """previous_tags: the previous version's {tag: (accepted, rounds)} (`LiveAcceptance.by_tags`)."""
         self.watching = (new_version, previous_version)
-        self.baseline = {"accept": previous_accept, "rounds": previous_rounds}
+        self.baseline = {"accept": previous_accept, "rounds": previous_rounds,
+                         "tags": {g: list(ar) for g, ar in (previous_tags or {}).items()}}
+
+    def _compare(self, live: LiveAcceptance, new: int) -> tuple[float, float, int, str]:
+        """(new version's accept length, the previous one's on the same traffic, new's rounds, how)."""
+        base_tags = self.baseline.get("tags") or {}
+        new_tags = {g: ar for g, ar in live.by_tags(new).items() if g in base_tags and base_tags[g][1] > 0}
+        rounds = sum(r for _, r in new_tags.values())
+        if rounds >= self.cfg.rollback_min_rounds:
+            acc = sum(a for a, _ in new_tags.values()) / rounds
+            base = sum(r * base_tags[g][0] / base_tags[g][1] for g, (_, r) in new_tags.items()) / rounds
+            return acc, base, rounds, f"on tags {sorted(new_tags)}"
+        acc, rounds = live.accept_length(new)
+        return acc, self.baseline["accept"], rounds, "overall"
 
     def update(self, live: LiveAcceptance) -> RollbackDecision:
         if self.watching is None:
@@ -140,13 +162,13 @@ class RollbackMonitor:
         acc, rounds = live.accept_length(new)
         if rounds < self.cfg.rollback_min_rounds:
             return RollbackDecision("wait", f"v{new}: {rounds} rounds (< {self.cfg.rollback_min_rounds})")
-        base = self.baseline["accept"]
+        acc, base, _, how = self._compare(live, new)
         if self.baseline["rounds"] > 0 and acc < base * (1 - self.cfg.rollback_threshold):
             self.watching = None
             return RollbackDecision("rollback", f"v{new} live accept length {acc:.3f} < v{prev}'s {base:.3f} "
-                                                f"by more than {self.cfg.rollback_threshold:.0%}")
+                                                f"by more than {self.cfg.rollback_threshold:.0%} ({how})")
         self.watching = None
-        return RollbackDecision("keep", f"v{new} live accept length {acc:.3f} vs v{prev}'s {base:.3f}")
+        return RollbackDecision("keep", f"v{new} live accept length {acc:.3f} vs v{prev}'s {base:.3f} ({how})")
 
     def state_dict(self) -> dict:
         return {"watching": list(self.watching) if self.watching else None, "baseline": self.baseline}
