@@ -28,7 +28,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -36,7 +35,7 @@ import zmq
 
 from online_spec.benchutil import quick_overrides
 from online_spec.capture import CaptureRecord
-from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.config import check, config_from_args, config_to_dict, doc
 
 from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
@@ -71,9 +70,9 @@ QUICK = dict(burst_records=2000, stall_rounds=120, serving_tokens=24)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, CollectorBenchConfig)
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--quick", action="store_true", help=f"a short run ({QUICK})")
+    from online_spec.benchutil import add_bench_args
+
+    add_bench_args(parser, CollectorBenchConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:

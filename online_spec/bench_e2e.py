@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.heads import HEAD_CHOICES
 
 QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_requests=2, bs1_requests=2,
              deadline_s=300.0)
@@ -40,7 +41,7 @@ QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_reque
 @dataclass
 class E2EConfig:
     trace: str = doc("JSONL trace; empty = the built-in drifting trace", "")
-    head: str = doc("static head: sharegpt (cached pretrain, see online-spec demo), day0, or a directory", "sharegpt")
+    head: str = doc("static head: " + HEAD_CHOICES + " (online_spec.heads)", "shipped")
     head_tokens: int = doc("training tokens of the ShareGPT head if it must be built", 16_000)
     requests_per_phase: int = doc("built-in trace: requests per phase", 16)
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
@@ -54,6 +55,8 @@ class E2EConfig:
     server_threads: int = doc("torch threads of the server process", 1)
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     seed: int = doc("seed of the built-in trace", 0)
+    device: str = doc("torch device of the server and the trainer ('cuda': both on one GPU, CUDA graphs)", "cpu")
+    trainer_args: str = doc("extra daemon flags appended to the demo's (space-separated)", "")
 
     def __post_init__(self):
         check(self.requests_per_phase >= 1, "requests_per_phase", "must be >= 1")
@@ -70,7 +73,8 @@ def _ratio(a, b):
 def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> dict:
     import torch
 
-    from online_spec.demo import DEMO_TRAINER_ARGS, resolve_head
+    from online_spec.demo import DEMO_TRAINER_ARGS
+    from online_spec.heads import resolve_head
     from online_spec.report import session_figures
     from online_spec.session import SessionConfig, run_session
     from online_spec.target import load_target
@@ -78,7 +82,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = target or load_target(dtype=torch.bfloat16)
+    target = target or load_target(dtype=torch.bfloat16, device=cfg.device)
     head = resolve_head(cfg.head, target, cfg.head_tokens)
     if cfg.trace:
         items = load_trace(cfg.trace)
@@ -86,12 +90,12 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         n = cfg.requests_per_phase
         items = load_trace(build_drift_trace(out / "trace.jsonl", n, n, n, cfg.seed))
     runs = phases(items)
-    targs = DEMO_TRAINER_ARGS if trainer_args is None else trainer_args
+    targs = (DEMO_TRAINER_ARGS if trainer_args is None else trainer_args) + cfg.trainer_args.split()
 
     def session(name, items_, **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     max_tokens=cfg.max_tokens, deadline_s=cfg.deadline_s, server_threads=cfg.server_threads,
-                    trainer_threads=cfg.trainer_threads, trainer_args=targs)
+                    trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device)
         t0 = time.time()
         print(f"== {name}", flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))
@@ -174,9 +178,9 @@ def headline(res: dict, configs: dict) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, E2EConfig)
-    parser.add_argument("--json", type=Path, default=None, help="write the report here")
-    parser.add_argument("--quick", action="store_true", help=f"a short run ({QUICK})")
+    from online_spec.benchutil import add_bench_args
+
+    add_bench_args(parser, E2EConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:

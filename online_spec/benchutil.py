@@ -41,12 +41,20 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> floa
     """Median seconds of `fn()` over `repeats` calls after `warmup` calls."""
     for _ in range(warmup):
         fn()
+    _sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _sync() -> None:
+    """Wait for queued GPU work (device calls return before it ends); nothing on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def write_report(path: Path | None, figures: dict) -> dict:
@@ -59,6 +67,16 @@ def write_report(path: Path | None, figures: dict) -> dict:
         Path(path).write_text(text)
     print(text)
     return report
+
+
+def add_bench_args(parser, config_cls, quick: dict, quick_help: str = "a short run") -> None:
+    """A bench's flags: its config dataclass's fields, `--json PATH` and `--quick` (`quick`'s
+    settings for every flag the command line does not set; see `quick_overrides`)."""
+    from online_spec.config import add_config_args
+
+    add_config_args(parser, config_cls)
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help} ({quick})")
 
 
 def quick_overrides(args, quick: dict) -> dict:

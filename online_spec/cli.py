@@ -33,6 +33,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
     "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
     "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
+    "adapt": ("trainer.bench_adapt", "ShareGPT -> HumanEval shift: served tokens until the online head nears an in-domain head"),
 }
 
 

@@ -10,10 +10,11 @@ head version, swaps, alerts); writes OUT/summary.md, OUT/figures.json and two PN
     online-spec demo --minutes 3 --head day0          # quick look, random day-0 head
     online-spec demo --trace my.jsonl --concurrency 8 --out runs/demo-mine
 
-Head (`--head`): `sharegpt` (default) is a head pretrained on ShareGPT by `trainer.pretrain`
-with `--head-tokens` training tokens, built on first use into
-~/.cache/online-spec/heads/sharegpt-demo-N and reused; `day0` is a random head; a directory is
-a head checkpoint or a pretrain run directory (its `head/`).
+Head (`--head`, resolved by online_spec.heads): `shipped` (default) is the ShareGPT head that
+ships with the package (trained on an H100 with the project's own loss); `sharegpt` is a head
+pretrained on this machine by `trainer.pretrain` with `--head-tokens` training tokens, built on
+first use into ~/.cache/online-spec/heads/sharegpt-demo-N and reused; `day0` is a random head; a
+directory is a head checkpoint or a pretrain run directory (its `head/`).
 CPU sharing: the server process uses `--server-threads` (1) torch threads, the trainer
 `--trainer-threads` (1), so on 2 cores each has one.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from online_spec.config import check, doc
+from online_spec.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,14 @@ class DemoConfig:
     minutes: float = doc("serving time budget (the first-time head build comes on top)", 10.0)
     trace: str = doc("JSONL trace to replay; empty = the built-in drifting trace sized to --minutes", "")
     concurrency: int = doc("streaming clients in flight", 4)
-    head: str = doc("day0 | sharegpt | a head checkpoint or pretrain run directory", "sharegpt")
+    head: str = doc(HEAD_CHOICES + " (online_spec.heads)", "shipped")
     head_tokens: int = doc("training tokens of the default ShareGPT head (first-time build)", 16_000)
     out: str = doc("report directory", "runs/demo")
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
     requests_per_minute: float = doc("built-in trace: requests per phase per serving minute (each phase gets a "
-                                     "third of --minutes; lines left when it is up are skipped)", 8.0)
+                                     "third of --minutes; lines left when it is up are skipped, so the trace "
+                                     "must hold more than the machine serves: the 2-core CPU serves ~20 a "
+                                     "minute at 4 clients)", 30.0)
     policy: str = doc("K policy of the server: cost (the project's controller), sglang_default, static", "cost")
     num_steps: int = doc("initial / static K", 3)
     server_threads: int = doc("torch threads of the server process", 1)
@@ -60,63 +64,6 @@ class DemoConfig:
         check(self.concurrency >= 1, "concurrency", "must be >= 1")
         check(self.head_tokens >= 1000, "head_tokens", "must be >= 1000")
         check(self.requests_per_minute > 0, "requests_per_minute", "must be > 0")
-
-
-def resolve_head(name: str, target, head_tokens: int = 16_000) -> str:
-    """Checkpoint directory for `--head` ("" = random day-0 head); builds the ShareGPT head once."""
-    if name == "day0":
-        return ""
-    if name != "sharegpt":
-        p = Path(name).expanduser()
-        if (p / "head" / "config.json").exists():
-            return str(p / "head")
-        check((p / "config.json").exists(), "head", f"{p} is neither a head checkpoint nor a pretrain run directory")
-        return str(p)
-    return str(build_sharegpt_head(target, head_tokens))
-
-
-def cached_sharegpt_heads(min_tokens: int) -> list[tuple[int, Path]]:
-    """Finished ShareGPT pretrain runs in the cache with at least `min_tokens`: [(tokens, head dir)]."""
-    from online_spec.target import cache_dir
-
-    found = []
-    for run in (cache_dir() / "heads").glob("sharegpt-*"):
-        try:
-            conf = json.loads((run / "run.json").read_text())["pretrain"]
-        except (OSError, ValueError, KeyError):
-            continue
-        if (run / "eval.json").exists() and (run / "head" / "config.json").exists() and conf.get("data") == "sharegpt" \
-                and conf.get("tokens", 0) >= min_tokens:
-            found.append((int(conf["tokens"]), run / "head"))
-    return sorted(found)
-
-
-def build_sharegpt_head(target, tokens: int) -> Path:
-    """The best finished ShareGPT head in ~/.cache/online-spec/heads with >= `tokens` training
-    tokens; if none, pretrain ~/.cache/online-spec/heads/sharegpt-demo-N once (resumable)."""
-    from online_spec.config import config_to_dict
-    from online_spec.target import cache_dir
-    from trainer.distill import DistillConfig
-    from trainer.pretrain import PretrainConfig, load_configs, pretrain
-
-    cached = cached_sharegpt_heads(tokens)
-    if cached:
-        print(f"head: {cached[-1][1]} ({cached[-1][0]} ShareGPT tokens, cached)", flush=True)
-        return cached[-1][1]
-    run = cache_dir() / "heads" / f"sharegpt-demo-{tokens}"
-    print(f"head: pretraining a ShareGPT head on {tokens} tokens into {run} (once; about "
-          f"{max(1, round(tokens / 4000))} min on 2 cores, rerun resumes) ...", flush=True)
-    t0 = time.time()
-    cfg = PretrainConfig(data="sharegpt", tokens=tokens, heldout_tokens=min(2000, tokens // 8), out=str(run),
-                         batch_tokens=1024, eval_prompts=0)
-    dcfg, lcfg = load_configs(cfg.config)
-    # a short run: the default warmup (20 steps) would outlast it; a higher peak rate learns faster
-    steps = max(1, tokens // cfg.batch_tokens)
-    dcfg = DistillConfig(**{**config_to_dict(dcfg), "lr": 1e-3, "warmup_steps": max(1, steps // 10)})
-    result = pretrain(cfg, dcfg, lcfg, target)
-    sim = (result.get("simulated") or {}).get("accept_length")
-    print(f"head: built in {time.time() - t0:.0f}s (simulated held-out accept length by K: {sim})", flush=True)
-    return run / "head"
 
 
 def trace_items(cfg: DemoConfig, out: Path):

@@ -59,6 +59,8 @@ class SessionConfig:
     server_threads: int = doc("torch threads of the server process", 1)
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
+    device: str = doc("torch device of the trainer child (the server runs where the target given to run_session "
+                      "lives; on CUDA its engine replays CUDA graphs)", "cpu")
     progress_every_s: float = doc("console progress line period; 0 = quiet", 5.0)
     phase_budget_s: float = doc("skip a phase's remaining lines once it has run this long; 0 = serve all", 0.0)
     wait_trainer_s: float = doc("wait this long for the trainer to subscribe before sending traffic; 0 = don't", 300.0)
@@ -166,7 +168,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         http = HttpThread(server).start()
         if cfg.online:
             control = _start_control(server, sock_dir, run_dir)
-            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None, version)
+            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None)
             _wait_ready(trainer, run_dir / "trainer", cfg.wait_trainer_s)
         progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress),
                                     daemon=True, name="progress")
@@ -206,24 +208,18 @@ def _start_control(server, sock_dir: Path, run_dir: Path):
     return ControlServer(server, ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir))).start()
 
 
-def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool,
-                   head_version: int = 0):
-    import json
-
-    shutil.rmtree(run_dir / "trainer", ignore_errors=True)  # every session starts from its own head, fresh
-    if head_version:
-        # the daemon numbers its versions from 1; a head that is already vN must not be re-published as v1
-        # and a rollback to it must find it where the daemon keeps its versions
-        (run_dir / "trainer" / "ckpt").mkdir(parents=True)
-        (run_dir / "trainer" / "ckpt" / f"v{head_version}").symlink_to(Path(cfg.head).resolve())
-        (run_dir / "trainer" / "state.json").write_text(
-            json.dumps({"live_version": head_version, "next_version": head_version + 1}))
+def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool):
+    # every session starts from its own head, fresh; the daemon numbers its versions after the
+    # server's live one (control `info`, else the head's metadata), so they never collide
+    shutil.rmtree(run_dir / "trainer", ignore_errors=True)
     args = [sys.executable, "-m", "online_spec.demo_trainer", "--run-dir", str(run_dir / "trainer"),
             "--capture-endpoint", f"ipc://{sock_dir}/capture.sock", "--alerts-url", url + "/server_info",
             "--threads", str(cfg.trainer_threads), "--wandb-mode", "disabled",
             "--max-seconds", str(cfg.deadline_s + 120)]
     if with_control:
         args += ["--control-run-dir", str(sock_dir)]
+    if cfg.device != "cpu":
+        args += ["--device", cfg.device]  # colocated: the trainer on the server's GPU
     if cfg.head and cfg.head != "none":
         args += ["--init-head", str(Path(cfg.head).resolve())]
     args += [str(a) for a in cfg.trainer_args]

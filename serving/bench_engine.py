@@ -18,13 +18,12 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from online_spec.benchutil import median_time, quick_overrides, write_report
 from online_spec.checkpoint import load_head
-from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
 from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch
@@ -47,6 +46,8 @@ class EngineBenchConfig:
     lossless_prompts: int = doc("prompts of the fp32 lossless spot check", 8)
     lossless_tokens: int = doc("tokens per prompt in the lossless spot check", 64)
     bf16_tie_tol: float = doc("top-2 logit gap under which a bf16 divergence counts as a near-tie", 0.25)
+    device: str = doc("torch device of the target and head ('cuda': the engine replays CUDA graphs, and "
+                      "the eager figures are measured beside them)", "cpu")
 
     def __post_init__(self):
         check(self.new_tokens >= 1, "new_tokens", "must be >= 1")
@@ -63,23 +64,33 @@ def _prompts(target, n: int, split: str = "heldout") -> list[list[int]]:
     return [target.encode_chat(c[:1]) for c in convs]
 
 
-def cost_ratios(target, head, steps: list[int], ctx_len: int, repeats: int) -> dict:
-    """Verify of K+1 tokens and one draft step, each over one plain step, batch 1, at ctx_len."""
-    ids = torch.randint(100, 10_000, (1, ctx_len + 16))
+def cost_ratios(target, head, steps: list[int], ctx_len: int, repeats: int, graphs: bool = False) -> dict:
+    """Verify of K+1 tokens and one draft step, each over one plain step, batch 1, at ctx_len.
+    graphs: through CUDA graph replays (the engine's path on a GPU) instead of eager forwards."""
+    dev = target.device
+    ids = torch.randint(100, 10_000, (1, ctx_len + 16), device=dev)
     cache = target.new_cache(1, ctx_len + 16)
-    target.forward(ids[:, :ctx_len], AttentionBatch([0], ctx_len), cache, slice(-1, None))
+    target.forward(ids[:, :ctx_len], AttentionBatch([0], ctx_len, dev), cache, slice(-1, None))
     dcache = head.new_cache(1, ctx_len + 16)
     emb = target.embed_tokens(ids[:, 1:ctx_len + 1])
-    feats = torch.randn(1, ctx_len, 3 * target.info.hidden_size, dtype=target.dtype)
-    head.step(emb, feats, AttentionBatch([0], ctx_len), dcache, target.rope)
+    feats = torch.randn(1, ctx_len, 3 * target.info.hidden_size, dtype=target.dtype, device=dev)
+    head.step(emb, feats, AttentionBatch([0], ctx_len, dev), dcache, target.rope)
+    hidden = torch.randn(1, 1, head.cfg.hidden_size, dtype=target.dtype, device=dev)
+    if graphs:
+        from serving.cuda_graphs import CudaGraphs
+        cg = CudaGraphs(target, 1, ctx_len + 16)
 
-    def fwd(t):
-        return lambda: target.forward(ids[:, ctx_len:ctx_len + t], AttentionBatch([ctx_len], t), cache)
+        def fwd(t):
+            return lambda: cg.target_forward(ids[:, ctx_len:ctx_len + t], [ctx_len], cache)
 
-    hidden = torch.randn(1, 1, head.cfg.hidden_size, dtype=target.dtype)
+        def draft_step():
+            return cg.head_step(head, dcache, emb[:, :1], hidden, [ctx_len])
+    else:
+        def fwd(t):
+            return lambda: target.forward(ids[:, ctx_len:ctx_len + t], AttentionBatch([ctx_len], t, dev), cache)
 
-    def draft_step():
-        return head.step(emb[:, :1], hidden, AttentionBatch([ctx_len], 1), dcache, target.rope)
+        def draft_step():
+            return head.step(emb[:, :1], hidden, AttentionBatch([ctx_len], 1, dev), dcache, target.rope)
 
     # interleave so drift in machine load hits every measurement alike
     samples: dict[str, list[float]] = {"plain": [], "draft": [], **{f"v{k}": [] for k in steps}}
@@ -94,13 +105,18 @@ def cost_ratios(target, head, steps: list[int], ctx_len: int, repeats: int) -> d
             "draft_step_ms": statistics.median(samples["draft"]) * 1e3}
 
 
-def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int) -> tuple[float, float]:
-    """(tokens/s, mean accept length incl. bonus) of the engine on `batch` prompts at static K."""
-    eng = Engine(target, head if K > 0 else None, EngineConfig(max_batch=batch, max_len=1024, num_steps=K))
-    rounds = []
-    eng.on_round.append(lambda s, o: rounds.append((s.committed, s.batch_size)) if s.num_steps else None)
+def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
+                 graphs: bool = True) -> tuple[float, float]:
+    """(tokens/s, mean accept length incl. bonus) of the engine on `batch` prompts at static K.
+    On a GPU (graphs: CUDA graphs on) one untimed run first captures the graphs."""
+    eng = Engine(target, head if K > 0 else None,
+                 EngineConfig(max_batch=batch, max_len=1024, num_steps=K, cuda_graphs=graphs))
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ps = (prompts * ((batch // len(prompts)) + 1))[:batch]
+    if eng.graphs is not None:
+        eng.generate(ps, sp)
+    rounds = []
+    eng.on_round.append(lambda s, o: rounds.append((s.committed, s.batch_size)) if s.num_steps else None)
     t0 = time.perf_counter()
     outs = eng.generate(ps, sp)
     dt = time.perf_counter() - t0
@@ -109,17 +125,17 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int) -> 
 
 
 def hf_generate_tokens_per_s(target, prompt, new_tokens: int) -> float:
-    x = torch.tensor([prompt])
+    x = torch.tensor([prompt], device=target.device)
     dt = median_time(lambda: target.hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                 do_sample=False), 1, warmup=0)
     return new_tokens / dt
 
 
-def lossless_spot_check(prompts, n_tokens: int, tie_tol: float) -> dict:
+def lossless_spot_check(prompts, n_tokens: int, tie_tol: float, device: str = "cpu") -> dict:
     """fp32: the full matrix (random and wrong heads, K 1/3/7, batch 1 and 8, heads swapped
     mid-generation with K cycling) token-identical to plain decoding. bf16: divergences only
-    at near-ties of the target."""
-    t32 = load_target(dtype=torch.float32)
+    at near-ties of the target. On a GPU every engine here replays CUDA graphs."""
+    t32 = load_target(dtype=torch.float32, device=device)
     sp = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     ref = Engine(t32, None, EngineConfig(max_batch=8, max_len=1024, num_steps=0)).generate(prompts, sp)
     cases, ok = [], True
@@ -147,7 +163,7 @@ def lossless_spot_check(prompts, n_tokens: int, tie_tol: float) -> dict:
     cases.append({"head": "swapped every round", "K": "cycling 0/1/3/7", "batch": 8, "prompts": len(prompts),
                   "swaps": len(n_swaps), "identical": same})
 
-    t16 = load_target(dtype=torch.bfloat16)
+    t16 = load_target(dtype=torch.bfloat16, device=device)
     plain = Engine(t16, None, EngineConfig(max_batch=8, max_len=1024, num_steps=0)).generate(prompts, sp)
     spec = Engine(t16, new_head(t16, seed=3), EngineConfig(max_batch=8, max_len=1024, num_steps=3)).generate(prompts, sp)
     gaps = []
@@ -161,19 +177,32 @@ def lossless_spot_check(prompts, n_tokens: int, tie_tol: float) -> dict:
             "bf16_tie_tol": tie_tol, "tokens_per_prompt": n_tokens}
 
 
-def run_bench(cfg: EngineBenchConfig) -> dict:
-    target = load_target(dtype=torch.bfloat16)
+def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) -> dict:
+    """All figures; `prompts` (token ids) replace the held-out ShareGPT prompts where that
+    package is missing (the GPU machine)."""
+    target = load_target(dtype=torch.bfloat16, device=cfg.device)
     if cfg.draft:
         head, _ = load_head(cfg.draft, target.info, dtype=target.dtype)
+        head = head.to(target.device)
     else:
         head = new_head(target)
-    prompts = _prompts(target, 16)
-    out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": "bfloat16"}
+    prompts = prompts or _prompts(target, 16)
+    gpu = target.device.type == "cuda"
+    out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": "bfloat16",
+                 "cuda_graphs": gpu}
     log.info("cost ratios")
-    out.update(cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats))
+    out.update(cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats, graphs=gpu))
+    if gpu:  # the same ratios without graphs: what the graphs buy per forward
+        eager = cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats, graphs=False)
+        out["eager"] = {k: eager[k] for k in ("plain_step_ms", "draft_step_ms", "verify_cost_ratio")}
     log.info("batch 1: engine plain decode vs transformers' generate")
     plain = [tokens_per_s(target, None, prompts[:1], 1, 0, cfg.new_tokens)[0] for _ in range(cfg.repeats)]
     out["plain_tokens_per_s"] = statistics.median(plain)
+    if gpu:
+        eager = [tokens_per_s(target, None, prompts[:1], 1, 0, cfg.new_tokens, graphs=False)[0]
+                 for _ in range(cfg.repeats)]
+        out["plain_eager_tokens_per_s"] = statistics.median(eager)
+        out["graphs_speedup_plain"] = out["plain_tokens_per_s"] / out["plain_eager_tokens_per_s"]
     out["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(target, prompts[0], min(cfg.new_tokens, 32))
     out["plain_vs_hf_generate"] = out["plain_tokens_per_s"] / out["hf_generate_tokens_per_s"]
     table = {}
@@ -187,14 +216,15 @@ def run_bench(cfg: EngineBenchConfig) -> dict:
         table[str(b)] = row
     out["batch"] = table
     log.info("lossless spot check")
-    out.update(lossless_spot_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, cfg.bf16_tie_tol))
+    out.update(lossless_spot_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, cfg.bf16_tie_tol,
+                                   cfg.device))
     return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, EngineBenchConfig)
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--quick", action="store_true", help=f"a few-minute version ({QUICK})")
+    from online_spec.benchutil import add_bench_args
+
+    add_bench_args(parser, EngineBenchConfig, QUICK, "a few-minute version")
 
 
 def run(args: argparse.Namespace) -> int:
