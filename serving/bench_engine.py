@@ -40,6 +40,8 @@ class EngineBenchConfig:
     draft: str = doc("head checkpoint to measure (default: a random day-0 head)", "")
     new_tokens: int = doc("tokens generated per request in throughput runs", 64)
     repeats: int = doc("repeats per measurement (the median is reported)", 3)
+    requests_per_run: int = doc("requests served per throughput run (at least the batch size), so a "
+                                "batch-1 figure is not one prompt's; repeat r starts r runs further on", 8)
     batch_sizes: list[int] = doc("batch sizes of the throughput table", lambda: [1, 4, 16])
     steps: list[int] = doc("K values measured", lambda: [1, 3, 5, 7])
     ctx_len: int = doc("context length for the cost ratios", 256)
@@ -52,11 +54,12 @@ class EngineBenchConfig:
     def __post_init__(self):
         check(self.new_tokens >= 1, "new_tokens", "must be >= 1")
         check(self.repeats >= 1, "repeats", "must be >= 1")
+        check(self.requests_per_run >= 1, "requests_per_run", "must be >= 1")
         check(all(b >= 1 for b in self.batch_sizes), "batch_sizes", "must be >= 1")
 
 
 QUICK = dict(new_tokens=32, repeats=3, batch_sizes=[1, 4, 16], steps=[1, 3, 7], lossless_prompts=4,
-             lossless_tokens=32)
+             lossless_tokens=32, requests_per_run=4)
 
 
 def _prompts(target, n: int, split: str = "heldout") -> list[list[int]]:
@@ -105,14 +108,22 @@ def cost_ratios(target, head, steps: list[int], ctx_len: int, repeats: int, grap
             "draft_step_ms": statistics.median(samples["draft"]) * 1e3}
 
 
+def run_prompts(prompts: list[list[int]], repeat: int, batch: int, requests: int) -> list[list[int]]:
+    """The prompts of one throughput run: max(batch, requests) of them, cycling through `prompts`,
+    starting one run further on for each repeat (every K of a repeat serves the same ones)."""
+    n = max(batch, requests)
+    return [prompts[(repeat * n + i) % len(prompts)] for i in range(n)]
+
+
 def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
                  graphs: bool = True) -> tuple[float, float]:
-    """(tokens/s, mean accept length incl. bonus) of the engine on `batch` prompts at static K.
-    On a GPU (graphs: CUDA graphs on) one untimed run first captures the graphs."""
+    """(tokens/s, mean accept length incl. bonus) of the engine serving `prompts` at static K,
+    at most `batch` at a time (continuous batching). On a GPU (graphs: CUDA graphs on) one
+    untimed run first captures the graphs."""
     eng = Engine(target, head if K > 0 else None,
                  EngineConfig(max_batch=batch, max_len=1024, num_steps=K, cuda_graphs=graphs))
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    ps = (prompts * ((batch // len(prompts)) + 1))[:batch]
+    ps = list(prompts)
     if eng.graphs is not None:
         eng.generate(ps, sp)
     rounds = []
@@ -186,10 +197,10 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
         head = head.to(target.device)
     else:
         head = new_head(target)
-    prompts = prompts or _prompts(target, 16)
+    prompts = prompts or _prompts(target, cfg.repeats * max([cfg.requests_per_run] + cfg.batch_sizes))
     gpu = target.device.type == "cuda"
     out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": "bfloat16",
-                 "cuda_graphs": gpu}
+                 "cuda_graphs": gpu, "distinct_prompts": len({tuple(p) for p in prompts})}
     log.info("cost ratios")
     out.update(cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats, graphs=gpu))
     if gpu:  # the same ratios without graphs: what the graphs buy per forward
@@ -209,7 +220,8 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
     for b in cfg.batch_sizes:
         row = {}
         for K in [0] + cfg.steps:
-            runs = [tokens_per_s(target, head, prompts, b, K, cfg.new_tokens) for _ in range(cfg.repeats)]
+            runs = [tokens_per_s(target, head, run_prompts(prompts, r, b, cfg.requests_per_run), b, K,
+                                 cfg.new_tokens) for r in range(cfg.repeats)]
             row[str(K)] = {"tokens_per_s": statistics.median(r[0] for r in runs),
                            "accept_length": statistics.median(r[1] for r in runs)}
             log.info("batch %d K=%d: %.1f tok/s", b, K, row[str(K)]["tokens_per_s"])

@@ -1,0 +1,21 @@
+"""`bench engine`'s throughput runs: which prompts a run serves (a batch-1 figure must not be
+one prompt's), and a run on the tiny model with more prompts than slots."""
+
+from online_spec.head import new_head
+from serving.bench_engine import run_prompts, tokens_per_s
+
+
+def test_run_prompts_cover_several_prompts_and_rotate_per_repeat():
+    prompts = [[i] for i in range(10)]
+    first = run_prompts(prompts, 0, batch=1, requests=4)
+    second = run_prompts(prompts, 1, batch=1, requests=4)
+    assert first == [[0], [1], [2], [3]] and second == [[4], [5], [6], [7]]
+    assert run_prompts(prompts, 2, batch=1, requests=4) == [[8], [9], [0], [1]]  # cycles
+    assert len(run_prompts(prompts, 0, batch=16, requests=4)) == 16  # at least the batch size
+
+
+def test_tokens_per_s_serves_more_prompts_than_the_batch(tiny):
+    head = new_head(tiny, seed=0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    tps, acc = tokens_per_s(tiny, head, prompts, batch=2, K=3, new_tokens=5)
+    assert tps > 0 and 1.0 <= acc <= 4.0  # committed per request-round, bonus included
