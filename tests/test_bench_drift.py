@@ -11,7 +11,6 @@ poor on code, which is the shape of a ShareGPT-trained head meeting HumanEval.
 import json
 from collections import Counter, defaultdict
 
-import pytest
 import torch
 
 from online_spec.benchutil import write_report
@@ -35,7 +34,9 @@ class BigramHead(EagleHead):
     def forward(self, embeds, hidden, cos, sin, attend):
         B, T, H = embeds.shape
         dist, idx = torch.cdist(embeds.float().reshape(B * T, H), self.keys.float()).min(-1)
-        hit = dist < 1e-3
+        # the engine's embedding rows differ from the table's by rounding (~1e-3 in L2; distinct
+        # tokens are > 1 apart), so a key matches within 0.1
+        hit = dist < 0.1
         logits = torch.zeros(B * T, self.cfg.draft_vocab_size, dtype=embeds.dtype, device=embeds.device)
         logits[hit.nonzero()[:, 0], self.next_draft[idx[hit]]] = 10.0
         return logits.view(B, T, -1), torch.zeros(B, T, self.cfg.hidden_size, dtype=embeds.dtype)
@@ -60,9 +61,6 @@ def bigram_head(target, prompts: list[list[int]], max_tokens: int) -> BigramHead
     return head.set_table(target, table).to(target.dtype)
 
 
-@pytest.mark.xfail(strict=True, reason="known regression, not yet found (2026-11-23): the bigram stand-in "
-                   "accepts 0.15 drafts on its own traffic (was > 0.5), in fp32 and bf16 alike, so no drop "
-                   "can be seen; see the closing note of stop 12. Strict: passes again -> this marker must go")
 def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_fp32, tmp_path):
     cfg = DriftBenchConfig(clients=2, num_steps=3, stationary_rounds=16, min_switch_rounds=4, max_switch_rounds=100,
                            max_tokens=16, max_prompt_tokens=128, prompts=4, max_len=512, time_limit_s=120,
