@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 # are themselves spaced 0.125 apart), and where the CPU has no native bf16 (AVX2) the emulated
 # kernels round differently again. A divergence is a near-tie when both tokens are within this
 # much of the top logit of the fp32 model on the same prefix; measured on an AVX2 machine
-# (2026-11-23): 8 of 8 sequences diverged, fp32 gaps 0.01..0.28. A verify that accepted a token
+# (2026-11-23, 128 tokens): 8 of 8 sequences diverged, fp32 gaps 0.01..0.28. A verify that accepted a token
 # the target does not rank first would show gaps of whole logits.
 BF16_TIE_TOL = 0.5
 
