@@ -33,11 +33,12 @@ class BigramHead(EagleHead):
 
     def forward(self, embeds, hidden, cos, sin, attend):
         B, T, H = embeds.shape
-        dist, idx = torch.cdist(embeds.float().reshape(B * T, H), self.keys.float()).min(-1)
-        # the engine's embedding rows reach the head ~1e-3 (L2) from the table's (measured
-        # 2026-11-23, fp32; the cause is not traced); distinct tokens are > 1 apart, so a key
-        # matches within 0.1
-        hit = dist < 0.1
+        # exact distances: cdist's default matrix-product path puts equal rows ~1e-3 apart
+        # (sqrt of the rounding error of |a|^2 + |b|^2 - 2ab), which is what the old 1e-3 match
+        # missed; the engine hands the head the embedding rows exactly
+        dist, idx = torch.cdist(embeds.float().reshape(B * T, H), self.keys.float(),
+                                compute_mode="donot_use_mm_for_euclid_dist").min(-1)
+        hit = dist < 1e-4
         logits = torch.zeros(B * T, self.cfg.draft_vocab_size, dtype=embeds.dtype, device=embeds.device)
         logits[hit.nonzero()[:, 0], self.next_draft[idx[hit]]] = 10.0
         return logits.view(B, T, -1), torch.zeros(B, T, self.cfg.hidden_size, dtype=embeds.dtype)
