@@ -82,7 +82,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = target or load_target(dtype=torch.bfloat16, device=cfg.device)
+    target = target or load_target(device=cfg.device)
     head = resolve_head(cfg.head, target, cfg.head_tokens)
     if cfg.trace:
         items = load_trace(cfg.trace)

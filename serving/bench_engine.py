@@ -191,7 +191,7 @@ def lossless_spot_check(prompts, n_tokens: int, tie_tol: float, device: str = "c
 def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) -> dict:
     """All figures; `prompts` (token ids) replace the held-out ShareGPT prompts where that
     package is missing (the GPU machine)."""
-    target = load_target(dtype=torch.bfloat16, device=cfg.device)
+    target = load_target(device=cfg.device)
     if cfg.draft:
         head, _ = load_head(cfg.draft, target.info, dtype=target.dtype)
         head = head.to(target.device)
@@ -199,7 +199,7 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
         head = new_head(target)
     prompts = prompts or _prompts(target, cfg.repeats * max([cfg.requests_per_run] + cfg.batch_sizes))
     gpu = target.device.type == "cuda"
-    out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": "bfloat16",
+    out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": str(target.dtype).removeprefix("torch."),
                  "cuda_graphs": gpu, "distinct_prompts": len({tuple(p) for p in prompts})}
     log.info("cost ratios")
     out.update(cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats, graphs=gpu))

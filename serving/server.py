@@ -53,7 +53,8 @@ class ServerConfig:
     port: int = doc("TCP port", 30000)
     draft: str = doc("EAGLE-3 head checkpoint directory (SGLang layout); empty = a random day-0 head", "")
     target: str = doc("Hugging Face model directory of the target; empty = SmolLM2-135M-Instruct", "")
-    dtype: str = doc("target and head dtype: bfloat16 or float32", "bfloat16")
+    dtype: str = doc("target and head dtype: auto (bf16 on a GPU or a CPU with native bf16, else "
+                     "float32), bfloat16 or float32", "auto")
     model_name: str = doc("model name reported by the API; empty = the target's directory name", "")
     default_max_tokens: int = doc("max_tokens of a chat request that gives none", 256)
     adaptive: str = doc("adaptive K: an SGLang adaptive-steps JSON file or a preset name in configs/adaptive "
@@ -78,7 +79,8 @@ class ServerConfig:
 
     def __post_init__(self):
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
-        check(self.dtype in ("bfloat16", "float32"), "dtype", f"must be bfloat16 or float32, got {self.dtype!r}")
+        check(self.dtype in ("auto", "bfloat16", "float32"), "dtype",
+              f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         check(self.threads >= 0, "threads", "must be >= 0")
         check(self.metrics_window >= 1, "metrics_window", "must be >= 1")
@@ -218,8 +220,8 @@ def build_server(cfg: ServerConfig) -> SpecServer:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    dtype = getattr(torch, cfg.dtype)
-    target = load_target(cfg.target or None, dtype=dtype)
+    target = load_target(cfg.target or None, dtype=cfg.dtype)
+    dtype = target.dtype
     version = 0
     if cfg.draft:
         head, meta = load_head(cfg.draft, target.info, dtype=dtype)

@@ -1,6 +1,9 @@
 """Shared fixtures. Tests keep to 2 threads: CI has 2 cores.
 
 `smol_fp32` / `smol_bf16`: the real SmolLM2-135M-Instruct (converted once into the cache).
+`smol`: the same model in the serving dtype of this machine (`resolve_dtype("auto")`: bf16 where
+the CPU has native bf16, fp32 where bf16 would be emulated and ~2x slower); the tests that do not
+check a dtype's own behaviour use it.
 `tiny`: a small randomly initialised Llama for the fast cases.
 """
 
@@ -26,6 +29,13 @@ def smol_fp32():
 def smol_bf16():
     from online_spec.target import load_target
     return load_target(dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def smol(request):
+    from online_spec.target import resolve_dtype
+    name = "smol_bf16" if resolve_dtype("auto") == torch.bfloat16 else "smol_fp32"
+    return request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")

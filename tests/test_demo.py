@@ -73,13 +73,13 @@ def test_built_in_drift_trace_is_chat_then_code_then_mix(tmp_path):
     assert len(set(chat_texts)) == len(chat_texts)  # the mix brings new conversations, not repeats
 
 
-def test_demo_end_to_end_writes_the_report(smol_bf16, tmp_path):
+def test_demo_end_to_end_writes_the_report(smol, tmp_path):
     from online_spec.demo import DemoConfig, run_demo
 
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     out = tmp_path / "demo"
     figs = run_demo(DemoConfig(minutes=1.0, trace=str(trace), head="day0", max_tokens=4, concurrency=2,
-                               out=str(out)), target=smol_bf16)
+                               out=str(out)), target=smol)
     for name in ("summary.md", "figures.json", "accept_len_tokens_per_s.png", "k_per_slot.png"):
         assert (out / name).exists(), name
     for png in ("accept_len_tokens_per_s.png", "k_per_slot.png"):

@@ -65,3 +65,32 @@ def test_distiller_trains_on_the_gpu():
     m = [d.train_step(collate(recs)) for _ in range(3)]
     assert d.head.fc.weight.device.type == "cuda"
     assert m[-1]["loss"] < m[0]["loss"]
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+AVX512_BF16 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_bf16\n"
+
+
+def test_dtype_auto_follows_the_cpu(monkeypatch):
+    from online_spec import target as t
+
+    assert not t.cpu_has_native_bf16(AVX2_ONLY) and t.cpu_has_native_bf16(AVX512_BF16)
+    assert t.cpu_has_native_bf16("flags : avx2 amx_bf16 amx_tile")
+    monkeypatch.delenv("ONLINE_SPEC_DTYPE", raising=False)
+    for info, want in ((AVX2_ONLY, torch.float32), (AVX512_BF16, torch.bfloat16)):
+        monkeypatch.setattr(t, "cpu_has_native_bf16", lambda cpuinfo=None, info=info: "avx512_bf16" in info)
+        assert t.resolve_dtype("auto") == want
+    monkeypatch.setenv("ONLINE_SPEC_DTYPE", "bfloat16")
+    assert t.resolve_dtype("auto") == torch.bfloat16  # the operator's override wins
+    assert t.resolve_dtype("float32") == torch.float32 and t.resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        t.resolve_dtype("fp8")
+
+
+def test_server_config_dtype_values():
+    from online_spec.config import ConfigError
+    from serving.server import ServerConfig
+
+    assert ServerConfig().dtype == "auto"
+    with pytest.raises(ConfigError, match="dtype"):
+        ServerConfig(dtype="half")

@@ -27,13 +27,13 @@ def test_resolve_names_and_directories(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_shipped_head_drafts_for_smollm2(smol_bf16, sharegpt_prompts):
+def test_shipped_head_drafts_for_smollm2(smol, sharegpt_prompts):
     """The shipped ShareGPT head validates against SmolLM2 and its drafts are accepted on ShareGPT
     prompts: ~2 drafts per round at K=5 when it was trained; a random head gets ~0."""
     from trainer.evaluate import engine_accept_length
 
-    head, meta = load_head(resolve_head("shipped"), smol_bf16.info, dtype=torch.bfloat16)
+    head, meta = load_head(resolve_head("shipped"), smol.info, dtype=smol.dtype)
     provenance = json.loads((SHIPPED_HEAD / "online_spec.json").read_text())
     assert meta["digest"] == provenance["digest"]
-    got = engine_accept_length(smol_bf16, head, sharegpt_prompts[:4], num_steps=5, max_tokens=48)
+    got = engine_accept_length(smol, head, sharegpt_prompts[:4], num_steps=5, max_tokens=48)
     assert got["accept_length"] > 1.2, got["accept_length"]

@@ -21,8 +21,8 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def served(smol_bf16):
-    server = SpecServer(ServerConfig(engine=ENGINE), smol_bf16, new_head(smol_bf16))
+def served(smol):
+    server = SpecServer(ServerConfig(engine=ENGINE), smol, new_head(smol))
     server.start()
     http = HttpThread(server).start()
     try:
@@ -42,15 +42,15 @@ def _metrics(url: str) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
 
 
-def test_greedy_through_api_equals_engine_generate(served, smol_bf16):
+def test_greedy_through_api_equals_engine_generate(served, smol):
     server, http = served
-    ids = smol_bf16.encode_chat(CHAT)
-    ref_engine = Engine(smol_bf16, new_head(smol_bf16), ENGINE)
+    ids = smol.encode_chat(CHAT)
+    ref_engine = Engine(smol, new_head(smol), ENGINE)
     ref = ref_engine.generate([ids], SamplingParams(max_tokens=12))[0]
     r = httpx.post(http.url + "/generate", json={"input_ids": ids, "sampling_params": {
         "max_new_tokens": 12, "temperature": 0}}, timeout=120).json()
     assert r["output_ids"] == ref
-    assert r["text"] == smol_bf16.tokenizer.decode(ref, skip_special_tokens=True)
+    assert r["text"] == smol.tokenizer.decode(ref, skip_special_tokens=True)
     meta = r["meta_info"]
     assert meta["completion_tokens"] == len(ref) and meta["prompt_tokens"] == len(ids)
     assert meta["spec_verify_ct"] >= 1 and meta["spec_num_proposed_drafts"] == 3 * meta["spec_verify_ct"]
@@ -151,9 +151,9 @@ def test_server_info_metrics_and_tags(served, client):
     assert httpx.get(http.url + "/health").json() == {"status": "ok"}
 
 
-def test_swap_hook_bumps_version(served, smol_bf16, client):
+def test_swap_hook_bumps_version(served, smol, client):
     server, http = served
-    server.swap(new_head(smol_bf16, seed=1), version=5)
+    server.swap(new_head(smol, seed=1), version=5)
     r = client.completions.create(model="m", prompt="Hi", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
     assert server.info()["head_version"] == 5

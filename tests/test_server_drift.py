@@ -22,8 +22,8 @@ from serving.server import HttpThread, ServerConfig, SpecServer
 from serving.server_drift import CallbackAlertSink
 
 
-def test_collapse_alert_reaches_every_sink(smol_bf16, tmp_path, caplog):
-    target = tiny_target(vocab_size=smol_bf16.info.vocab_size, num_layers=8, tokenizer=smol_bf16.tokenizer)
+def test_collapse_alert_reaches_every_sink(smol, tmp_path, caplog):
+    target = tiny_target(vocab_size=smol.info.vocab_size, num_layers=8, tokenizer=smol.tokenizer)
     run = init_wandb("online-spec-test", None, tmp_path, mode="offline")
     assert run is not None
     cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=256, num_steps=3),
@@ -54,8 +54,8 @@ def test_collapse_alert_reaches_every_sink(smol_bf16, tmp_path, caplog):
     assert [row["kind"] for row in rows][:1] == ["collapse"]
 
 
-def test_drift_monitor_off_and_tokenizer_required(smol_bf16, tiny):
-    target = tiny_target(vocab_size=smol_bf16.info.vocab_size, num_layers=8, tokenizer=smol_bf16.tokenizer)
+def test_drift_monitor_off_and_tokenizer_required(smol, tiny):
+    target = tiny_target(vocab_size=smol.info.vocab_size, num_layers=8, tokenizer=smol.tokenizer)
     server = SpecServer(ServerConfig(drift_monitor=False, engine=EngineConfig(max_len=64)), target, None)
     assert server.drift is None and server.round_observers == [] and server.info()["drift"] is None
     assert server.info()["speculative_algorithm"] is None

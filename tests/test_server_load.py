@@ -22,9 +22,9 @@ from serving.server_detok import TextStream
 
 
 @pytest.fixture(scope="module")
-def tiny_smol(smol_bf16):
-    tok = smol_bf16.tokenizer
-    return tiny_target(vocab_size=smol_bf16.info.vocab_size, hidden_size=64, num_layers=8, tokenizer=tok)
+def tiny_smol(smol):
+    tok = smol.tokenizer
+    return tiny_target(vocab_size=smol.info.vocab_size, hidden_size=64, num_layers=8, tokenizer=tok)
 
 
 def _serve(target, max_len=256, **engine_kw):
@@ -119,8 +119,8 @@ def test_disconnect_frees_slot_and_full_queue_is_503(tiny_smol):
     ("alpha beta STOP gamma", ["STOP"]),
     ("x = 1\n\ny = 2", ["\n\n", "zzz"]),
 ])
-def test_text_stream_matches_full_decode(smol_bf16, text, stop):
-    tok = smol_bf16.tokenizer
+def test_text_stream_matches_full_decode(smol, text, stop):
+    tok = smol.tokenizer
     ids = tok.encode(text)
     full = tok.decode(ids)
     for step in (1, 2, 3):

@@ -79,8 +79,8 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def prompts(smol_bf16):
-    convs = sharegpt_conversations(limit=24, seed=3, max_prompt_tokens=60, tokenizer=smol_bf16.tokenizer)
+def prompts(smol):
+    convs = sharegpt_conversations(limit=24, seed=3, max_prompt_tokens=60, tokenizer=smol.tokenizer)
     return [c[0]["content"] for c in convs]
 
 
@@ -106,14 +106,14 @@ def daemon_cfgs(tmp: Path):
             GateConfig(margin_rel=0.0, margin_abs=0.0, min_anchors=20, rollback_min_rounds=10_000))
 
 
-def test_daemon_learns_from_live_traffic_and_publishes(smol_bf16, prompts, tmp_path):
-    server, http = start_server(smol_bf16, tmp_path, wrong_head(smol_bf16), version=0)
+def test_daemon_learns_from_live_traffic_and_publishes(smol, prompts, tmp_path):
+    server, http = start_server(smol, tmp_path, wrong_head(smol), version=0)
     rounds = []
     server.round_observers.append(lambda s, o, t: rounds.append((s.head_version, s.num_steps, sum(s.accepted))))
     load = Load(http.url, prompts)
     try:
         dcfg, scfg, rcfg, distill, loss, gate = daemon_cfgs(tmp_path)
-        daemon = TrainerDaemon(dcfg, smol_bf16, ControlClient.from_run_dir(tmp_path / "serve"), scfg, rcfg,
+        daemon = TrainerDaemon(dcfg, smol, ControlClient.from_run_dir(tmp_path / "serve"), scfg, rcfg,
                                distill, loss, gate)
         summary = daemon.run(max_seconds=600, max_steps=12)
         time.sleep(3)  # some rounds with the new head
@@ -132,8 +132,8 @@ def test_daemon_learns_from_live_traffic_and_publishes(smol_bf16, prompts, tmp_p
     assert all(acc == 0 for v, k, acc in rounds if v == 0)  # the wrong head: nothing accepted
 
 
-def test_kill_9_under_load_then_resume(smol_bf16, prompts, tmp_path):
-    server, http = start_server(smol_bf16, tmp_path, new_head(smol_bf16, seed=1), version=0)
+def test_kill_9_under_load_then_resume(smol, prompts, tmp_path):
+    server, http = start_server(smol, tmp_path, new_head(smol, seed=1), version=0)
     load = Load(http.url, prompts)
     run_dir = tmp_path / "trainer"
     cmd = [sys.executable, "-m", "online_spec.cli", "train", "--run-dir", str(run_dir),

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     q = args.quick
-    target = load_target(dtype=torch.bfloat16)
+    target = load_target()
     head, meta = load_head(args.head, target.info)
     out: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "head": str(args.head),
                  "trained_tokens": meta.get("trained_tokens")}

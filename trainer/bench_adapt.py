@@ -319,7 +319,7 @@ def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
     t_start = time.time()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = target or load_target(dtype=torch.bfloat16)
+    target = target or load_target()
     head = resolve_head(cfg.head, target)
     reference, ref_how = resolve_reference(cfg.reference, target, cfg.reference_tokens)
     items = build_trace(out / "trace.jsonl", cfg, target.tokenizer)

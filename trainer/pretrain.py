@@ -231,7 +231,7 @@ def train(target, train_recs: list, cfg: PretrainConfig, dcfg: DistillConfig, lc
 def evaluate_run(target, head, heldout: list, cfg: PretrainConfig) -> dict:
     from trainer.evaluate import engine_accept_length, simulate_acceptance
 
-    head = head.to(torch.bfloat16).eval()
+    head = head.to(target.dtype).eval()
     gen = cfg.source == "generate" and cfg.data in ("sharegpt", "humaneval")
     out = {"simulated": simulate_acceptance(head, target, heldout, generated_only=gen) if heldout else None}
     if cfg.eval_prompts > 0 and cfg.data in ("sharegpt", "humaneval"):
@@ -273,7 +273,7 @@ def pretrain(cfg: PretrainConfig, dcfg: DistillConfig, lcfg: LossConfig, target=
     if (run / "run.json").exists() and json.loads((run / "run.json").read_text()) != conf:
         log.warning("%s was started with other settings (run.json); resuming with the new ones", run)
     (run / "run.json").write_text(json.dumps(conf, indent=2))
-    target = target or load_target(dtype=torch.bfloat16)
+    target = target or load_target()
     t0 = time.time()
     train_recs, heldout = build_records(target, cfg, run)
     capture_s = time.time() - t0

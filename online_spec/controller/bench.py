@@ -459,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target = load_target(dtype=torch.bfloat16)
+    target = load_target()
     head, _ = load_head(draft, target.info, dtype=target.dtype)
     phases = [Phase.parse(p) for p in cfg.phases]
     traffic = load_traffic(target, max([*cfg.batch_sizes, *(p.requests for p in phases)]) * 2, cfg.max_prompt_tokens)
@@ -472,5 +472,5 @@ def run(args: argparse.Namespace) -> int:
         trace_path = Path(tempfile.mkdtemp()) / "ema_trace.jsonl"
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     figures = run_bench(cfg, target, head, traffic, trace_path)
-    write_report(args.json, {"quick": bool(args.quick), "head": str(draft), "dtype": "bfloat16", **figures})
+    write_report(args.json, {"quick": bool(args.quick), "head": str(draft), "dtype": str(target.dtype).removeprefix("torch."), **figures})
     return 0
