@@ -9,6 +9,11 @@ conversations, `online_spec.checkpoint.save_head`. What differs: generation runs
 `generate` batched on the GPU, and the optimizer is plain AdamW (no DeepSpeed on that machine).
 
     python scripts/gpu_pretrain.py --gguf-dir /tmp/gguf --prompts .gpu/prompts.json --out $OUT/heads
+
+A device call lasts at most 10 minutes, so generation and training can run as two calls on the
+warm machine: `--seqs /tmp/seqs.json --gen-only` generates and writes the self-distilled
+sequences; a second call with the same `--seqs` finds them and only captures and trains.
+`--make-prompts PATH` (here, on the CPU) writes the prompts file from the installed datasets.
 """
 
 from __future__ import annotations
@@ -105,30 +110,68 @@ def train_head(target, train, heldout, minutes: float, lr: float, batch_seqs: in
     return head, {"steps": step, "rows_trained": rows, "train_s": time.time() - t0, "simulated": sim}
 
 
+def make_prompts(path: Path, sharegpt_train: int = 12000, sharegpt_heldout: int = 128) -> None:
+    """The prompts file: first turns of ShareGPT train/held-out conversations (the project's
+    hash split), HumanEval tasks split the same way (needs the dataset packages)."""
+    from online_spec.data import humaneval_conversations, sharegpt_conversations
+    from online_spec.target import load_target
+
+    tok = load_target().tokenizer
+    out = {"sharegpt": {split: [c[:1] for c in sharegpt_conversations(limit=n, split=split, max_prompt_tokens=300,
+                                                                      tokenizer=tok)]
+                        for split, n in (("train", sharegpt_train), ("heldout", sharegpt_heldout))},
+           "humaneval": {split: [c[:1] for c in humaneval_conversations(split=split)]
+                         for split in ("train", "heldout")}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    print({k: {s: len(v) for s, v in d.items()} for k, d in out.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf-dir", type=Path, required=True)
-    ap.add_argument("--prompts", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--make-prompts", type=Path, default=None)
+    ap.add_argument("--gguf-dir", type=Path)
+    ap.add_argument("--prompts", type=Path)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--gen-seconds", type=float, default=240)
+    ap.add_argument("--gen-batch", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--seqs", type=Path, default=None, help="generated sequences: read if present, else written")
+    ap.add_argument("--gen-only", action="store_true")
     ap.add_argument("--train-minutes", type=float, default=6)
     ap.add_argument("--code-minutes", type=float, default=2)
+    ap.add_argument("--batch-seqs", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
     args = ap.parse_args()
+    if args.make_prompts:
+        return make_prompts(args.make_prompts)
     torch.manual_seed(0)
     random.seed(0)
     model_dir = prepare_smollm2(Path("/tmp/smollm2-bf16"), src=args.gguf_dir)
     target = load_target(model_dir, dtype=torch.bfloat16, device="cuda")
     data = json.loads(args.prompts.read_text())
-    report = {"gpu": torch.cuda.get_device_name(0)}
-    for name, minutes, gen_s in (("sharegpt", args.train_minutes, args.gen_seconds),
-                                 ("humaneval", args.code_minutes, args.gen_seconds / 4)):
-        enc = lambda msgs: target.encode_chat(msgs)  # noqa: E731
-        train_p = [enc(m) for m in data[name]["train"]]
-        held_p = [enc(m) for m in data[name]["heldout"]]
-        train_seqs = generate(target, train_p, 256, 256, gen_s)
-        held_seqs = generate(target, held_p, 256, 256, 60)
+    report = {"gpu": torch.cuda.get_device_name(0), "args": {k: str(v) for k, v in vars(args).items()}}
+    seqs = json.loads(args.seqs.read_text()) if args.seqs and args.seqs.exists() else {}
+    for name, gen_s in (("sharegpt", args.gen_seconds), ("humaneval", args.gen_seconds / 4)):
+        if name not in seqs:
+            enc = lambda msgs: target.encode_chat(msgs)  # noqa: E731
+            seqs[name] = {"train": generate(target, [enc(m) for m in data[name]["train"]], args.new_tokens,
+                                            args.gen_batch, gen_s),
+                          "heldout": generate(target, [enc(m) for m in data[name]["heldout"]], args.new_tokens,
+                                              args.gen_batch, 60)}
+    if args.seqs and not args.seqs.exists():
+        args.seqs.write_text(json.dumps(seqs))
+    report["sequences"] = {k: {s: len(v) for s, v in d.items()} for k, d in seqs.items()}
+    print(report["sequences"], flush=True)
+    if args.gen_only:
+        return
+    for name, minutes in (("sharegpt", args.train_minutes), ("humaneval", args.code_minutes)):
+        if minutes <= 0:
+            continue
+        train_seqs, held_seqs = seqs[name]["train"], seqs[name]["heldout"]
         train, held = records_of(target, train_seqs, name), records_of(target, held_seqs, name + "-h")
-        head, rep = train_head(target, train, held, minutes, lr=2e-3, batch_seqs=32, ttt_steps=5, name=name)
+        head, rep = train_head(target, train, held, minutes, lr=args.lr, batch_seqs=args.batch_seqs, ttt_steps=5,
+                               name=name)
         rep.update(train_sequences=len(train_seqs), train_rows=sum(r.num_rows for r in train),
                    heldout_sequences=len(held_seqs))
         save_head(head.to(torch.bfloat16).cpu(), args.out / name, version=0,

@@ -57,6 +57,7 @@ from serving.engine import EngineConfig, RequestOutput, RoundStats
 
 log = logging.getLogger(__name__)
 
+SHIFTS = ("sharegpt-humaneval", "humaneval-sharegpt")
 REQUIRED_STATIONARY_ROUNDS = 2000  # issue 7: the stationary phase must be at least this long
 
 
@@ -66,6 +67,10 @@ class DriftBenchConfig:
     clients: int = doc("concurrent closed-loop chat clients (keeps the batch size steady; 1 = batch-1 rounds, "
                        "the cheapest, so 2,000 of them take a few minutes)", 1)
     num_steps: int = doc("K, fixed for the whole run", 5)
+    shift: str = doc("which traffic comes first: sharegpt-humaneval (issue 7's shift) or humaneval-sharegpt "
+                     "(for a head trained on code: with SmolLM2 the ShareGPT head drafts code *better* than "
+                     "chat, so the issue's shift raises acceptance and only the reverse one drops)",
+                     "sharegpt-humaneval")
     stationary_rounds: int = doc("verify rounds of ShareGPT traffic before the switch", 2000)
     min_switch_rounds: int = doc("verify rounds of HumanEval traffic to run at least (accept length after)", 200)
     max_switch_rounds: int = doc("stop the HumanEval phase after this many rounds even without a drop alert "
@@ -82,6 +87,7 @@ class DriftBenchConfig:
 
     def __post_init__(self):
         check(self.clients >= 1, "clients", "must be >= 1")
+        check(self.shift in SHIFTS, "shift", f"must be one of {SHIFTS}, got {self.shift!r}")
         check(self.num_steps >= 1, "num_steps", "must be >= 1 (the detector needs drafts)")
         check(self.stationary_rounds >= 1, "stationary_rounds", "must be >= 1")
         check(1 <= self.min_switch_rounds <= self.max_switch_rounds, "min_switch_rounds",
@@ -247,6 +253,9 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
     from serving.server_drift import CallbackAlertSink
 
     chat, code = load_prompts(cfg, target.tokenizer)
+    names = {"chat": f"ShareGPT held-out first turns ({len(chat)})", "code": f"HumanEval tasks ({len(code)})"}
+    src_a, src_b = ("chat", "code") if cfg.shift == "sharegpt-humaneval" else ("code", "chat")
+    traffic = {"chat": chat, "code": code}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-drift-", dir=cfg.work_dir or None))
     engine = EngineConfig(max_batch=max(cfg.clients, 1), max_len=cfg.max_len, max_steps=cfg.num_steps,
                           num_steps=cfg.num_steps, max_queue=max(64, 2 * cfg.clients))
@@ -266,7 +275,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
     try:
         http = HttpThread(server).start()
         phases["stationary"] = asyncio.run(_drive_phase(
-            http.url, chat, cfg, lambda: rounds.count("stationary") >= cfg.stationary_rounds))
+            http.url, traffic[src_a], cfg, lambda: rounds.count("stationary") >= cfg.stationary_rounds))
         left = [r.request_id for r in server.engine.running if r.finish_reason is None] + \
             [r.request_id for r in server.engine.waiting]
         if left:
@@ -278,7 +287,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
             n = rounds.count("switched")
             return n >= cfg.max_switch_rounds or (n >= cfg.min_switch_rounds and rounds.first_drop() is not None)
 
-        phases["switched"] = asyncio.run(_drive_phase(http.url, code, cfg, switched_done))
+        phases["switched"] = asyncio.run(_drive_phase(http.url, traffic[src_b], cfg, switched_done))
     finally:
         if http is not None:
             http.stop()
@@ -313,8 +322,8 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
         "tokens_per_s_after": phases["switched"]["tokens_per_s"],
         "failed_requests": phases["stationary"]["failed_requests"] + phases["switched"]["failed_requests"],
         "phases": phases,
-        "prompts": {"stationary": f"ShareGPT held-out first turns ({len(chat)})",
-                    "switched": f"HumanEval tasks ({len(code)})"},
+        "shift": cfg.shift,
+        "prompts": {"stationary": names[src_a], "switched": names[src_b]},
         "config": config_to_dict(cfg),
         "drift_config": config_to_dict(drift),
         "model": target.name,
@@ -323,7 +332,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
 
 
 REPORT_KEYS = ("bench", "stationary_rounds", "meets_stationary_round_requirement", "false_alerts",
-               "false_alerts_by_kind", "switch_round", "switched_rounds", "rounds_to_alert", "first_drop_alert",
+               "false_alerts_by_kind", "switch_round", "switched_rounds", "rounds_to_alert", "first_drop_alert", "shift",
                "alert_in_wandb_offline_run", "wandb_alert", "wandb_run_dir", "detector_references_at_switch",
                "accept_len_before",
                "accept_len_after", "tokens_per_s_before", "tokens_per_s_after", "failed_requests", "phases",

@@ -99,3 +99,13 @@ def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_fp32, tmp_path):
     row = written["wandb_alert"]
     assert row["kind"] == "drop" and row["round"] == first["round"] and row["before"] > row["after"]
     assert written["false_alerts"] == len(written["phases"]["stationary"]["alerts"])
+
+
+def test_shift_is_checked():
+    import pytest
+    from online_spec.config import ConfigError
+
+    assert DriftBenchConfig().shift == "sharegpt-humaneval"
+    DriftBenchConfig(shift="humaneval-sharegpt")
+    with pytest.raises(ConfigError, match="shift"):
+        DriftBenchConfig(shift="chat-code")
