@@ -40,6 +40,10 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   for `cooldown_rounds`.
 - **collapse** (level "error"): the mean accept length over the last `collapse_window` rounds
   with K > 0 is below `collapse_accept_len` — speculation is pure overhead. Needs no warm-up.
+  Where rounds carry request ids (the server's do) the window reaches back until it also spans
+  `collapse_min_requests` requests: at batch 1 twenty rounds are one request, and on the real
+  server single HumanEval tasks on which a head accepted nothing raised two false collapses in
+  2,000 stationary rounds.
 - **losing** (level "warn"): over the last `losing_window` rounds with K > 0 and both speeds
   measured, tokens/s with speculation is below `(1 - losing_margin)` of plain decoding.
   Collapse and losing fire once and re-arm when their condition clearly clears — the window
@@ -66,6 +70,7 @@ Use (in the engine, once per round, after accept):
 from __future__ import annotations
 
 import math
+import statistics
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -85,6 +90,10 @@ class DriftConfig:
                             "that the change test is tuned to", 0.3)
     min_effect_abs: float = doc("floor on that effect in drafts, so a near-zero reference does not "
                                 "make tiny changes count", 0.1)
+    large_effect: float = doc("a second CUSUM pair is tuned to this change of the mean accept length, "
+                              "relative to the reference (0 = off): a CUSUM tuned to the minimum effect "
+                              "gains only d(D - d/2) per round on a shift of D >> d, so a collapse-sized "
+                              "drop took ~950 rounds at batch 1; tuned to D it gains ~D^2/2", 0.6)
     max_round_weight: int = doc("most requests a round counts for in the change test: requests of one "
                                 "batch stay together for many rounds, so a big batch is less than that "
                                 "many independent samples", 8)
@@ -96,7 +105,11 @@ class DriftConfig:
     cooldown_rounds: int = doc("rounds after an alert during which the stream raises no alert of the "
                                "same rule", 200)
     collapse_accept_len: float = doc("mean accept length below which the window counts as a collapse", 0.1)
-    collapse_window: int = doc("rounds with K > 0 over which collapse is judged", 20)
+    collapse_window: int = doc("rounds with K > 0 over which collapse is judged (at least)", 20)
+    collapse_min_requests: int = doc("distinct requests the collapse window must span, when rounds carry "
+                                     "request ids: at batch 1, 20 rounds are one request, and one hard "
+                                     "prompt is not a collapse of the head (the window grows back until it "
+                                     "spans them, up to 32 x collapse_window rounds)", 3)
     losing_margin: float = doc("speculation is losing when its tokens/s is below (1 - margin) x plain "
                                "decoding", 0.05)
     losing_window: int = doc("rounds with both speeds measured over which losing is judged", 50)
@@ -113,9 +126,12 @@ class DriftConfig:
         check(self.block_rounds >= 2, "block_rounds", f"must be >= 2, got {self.block_rounds}")
         check(self.threshold > 0.0, "threshold", f"must be > 0, got {self.threshold}")
         check(self.cooldown_rounds >= 0, "cooldown_rounds", f"must be >= 0, got {self.cooldown_rounds}")
+        check(0.0 <= self.large_effect < 1.0, "large_effect", f"must be in [0, 1), got {self.large_effect}")
         check(self.collapse_accept_len >= 0.0, "collapse_accept_len",
               f"must be >= 0, got {self.collapse_accept_len}")
         check(self.collapse_window >= 1, "collapse_window", f"must be >= 1, got {self.collapse_window}")
+        check(self.collapse_min_requests >= 1, "collapse_min_requests",
+              f"must be >= 1, got {self.collapse_min_requests}")
         check(0.0 <= self.losing_margin < 1.0, "losing_margin", f"must be in [0, 1), got {self.losing_margin}")
         check(self.losing_window >= 1, "losing_window", f"must be >= 1, got {self.losing_window}")
         check(self.max_streams >= 1, "max_streams", f"must be >= 1, got {self.max_streams}")
@@ -134,6 +150,7 @@ class RoundObservation:
     spec_tokens_per_s: Optional[float] = None
     plain_tokens_per_s: Optional[float] = None
     num_requests: Optional[int] = None  # requests averaged into accept_len; None = the slot
+    request_ids: Optional[tuple] = None  # ids of those requests, for the collapse window's span
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -173,6 +190,7 @@ class DriftAlert:
         return asdict(self)
 
 
+COLLAPSE_SPAN = 32  # the collapse window may grow to this many times collapse_window rounds
 MIN_BLOCKS = 4  # block means the reference needs before the change test runs (fewer: too noisy)
 
 
@@ -253,9 +271,11 @@ class _Stream:
     block_len: int = 0
     up: _Side = field(default_factory=_Side)
     down: _Side = field(default_factory=_Side)
+    up_large: _Side = field(default_factory=_Side)  # the pair tuned to `large_effect`
+    down_large: _Side = field(default_factory=_Side)
     last_alert: dict = field(default_factory=dict)  # rule -> stream round of its last alert
     latched: dict = field(default_factory=dict)  # rule -> True while its condition persists
-    collapse: deque = field(default_factory=deque)  # accept_len of recent rounds
+    collapse: deque = field(default_factory=deque)  # (accept_len, request ids or None) of recent rounds
     losing: deque = field(default_factory=deque)  # (spec, plain) tokens/s of recent rounds
 
     def ref_totals(self) -> tuple[int, float]:
@@ -265,7 +285,7 @@ class _Stream:
         self.prev_alpha = self.alpha if self.alpha is not None else self.prev_alpha
         self.ref, self.alpha, self.dispersion = {}, None, 1.0
         self.blocks, self.block, self.block_len = [], {}, 0
-        self.up, self.down = _Side(), _Side()
+        self.up, self.down, self.up_large, self.down_large = _Side(), _Side(), _Side(), _Side()
 
     def rewarm(self, head_version: int) -> None:
         """A new head went live: relearn its level, judge windows on its rounds only; keep
@@ -279,20 +299,24 @@ class _Stream:
         return {"head_version": self.head_version, "rounds": self.rounds,
                 "ref": {k: list(v) for k, v in self.ref.items()}, "alpha": self.alpha,
                 "prev_alpha": self.prev_alpha, "dispersion": self.dispersion, "up": asdict(self.up), "down": asdict(self.down),
+                "up_large": asdict(self.up_large), "down_large": asdict(self.down_large),
                 "blocks": [{k: list(v) for k, v in b.items()} for b in self.blocks],
                 "block": {k: list(v) for k, v in self.block.items()}, "block_len": self.block_len,
                 "last_alert": dict(self.last_alert), "latched": dict(self.latched),
-                "collapse": list(self.collapse), "losing": [list(x) for x in self.losing]}
+                "collapse": [[a, None if ids is None else list(ids)] for a, ids in self.collapse], "losing": [list(x) for x in self.losing]}
 
     @classmethod
     def from_dict(cls, d: dict, cfg: DriftConfig) -> "_Stream":
         return cls(head_version=int(d["head_version"]), rounds=int(d["rounds"]),
                    ref={str(k): list(v) for k, v in d["ref"].items()}, alpha=d["alpha"],
                    prev_alpha=d["prev_alpha"], dispersion=float(d["dispersion"]), up=_Side(**d["up"]), down=_Side(**d["down"]),
+                   up_large=_Side(**d.get("up_large", {})), down_large=_Side(**d.get("down_large", {})),
                    blocks=[{str(k): list(v) for k, v in b.items()} for b in d.get("blocks", [])],
                    block={str(k): list(v) for k, v in d.get("block", {}).items()}, block_len=int(d.get("block_len", 0)),
                    last_alert=dict(d["last_alert"]), latched=dict(d["latched"]),
-                   collapse=deque(d["collapse"], maxlen=cfg.collapse_window),
+                   collapse=deque(((x, None) if isinstance(x, (int, float)) else
+                                   (x[0], None if x[1] is None else tuple(x[1])) for x in d["collapse"]),
+                                  maxlen=COLLAPSE_SPAN * cfg.collapse_window),
                    losing=deque((tuple(x) for x in d["losing"]), maxlen=cfg.losing_window))
 
 
@@ -316,7 +340,7 @@ class DriftDetector:
         alert = self._change(s, obs)
         if alert:
             alerts.append(alert)
-        s.collapse.append(obs.accept_len)
+        s.collapse.append((obs.accept_len, obs.request_ids))
         alert = self._collapse(s, obs)
         if alert:
             alerts.append(alert)
@@ -334,7 +358,7 @@ class DriftDetector:
 
     # streams ----------------------------------------------------------------------------------
     def _new_stream(self, version: int) -> _Stream:
-        return _Stream(head_version=version, collapse=deque(maxlen=self.cfg.collapse_window),
+        return _Stream(head_version=version, collapse=deque(maxlen=COLLAPSE_SPAN * self.cfg.collapse_window),
                        losing=deque(maxlen=self.cfg.losing_window))
 
     def _stream(self, obs: RoundObservation) -> _Stream:
@@ -353,7 +377,8 @@ class DriftDetector:
     def _change(self, s: _Stream, obs: RoundObservation) -> Optional[DriftAlert]:
         cfg, w, k = self.cfg, obs.weight, obs.num_steps
         rounds, requests = s.ref_totals()
-        suspect = max(s.up.stat, s.down.stat) > 0.5 * cfg.threshold  # a change may be under way
+        sides = (s.up, s.down, s.up_large, s.down_large)
+        suspect = max(x.stat for x in sides) > 0.5 * cfg.threshold  # a change may be under way
         blocks_short = len(s.blocks) < MIN_BLOCKS
         if (requests < cfg.reference_requests or blocks_short) and not suspect:  # warm-up, then refinement
             v = s.ref.setdefault(str(k), [0, 0.0, 0.0, 0.0])
@@ -374,13 +399,16 @@ class DriftDetector:
             return None
         mu, sd = accept_len_moments(s.alpha, k)
         sd *= math.sqrt(s.dispersion)
-        delta = max(cfg.min_effect * mu, cfg.min_effect_abs)
-        d = delta / max(sd, 1e-6)
         r = (obs.accept_len - mu) / max(sd, 1e-6)
         wc = min(w, cfg.max_round_weight)
-        s.up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu)
-        s.down.add(wc * d * (-r - 0.5 * d), w, obs.accept_len, mu)
-        for kind, side in (("drop", s.down), ("rise", s.up)):
+        pairs = [(max(cfg.min_effect * mu, cfg.min_effect_abs), s.up, s.down)]
+        if cfg.large_effect > cfg.min_effect:
+            pairs.append((max(cfg.large_effect * mu, cfg.min_effect_abs), s.up_large, s.down_large))
+        for delta, up, down in pairs:
+            d = delta / max(sd, 1e-6)
+            up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu)
+            down.add(wc * d * (-r - 0.5 * d), w, obs.accept_len, mu)
+        for kind, side in (("drop", s.down), ("rise", s.up), ("drop", s.down_large), ("rise", s.up_large)):
             if side.stat > cfg.threshold:
                 before, after = side.sum_mu / side.w, side.sum_a / side.w
                 cooling = self._cooling(s, "change")
@@ -418,10 +446,35 @@ class DriftDetector:
         s.dispersion = max(1.0, per_round, per_block)
 
     # rules: collapse, losing ------------------------------------------------------------------
+    def _collapse_window_mean(self, s: _Stream) -> Optional[float]:
+        """Mean accept length over the newest `collapse_window` rounds; where rounds carry request
+        ids, over the newest rounds that also span `collapse_min_requests` requests, each request
+        weighing the same (a round's batch mean counts for each of its requests), so one hard
+        prompt and the edges of its neighbours do not make a collapse. None: no verdict yet."""
+        cfg = self.cfg
+        total, n, known = 0.0, 0, True
+        per_request: dict[str, list[float]] = {}
+        for a, rids in reversed(s.collapse):
+            total += a
+            n += 1
+            if rids is None:
+                known = False
+            else:
+                for r in rids:
+                    v = per_request.setdefault(r, [0.0, 0])
+                    v[0] += a
+                    v[1] += 1
+            if n >= cfg.collapse_window:
+                if not known:
+                    return total / n
+                if len(per_request) >= cfg.collapse_min_requests:
+                    return statistics.fmean(v[0] / v[1] for v in per_request.values())
+        return None
+
     def _collapse(self, s: _Stream, obs: RoundObservation) -> Optional[DriftAlert]:
-        if len(s.collapse) < self.cfg.collapse_window:  # no verdict yet: the latch stays as it was
+        mean = self._collapse_window_mean(s)
+        if mean is None:  # no verdict yet: the latch stays as it was
             return None
-        mean = sum(s.collapse) / len(s.collapse)
         thr = self.cfg.collapse_accept_len
         if not self._latch(s, "collapse", mean < thr, clears=mean >= 2.0 * thr):
             return None
@@ -436,7 +489,7 @@ class DriftDetector:
             return None
         n = len(s.losing)
         return self._alert("losing", "warn", obs, self._ref_mean(s, obs.num_steps),
-                           sum(s.collapse) / len(s.collapse),
+                           statistics.fmean(a for a, _ in list(s.collapse)[-n:]),
                            extra=f" Speculative {spec / n:.1f} tok/s vs plain {plain / n:.1f} tok/s "
                                  f"over the last {n} rounds.")
 

@@ -311,6 +311,9 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
         "switched_rounds": after["rounds"],
         "rounds_to_alert": None if first is None else first["rounds_after_switch"],
         "first_drop_alert": first,
+        # any kind: a collapse alert (accept length near zero) is the monitor's answer to an
+        # extreme drop, faster than the change test whose noise model is request-level
+        "first_alert_after_switch": next(iter(after["alerts"]), None),
         "alert_in_wandb_offline_run": wandb_row is not None,
         "wandb_alert": wandb_row,
         "wandb_alerts_read_back": len(rows),
@@ -332,7 +335,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
 
 
 REPORT_KEYS = ("bench", "stationary_rounds", "meets_stationary_round_requirement", "false_alerts",
-               "false_alerts_by_kind", "switch_round", "switched_rounds", "rounds_to_alert", "first_drop_alert", "shift",
+               "false_alerts_by_kind", "switch_round", "switched_rounds", "rounds_to_alert", "first_drop_alert", "first_alert_after_switch", "shift",
                "alert_in_wandb_offline_run", "wandb_alert", "wandb_run_dir", "detector_references_at_switch",
                "accept_len_before",
                "accept_len_after", "tokens_per_s_before", "tokens_per_s_after", "failed_requests", "phases",

@@ -53,15 +53,17 @@ class ServerDrift:
         if K == 0 or not stats.accepted:
             return []
         by_tag: dict[str, list[int]] = {}
-        for a, tag in zip(stats.accepted, tags):
+        ids: dict[str, list[str]] = {}
+        for a, tag, out in zip(stats.accepted, tags, outs):
             by_tag.setdefault(tag, []).append(a)
+            ids.setdefault(tag, []).append(out.request_id)
         tps = stats.committed / stats.total_s if stats.total_s > 0 else None
         now = time.time()
         raised = []
         for tag, acc in by_tag.items():
             obs = RoundObservation(slot=stats.batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=K,
                                    head_version=stats.head_version, timestamp=now, spec_tokens_per_s=tps,
-                                   num_requests=len(acc))
+                                   num_requests=len(acc), request_ids=tuple(ids[tag]))
             with self._lock:
                 alerts = self.detector.update(obs)
             for alert in alerts:

@@ -140,12 +140,12 @@ def test_cooldown_suppresses_a_second_change_alert():
     # (a re-learned reference needs 4 blocks of 50 rounds before it judges again, so the
     # cool-down under test is longer than that)
     with_cooldown = kinds(400)
-    # drop alerted at 277 (B=4 is noisy enough that a 1.0 drop takes ~28 rounds of evidence);
-    # the stream re-learns 1.0 by 477; the drop to 0.5 at 550 is detected at 618, within 400
+    # drop alerted at 274 (B=4 is noisy enough that a 1.0 drop takes ~25 rounds of evidence);
+    # the stream re-learns 1.0 by 474; the drop to 0.5 at 550 is detected at 604, within 400
     # rounds of the first alert, so it is absorbed silently; the rise to 1.5 at 850 is reported.
-    assert with_cooldown == [("drop", 277), ("rise", 868)]
+    assert with_cooldown == [("drop", 274), ("rise", 859)]
     without = kinds(0)
-    assert without == [("drop", 277), ("drop", 618), ("rise", 868)]
+    assert without == [("drop", 274), ("drop", 604), ("rise", 859)]
 
 
 def persistent_rounds(rng, mean_alpha, batch, n, life=48, num_steps=K, concentration=4.0):
@@ -181,6 +181,22 @@ def test_a_large_drop_in_persistent_traffic_is_still_found():
     values = np.concatenate([persistent_rounds(rng, 0.5, 4, 1000), persistent_rounds(rng, 0.2, 4, 1000)])
     alerts = feed(DriftDetector(), values, batch=4)
     assert [a.kind for a in alerts][:1] == ["drop"] and 1000 <= alerts[0].round < 1600
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_the_large_effect_pair_finds_a_large_drop_sooner(seed):
+    """The CUSUM tuned to the 30% minimum effect gains d(D - d/2) per round on a shift of D; the
+    pair tuned to 60% gains more on a large one. 1.26 -> 0.39 drafts in persistent traffic at
+    B=4: delays (rounds after the shift) 472 / 273 / 484 with the minimum-effect pair alone,
+    291 / 185 / 334 with both (seeds 0, 1, 3; the other seeds collapse before either speaks)."""
+    def first_drop(large):
+        rng = np.random.default_rng(seed)
+        values = np.concatenate([persistent_rounds(rng, 0.5, 4, 1000), persistent_rounds(rng, 0.2, 4, 1000)])
+        alerts = feed(DriftDetector(DriftConfig(large_effect=large)), values, batch=4)
+        return next(a.round for a in alerts if a.kind == "drop")
+
+    alone, both = first_drop(0.0), first_drop(0.6)
+    assert 1000 <= both < alone and alone - both >= 80, (alone, both)
 
 
 def test_head_version_change_resets_the_reference():
@@ -256,6 +272,30 @@ def test_collapse_fires_once_after_a_full_window():
     assert collapse[0].before == pytest.approx(2.0, abs=0.1)
 
 
+def feed_requests(det, lives, values_per_request, start=0):
+    """Batch-1 rounds with request ids: request i lives lives[i] rounds at accept length values_per_request[i]."""
+    alerts, t = [], start
+    for i, (life, a) in enumerate(zip(lives, values_per_request)):
+        for _ in range(life):
+            alerts += det.update(RoundObservation(slot=1, tag="", accept_len=a, num_steps=K, head_version=0,
+                                                  timestamp=float(t), num_requests=1, request_ids=(f"r{i}",)))
+            t += 1
+    return alerts
+
+
+def test_collapse_at_batch_1_needs_several_requests():
+    """One hard prompt (40 rounds at 0.0) among good ones is not a collapse of the head; three
+    requests in a row at 0.0 are. Without ids the same rounds are judged by round count only."""
+    one_hard = [2.0] * 5 + [0.0] + [2.0] * 5
+    assert [a for a in feed_requests(DriftDetector(), [40] * 11, one_hard) if a.kind == "collapse"] == []
+    rounds_only = feed(DriftDetector(), [v for v in one_hard for _ in range(40)], batch=1)
+    assert [a.round for a in rounds_only if a.kind == "collapse"] == [219]  # the old behaviour
+    bad = [2.0] * 5 + [0.0] * 4
+    collapse = [a for a in feed_requests(DriftDetector(), [40] * 9, bad) if a.kind == "collapse"]
+    # the window spans its third all-zero request at round 280 (requests 5, 6, 7: 81 rounds)
+    assert [(a.round, a.after) for a in collapse] == [(280, 0.0)]
+
+
 def test_collapse_needs_no_warmup_and_ignores_plain_decode_rounds():
     det = DriftDetector()
     assert feed(det, [0.0] * 100, batch=4, ks=[0] * 100) == []  # K=0: plain decoding
@@ -282,7 +322,7 @@ def test_alert_names_where_and_what():
     assert a.kind == "drop" and a.slot == 8 and a.tag == "code" and a.head_version == 0
     assert "slot 8" in a.title and "'code'" in a.title
     assert f"{a.before:.2f} -> 1.00 drafts" in a.text and 1.8 < a.before < 2.0
-    assert a.time == float(a.round) == 263.0
+    assert a.time == float(a.round) == 261.0
 
 
 def test_state_dict_round_trip_resumes_identically():
@@ -308,7 +348,8 @@ def test_max_streams_drops_the_least_recently_seen():
 
 @pytest.mark.parametrize("field, value", [("warmup_rounds", 1), ("min_effect", 1.5), ("threshold", 0.0),
                                           ("reference_requests", 10), ("losing_margin", 1.0),
-                                          ("collapse_window", 0), ("max_round_weight", 0)])
+                                          ("collapse_window", 0), ("max_round_weight", 0),
+                                          ("collapse_min_requests", 0), ("large_effect", 1.0)])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         DriftConfig(**{field: value})

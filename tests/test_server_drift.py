@@ -35,9 +35,11 @@ def test_collapse_alert_reaches_every_sink(smol, tmp_path, caplog):
     http = HttpThread(server).start()
     try:
         with caplog.at_level(logging.ERROR, logger="online_spec.alerts"):
-            r = httpx.post(http.url + "/v1/completions", headers={"X-Traffic-Tag": "code"}, timeout=60,
-                           json={"prompt": "go", "max_tokens": 40, "ignore_eos": True, "temperature": 0})
-        assert r.status_code == 200
+            # three requests: the collapse window must span collapse_min_requests (3) of them
+            for _ in range(3):
+                r = httpx.post(http.url + "/v1/completions", headers={"X-Traffic-Tag": "code"}, timeout=60,
+                               json={"prompt": "go", "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+                assert r.status_code == 200
         collapses = [a for a in got if a.kind == "collapse"]
         assert len(collapses) == 1 and collapses[0].tag == "code" and collapses[0].slot == 1
         assert any("[drift collapse]" in rec.getMessage() for rec in caplog.records)
