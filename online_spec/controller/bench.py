@@ -82,6 +82,8 @@ class ControllerBenchConfig:
     static_steps: list[int] = doc("static K baselines", lambda: [0, 1, 3, 5, 7])
     batch_sizes: list[int] = doc("batch sizes of the stationary comparison", lambda: [1, 4, 16])
     new_tokens: int = doc("tokens generated per request in stationary runs", 64)
+    requests_per_run: int = doc("prompts served per stationary run (at least the batch size; a batch of b "
+                                "serves them b at a time), so batch 1 is not one prompt's speed", 8)
     repeats: int = doc("timed repeats per measurement, interleaved across policies (median reported)", 3)
     warm_runs: int = doc("untimed runs that let adaptive policies learn before stationary timing", 1)
     ema_config: str = doc("EMA policy's adaptive JSON: a preset name in configs/adaptive/ or a path",
@@ -202,8 +204,9 @@ def new_engine(target, head, policy, max_batch: int, max_len: int, max_steps: in
 
 
 def decode_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int, log_rounds: RoundLog | None) -> float:
-    """Decode tokens/s of `prompts` run together: prefill and the first round are excluded
-    (the same work for every policy); wall clock of every later round, policy calls included."""
+    """Decode tokens/s of `prompts` (the engine's max_batch at a time): the first prefill and
+    round are excluded (the same work for every policy), later admissions' prefills are in (also
+    the same for every policy); wall clock of every later round, policy calls included."""
     from serving.engine import Request
     from online_spec.sampling import SamplingParams
 
@@ -229,15 +232,16 @@ def run_stationary(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
     static_timings: list[RoundTiming] = []
     max_len = traffic.longest() + cfg.new_tokens + 2 * cfg.max_steps + 8
     for b in cfg.batch_sizes:
-        prompts = traffic.take("sharegpt", b)
+        n = max(b, cfg.requests_per_run)
         policies = {name: make() for name, make in factories.items()}
         logs = {name: RoundLog() for name in policies}
         for name in ("ema", "cost_model"):  # adaptive policies reach their stationary K first
             for _ in range(cfg.warm_runs):
                 decode_tokens_per_s(new_engine(target, head, policies[name], b, max_len, cfg.max_steps),
-                                    traffic.take("sharegpt", b, offset=b), cfg.new_tokens, None)
+                                    traffic.take("sharegpt", n), cfg.new_tokens, None)
         samples: dict[str, list[float]] = {name: [] for name in policies}
-        for _ in range(cfg.repeats):
+        for rep in range(cfg.repeats):
+            prompts = traffic.take("sharegpt", n, offset=n * (rep + 1))  # new prompts per repeat, the same for every policy
             for name, policy in policies.items():
                 engine = new_engine(target, head if name != "K=0" else None, policy, b, max_len, cfg.max_steps)
                 samples[name].append(decode_tokens_per_s(engine, prompts, cfg.new_tokens, logs[name]))
