@@ -326,10 +326,6 @@ class CostPolicyConfig:
     tpot_slo_s: float | None = doc("never pick a K whose predicted round seconds exceed this (None = off)", None)
     calib_bins: int = doc("confidence bins of the calibrator", 10)
     calib_prior_weight: float = doc("pseudo-observations holding each bin at its midpoint", 4.0)
-    measured_weight: float = doc("weight of the newest round in a slot's per-K ratio of measured to predicted "
-                                 "round seconds (0 = off): the shared linear time model can be off by 20-30% "
-                                 "for one batch size (compute-bound CPU at batch 16), and each slot corrects "
-                                 "the K it has run by what it measured", 0.1)
     probe_interval: int = doc("decisions a slot makes below its deepest tier before it runs one round at the "
                               "next tier up, re-measuring positions it no longer drafts (0 = never)", 32)
 
@@ -342,7 +338,6 @@ class CostPolicyConfig:
         check(isinstance(self.calib_bins, int) and self.calib_bins >= 1, "calib_bins",
               f"must be an int >= 1, got {self.calib_bins!r}")
         check(self.calib_prior_weight > 0, "calib_prior_weight", f"must be > 0, got {self.calib_prior_weight!r}")
-        check(0 <= self.measured_weight <= 1, "measured_weight", f"must be in [0, 1], got {self.measured_weight!r}")
         check(isinstance(self.probe_interval, int) and self.probe_interval >= 0, "probe_interval",
               f"must be an int >= 0, got {self.probe_interval!r}")
 
@@ -364,8 +359,6 @@ class CostModelPolicy:
         self._last: list[int | None] = [None] * len(self._slots)
         self._decisions = [0] * len(self._slots)
         self._below = [0] * len(self._slots)  # decisions since the slot last drafted its next tier up
-        # per slot, K -> EMA of measured / predicted round seconds (K never run: 1, the model as is)
-        self._ratio: list[dict[int, float]] = [{} for _ in self._slots]
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -397,7 +390,7 @@ class CostModelPolicy:
                 surv *= a[pos]
                 expected += surv
                 pos += 1
-            t = (k * step_s + cost.verify_s(batch_size, k, ctx_len)) * self._ratio[i].get(k, 1.0)
+            t = k * step_s + cost.verify_s(batch_size, k, ctx_len)
             if slo is not None and t > slo:
                 continue
             rate = expected / max(t, 1e-12)
@@ -528,19 +521,6 @@ class CostModelPolicy:
             self._accept[i].observe(accepted, num_steps)
             if confidences is not None:
                 self._calib.observe(confidences, accepted)
-        w = self.config.measured_weight
-        if w > 0 and draft_s is not None and verify_s is not None:
-            # before the model learns from this round: how far off was its prediction? Kept for
-            # the K this slot decided (the drafts and verify lengths it ran may be fewer).
-            lens = [num_steps] if isinstance(num_steps, int) else list(num_steps)
-            key = self._last[i] if self._last[i] is not None else max(lens, default=0)
-            drafted = max(lens, default=0)
-            pred = drafted * self.cost.draft_step_s(batch_size, ctx_len) + \
-                self.cost.verify_s(batch_size, sum(lens) / max(len(lens), 1), ctx_len)
-            if pred > 0 and lens:
-                r = min(2.0, max(0.5, (draft_s + verify_s) / pred))
-                old = self._ratio[i].get(key)
-                self._ratio[i][key] = r if old is None else (1 - w) * old + w * r
         if draft_s is not None or verify_s is not None:
             if isinstance(num_steps, int):
                 self.cost.observe(batch_size, num_steps, ctx_len, draft_s, verify_s)
@@ -553,14 +533,13 @@ class CostModelPolicy:
         """A new head went live: acceptance and calibration start over; round costs are kept."""
         for acc in self._accept:
             acc.reset()
-        self._calib.reset()  # the per-K time ratios stay: round costs do not depend on the head
+        self._calib.reset()
 
     def info(self) -> dict:
         slots = {}
-        for slot, acc, last, n, ratio in zip(self._slots, self._accept, self._last, self._decisions, self._ratio):
+        for slot, acc, last, n in zip(self._slots, self._accept, self._last, self._decisions):
             slots[str(slot.min_batch_size)] = {
                 "steps": last, "decisions": n, "accept": list(acc.estimates()),
-                "time_ratio": {str(k): v for k, v in sorted(ratio.items())},
                 "expected_tokens": {str(k): self.expected_tokens(slot.min_batch_size, k) for k in slot.candidate_steps}}
         return {"policy": self.name, "slots": slots,
                 "cost": {"draft_coef": list(self.cost.draft_coef), "verify_coef": list(self.cost.verify_coef),
@@ -571,10 +550,9 @@ class CostModelPolicy:
                 "calibrator": {"hits": self._calib.hits[:], "trials": self._calib.trials[:]},
                 "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:],
                                                   "weight": acc.weight[:], "steps": last,
-                                                  "decisions": n, "below": below,
-                                                  "time_ratio": {str(k): v for k, v in ratio.items()}}
-                          for s, acc, last, n, below, ratio in zip(self._slots, self._accept, self._last,
-                                                                   self._decisions, self._below, self._ratio)}}
+                                                  "decisions": n, "below": below}
+                          for s, acc, last, n, below in zip(self._slots, self._accept, self._last, self._decisions,
+                                                            self._below)}}
 
     def load_state_dict(self, state: dict) -> None:
         check(state.get("policy") == self.name, "state.policy", f"expected {self.name!r}, got {state.get('policy')!r}")
@@ -592,7 +570,6 @@ class CostModelPolicy:
             self._last[j] = entry["steps"]
             self._decisions[j] = int(entry["decisions"])
             self._below[j] = int(entry.get("below", 0))  # states written before probing have none
-            self._ratio[j] = {int(k): float(v) for k, v in entry.get("time_ratio", {}).items()}
         calib = state["calibrator"]
         check(len(calib["hits"]) == self._calib.bins, "state.calibrator.hits",
               f"has {len(calib['hits'])} bins, the config has {self._calib.bins}")
