@@ -408,7 +408,7 @@ class DriftDetector:
             d = delta / max(sd, 1e-6)
             up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu)
             down.add(wc * d * (-r - 0.5 * d), w, obs.accept_len, mu)
-        for kind, side in (("drop", s.down), ("rise", s.up), ("drop", s.down_large), ("rise", s.up_large)):
+        for kind, side in ((kind, side) for _, up, down in pairs for kind, side in (("drop", down), ("rise", up))):
             if side.stat > cfg.threshold:
                 before, after = side.sum_mu / side.w, side.sum_a / side.w
                 cooling = self._cooling(s, "change")

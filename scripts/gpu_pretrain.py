@@ -154,11 +154,9 @@ def main() -> None:
     seqs = json.loads(args.seqs.read_text()) if args.seqs and args.seqs.exists() else {}
     for name, gen_s in (("sharegpt", args.gen_seconds), ("humaneval", args.gen_seconds / 4)):
         if name not in seqs:
-            enc = lambda msgs: target.encode_chat(msgs)  # noqa: E731
-            seqs[name] = {"train": generate(target, [enc(m) for m in data[name]["train"]], args.new_tokens,
-                                            args.gen_batch, gen_s),
-                          "heldout": generate(target, [enc(m) for m in data[name]["heldout"]], args.new_tokens,
-                                              args.gen_batch, 60)}
+            seqs[name] = {split: generate(target, [target.encode_chat(m) for m in data[name][split]],
+                                          args.new_tokens, args.gen_batch, seconds)
+                          for split, seconds in (("train", gen_s), ("heldout", 60))}
     if args.seqs and not args.seqs.exists():
         args.seqs.write_text(json.dumps(seqs))
     report["sequences"] = {k: {s: len(v) for s, v in d.items()} for k, d in seqs.items()}

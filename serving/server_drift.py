@@ -52,18 +52,17 @@ class ServerDrift:
         K = stats.num_steps
         if K == 0 or not stats.accepted:
             return []
-        by_tag: dict[str, list[int]] = {}
-        ids: dict[str, list[str]] = {}
+        by_tag: dict[str, list[tuple[int, str]]] = {}  # tag -> (accepted, request id) per request
         for a, tag, out in zip(stats.accepted, tags, outs):
-            by_tag.setdefault(tag, []).append(a)
-            ids.setdefault(tag, []).append(out.request_id)
+            by_tag.setdefault(tag, []).append((a, out.request_id))
         tps = stats.committed / stats.total_s if stats.total_s > 0 else None
         now = time.time()
         raised = []
-        for tag, acc in by_tag.items():
+        for tag, rows in by_tag.items():
+            acc, ids = zip(*rows)
             obs = RoundObservation(slot=stats.batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=K,
                                    head_version=stats.head_version, timestamp=now, spec_tokens_per_s=tps,
-                                   num_requests=len(acc), request_ids=tuple(ids[tag]))
+                                   num_requests=len(acc), request_ids=ids)
             with self._lock:
                 alerts = self.detector.update(obs)
             for alert in alerts:
