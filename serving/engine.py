@@ -246,10 +246,12 @@ class Engine:
             K = drafts.shape[1]
         else:
             drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0)
-        # per-request verify lengths (confidence-prior verifier): low-confidence tails are not verified
+        # verify length (confidence-prior verifier): low-confidence tails are not verified. The
+        # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
+        # length for the batch: a request cut shorter than the rest would save nothing.
         lens = [K] * B
         if K > 0 and hasattr(self.policy, "verify_lengths"):
-            lens = [min(K, n) for n in self.policy.verify_lengths(draft_probs.tolist(), ctx)]
+            lens = [min(K, n) for n in self.policy.verify_lengths(draft_probs.tolist(), ctx, padded=True)]
             K = max(lens)
             drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
         t2 = time.perf_counter()

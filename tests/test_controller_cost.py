@@ -332,6 +332,40 @@ def test_verify_lengths_reach_the_brute_force_optimum():
 
 def test_empty_batch():
     assert policy([3], 0.5).verify_lengths([]) == []
+    assert policy([3], 0.5).verify_lengths([], padded=True) == []
+
+
+def padded_rate(policy_, rows, n, ctx=0):
+    """Tokens per second when every row is verified at min(n, its drafts), in a forward that
+    runs every row at n (naive reference)."""
+    cal, cost, b = policy_._calib, policy_.cost, len(rows)
+    tokens = sum(1 + sum(math.prod(cal(c) for c in r[: m + 1]) for m in range(min(n, len(r)))) for r in rows)
+    return tokens / (max(len(r) for r in rows) * cost.draft_step_s(b, ctx) + cost.verify_s(b, n, ctx))
+
+
+def test_padded_cut_is_the_best_common_length():
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(60):
+        p = policy([7], 0.5, draft=(rng.uniform(0, 0.05), 0, 0),
+                   verify=(rng.uniform(0.02, 0.3), 0, rng.uniform(0.002, 0.1), 0))
+        k = rng.randint(1, 7)
+        rows = [[rng.random() ** 0.3 for _ in range(k)] for _ in range(rng.randint(1, 16))]
+        lengths = p.verify_lengths(rows, padded=True)
+        assert len(set(lengths)) == 1, "a padded verify gets one length for the batch"
+        best = max(padded_rate(p, rows, n) for n in range(k + 1))
+        assert padded_rate(p, rows, lengths[0]) == pytest.approx(best, rel=1e-12)
+        checked += 0 < lengths[0] < k  # cuts strictly inside the rows happen
+    assert checked >= 5
+
+
+def test_padded_verify_does_not_cut_a_weak_row_alone():
+    """Per request, the weak row is cut to nothing; padded, cutting it would save no verify
+    work (the strong row sets the forward's length), so it keeps its drafts."""
+    p = policy([3], 0.5, draft=(0.0, 0, 0), verify=(0.2, 0, 0.02, 0))
+    rows = [[0.05, 0.05, 0.05], [0.95, 0.95, 0.95]]
+    assert p.verify_lengths(rows) == [0, 3]
+    assert p.verify_lengths(rows, padded=True) == [3, 3]
 
 
 # -- lifecycle -------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int 
                              ctx_len: int = 512) -> float:
     """Median microseconds of one round's policy work, on a copy of `policy`: steps_for, then
     as the engine calls them when the policy has them, should_continue after each draft step
-    and verify_lengths over the round's confidences, then update.
+    and verify_lengths over the round's confidences (padded, as the engine asks), then update.
 
     Acceptance and confidences follow fixed patterns (request r accepts r mod (K+1) drafts;
     confidences cycle through the ten deciles) so runs compare.
@@ -66,7 +66,7 @@ def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int 
                     break
         lens: int | list[int] = k
         if truncate is not None and k > 0:
-            lens = [min(k, m) for m in truncate([row[:k] for row in conf], ctx_len)]
+            lens = [min(k, m) for m in truncate([row[:k] for row in conf], ctx_len, padded=True)]
         accepted = patterns.get(k)
         if accepted is None:
             accepted = patterns[k] = [r % (k + 1) for r in range(batch_size)]

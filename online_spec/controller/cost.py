@@ -451,11 +451,17 @@ class CostModelPolicy:
         # (E + gain) / t_next > E / t_now, cross-multiplied (both times are >= 0).
         return gain * t_now > expected * (t_next - t_now)
 
-    def verify_lengths(self, confidences: Sequence[Sequence[float]], ctx_len: float = 0) -> list[int]:
+    def verify_lengths(self, confidences: Sequence[Sequence[float]], ctx_len: float = 0, *,
+                       padded: bool = False) -> list[int]:
         """Drafts to verify per request (AdaSpec's confidence-prior verifier): keep draft m of
         request r while its survival S_rm = prod_{j<=m} p(conf_rj) pays for its verify token
         at the round's throughput, S_rm >= (expected tokens / round seconds) * (seconds per
-        verified token). Drafting is already spent; only verify tokens are saved."""
+        verified token). Drafting is already spent; only verify tokens are saved.
+
+        padded: the verify forward runs every request at the longest kept length (the embedded
+        engine's batch is rectangular), so a request cut shorter than the longest saves nothing
+        and only loses drafts; then one common length is chosen for the whole batch (see
+        `_padded_cut`). Per-request lengths pay only where the verify packs ragged rows."""
         b = len(confidences)
         if b == 0:
             return []
@@ -463,6 +469,8 @@ class CostModelPolicy:
         tok_s = self.cost.verify_token_s()
         if tok_s <= 0:
             return full
+        if padded:
+            return self._padded_cut(confidences, ctx_len)
         # Survival S_rm = prod_{j<=m} p(conf_rj) never rises along a row, so every
         # throughput threshold keeps a prefix of each row, and the rows' kept drafts together
         # are the largest survivals of the batch: sort them once and scan the cut (the
@@ -500,6 +508,27 @@ class CostModelPolicy:
                 n += 1
             lengths.append(n)
         return lengths
+
+    def _padded_cut(self, confidences: Sequence[Sequence[float]], ctx_len: float) -> list[int]:
+        """One verify length L for every request (fewer where a row has fewer drafts): the L
+        maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
+        the longer L."""
+        b, longest = len(confidences), max(len(row) for row in confidences)
+        gain = [0.0] * longest  # gain[m]: expected tokens the batch gains from verifying draft m+1
+        for row in self._calib.rows(confidences):
+            s = 1.0
+            for m, p in enumerate(row):
+                s *= p
+                gain[m] += s
+        draft_s = longest * self.cost.draft_step_s(b, ctx_len)
+        best_n, best_rate, tokens = 0, -1.0, float(b)
+        for n in range(longest + 1):
+            if n:
+                tokens += gain[n - 1]
+            rate = tokens / max(draft_s + self.cost.verify_s(b, n, ctx_len), 1e-12)
+            if rate >= best_rate:
+                best_n, best_rate = n, rate
+        return [min(best_n, len(row)) for row in confidences]
 
     # -- after verify ------------------------------------------------------------------------
 
