@@ -5,11 +5,12 @@ Shared parts: target loading (`target`), the EAGLE-3 head (`head`) and its check
 command line (`cli`). See ../shared/ARCHITECTURE.md for how the packages fit together.
 """
 
-import os
-
-# The server and the trainer share the CPU: OpenMP workers that spin while waiting turn any
-# oversubscription into 10-50x slowdowns of small matmuls (measured here: 16 ms vs 0.4 ms for a
-# [37x576]x[576x1536] bf16 linear with another busy process). Must be set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP wait policy: left to the runtime (libgomp spins a while before sleeping). Measured on
+# 2 cores (docs/engine.md, "CPU notes"): a 2-thread process alone decodes 1.5-1.8x faster
+# spinning than with OMP_WAIT_POLICY=PASSIVE (batch 1: 20 vs 30 ms a step; batch 16 x 4 tokens:
+# 59 vs 106 ms), and PASSIVE with 2 threads is slower than 1 thread. Where processes share the
+# cores (server + trainer daemon), each runs with its own threads (the demo, `bench e2e` and
+# `train` default to 1 each), where the policy does not matter; a multi-threaded process on a
+# shared CPU should set OMP_WAIT_POLICY=PASSIVE itself (spinning there: 2.4x slower).
 
 __version__ = "0.1.0"

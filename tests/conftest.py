@@ -9,7 +9,7 @@ check a dtype's own behaviour use it.
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see online_spec/__init__.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # tests run servers and trainers side by side
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
