@@ -220,29 +220,29 @@ class AcceptanceEstimate:
         self._filled: list[float] | None = None
 
     def observe(self, accepted: Sequence[int], num_steps: int | Sequence[int]) -> None:
-        """One round: request r drafted num_steps (or num_steps[r]) and had accepted[r] accepted."""
-        if isinstance(num_steps, int):
-            k = min(num_steps, self.depth)
-            if k <= 0:
-                return
-            reach = [0] * (k + 1)  # reach[i] = requests whose first i drafts were all accepted
-            for a in accepted:
-                reach[min(a, k)] += 1
-            for i in range(k - 1, -1, -1):
-                reach[i] += reach[i + 1]
-            trials, hits = reach[:k], reach[1:]
-        else:
-            k = min(max(num_steps, default=0), self.depth)
-            if k <= 0:
-                return
-            trials, hits = [0] * k, [0] * k
-            for a, kr in zip(accepted, num_steps):
-                kr = min(kr, k)
-                a = min(a, kr)
-                for i in range(min(a + 1, kr)):
-                    trials[i] += 1
-                    if i < a:
-                        hits[i] += 1
+        """One round: request r drafted num_steps (or num_steps[r]) and had accepted[r] accepted.
+
+        Position i was tried by every request whose first i drafts were accepted and that drafted
+        more than i, and hit by every request that accepted more than i: counted in one pass
+        over the requests (tried_to[t]: requests whose trials stop before position t), then suffix sums."""
+        steps = [num_steps] * len(accepted) if isinstance(num_steps, int) else num_steps
+        k = min(max(steps, default=0), self.depth)
+        if k <= 0:
+            return
+        tried_to, hit_to = [0] * (k + 1), [0] * (k + 1)
+        for a, kr in zip(accepted, steps):  # comparisons, not min(): this runs B times a round
+            if kr > k:
+                kr = k
+            if a > kr:
+                a = kr
+            tried_to[a + 1 if a < kr else kr] += 1
+            hit_to[a] += 1
+        trials, hits = [0] * k, [0] * k
+        t = h = 0
+        for i in range(k - 1, -1, -1):
+            t += tried_to[i + 1]
+            h += hit_to[i + 1]
+            trials[i], hits[i] = t, h
         keep = 1.0 - 1.0 / self.window
         for i in range(k):
             if trials[i]:
@@ -293,18 +293,27 @@ class ConfidenceCalibrator:
     def __call__(self, confidence: float) -> float:
         return self._values()[self._bin(confidence)]
 
+    def table_with_top(self) -> list[float]:
+        """Calibrated values indexed by int(confidence * bins), confidence in [0, 1] (1.0 falls
+        in the top bin)."""
+        table = self._values()
+        return table + [table[-1]]
+
     def rows(self, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
         """`self(c)` for every confidence (a probability, in [0, 1]) of every row."""
-        table, n = self._values(), self.bins
-        table = table + [table[-1]]  # confidence 1.0 falls in the top bin
+        table, n = self.table_with_top(), self.bins
         return [[table[int(c * n)] for c in row] for row in confidences]
 
     def observe(self, confidences: Sequence[Sequence[float]], accepted: Sequence[int]) -> None:
+        # `_bin` inlined: the engine passes B x K confidences every round (decision cost).
+        n, top, hits, trials = self.bins, self.bins - 1, self.hits, self.trials
         for row, a in zip(confidences, accepted):
             for i, c in enumerate(row[: a + 1]):  # drafts after the first rejection were never judged
-                b = self._bin(c)
-                self.trials[b] += 1
-                self.hits[b] += i < a
+                b = int(c * n)
+                b = top if b > top else (0 if b < 0 else b)
+                trials[b] += 1
+                if i < a:
+                    hits[b] += 1
         self._table = None
 
     def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:
@@ -513,13 +522,23 @@ class CostModelPolicy:
         """One verify length L for every request (fewer where a row has fewer drafts): the L
         maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
         the longer L."""
-        b, longest = len(confidences), max(len(row) for row in confidences)
-        gain = [0.0] * longest  # gain[m]: expected tokens the batch gains from verifying draft m+1
-        for row in self._calib.rows(confidences):
-            s = 1.0
-            for m, p in enumerate(row):
-                s *= p
-                gain[m] += s
+        b, lens = len(confidences), list(map(len, confidences))
+        longest = max(lens)
+        uniform = lens.count(longest) == b
+        gain = []  # gain[m]: expected tokens the batch gains from verifying draft m+1
+        table, n = self._calib.table_with_top(), self._calib.bins
+        if uniform:  # the engine's case: column by column
+            surv = [1.0] * b
+            for col in zip(*confidences):
+                surv = [s * table[int(c * n)] for s, c in zip(surv, col)]
+                gain.append(sum(surv))
+        else:
+            gain = [0.0] * longest
+            for row in self._calib.rows(confidences):
+                s = 1.0
+                for m, p in enumerate(row):
+                    s *= p
+                    gain[m] += s
         draft_s = longest * self.cost.draft_step_s(b, ctx_len)
         best_n, best_rate, tokens = 0, -1.0, float(b)
         for n in range(longest + 1):
@@ -528,7 +547,7 @@ class CostModelPolicy:
             rate = tokens / max(draft_s + self.cost.verify_s(b, n, ctx_len), 1e-12)
             if rate >= best_rate:
                 best_n, best_rate = n, rate
-        return [min(best_n, len(row)) for row in confidences]
+        return [best_n] * b if uniform else [min(best_n, m) for m in lens]
 
     # -- after verify ------------------------------------------------------------------------
 
