@@ -108,8 +108,11 @@ class RoundLog:
         self.last_version = stats.head_version
 
 
-def build_policy(cfg: SessionConfig):
+def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
+    """The session's K policy; the cost-model policy's round-time model is calibrated on this
+    engine (stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
     from online_spec.controller import CostModelPolicy, EmaTierPolicy, adaptive_config_path, load_adaptive_config
+    from online_spec.controller.calibrate import engine_cost_model
 
     if cfg.policy == "static":
         return None
@@ -117,7 +120,9 @@ def build_policy(cfg: SessionConfig):
     if cfg.policy == "sglang_default":
         tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
         return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
-    return CostModelPolicy(adaptive)
+    model, _ = engine_cost_model(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
+                                 store=run_dir / "cost_model.json")
+    return CostModelPolicy(adaptive, cost_model=model)
 
 
 def _control_available() -> bool:
@@ -159,7 +164,8 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"))
         scfg = ServerConfig(engine=engine_cfg, capture=cfg.online, log_level="warning")
         server = SpecServer(scfg, target, None if plain else head, head_version=version,
-                            policy=None if plain else build_policy(cfg), publisher=publisher)
+                            policy=None if plain else build_policy(cfg, target, head, engine_cfg, run_dir),
+                            publisher=publisher)
         server.round_observers.append(RoundLog(result))
         if server.drift is not None:
             server.drift.sinks.append(CallbackAlertSink(

@@ -59,6 +59,11 @@ class ServerConfig:
     default_max_tokens: int = doc("max_tokens of a chat request that gives none", 256)
     adaptive: str = doc("adaptive K: an SGLang adaptive-steps JSON file or a preset name in configs/adaptive "
                         "(e.g. sglang_default); empty = fixed K = --num-steps", "")
+    policy: str = doc("K policy: auto (ema with --adaptive, else static), static (K = --num-steps), ema (SGLang's "
+                      "EMA tiers over --adaptive), cost (the cost-model policy over --adaptive's tiers, or every K "
+                      "up to --max-steps; its round-time model is calibrated on this engine at start and stored "
+                      "as RUN_DIR/cost_model.json, reused while target, dtype, device, CPU and threads match)",
+                      "auto")
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     log_level: str = doc("uvicorn and server log level", "info")
@@ -83,6 +88,9 @@ class ServerConfig:
               f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         check(self.threads >= 0, "threads", "must be >= 0")
+        check(self.policy in ("auto", "static", "ema", "cost"), "policy",
+              f"must be auto, static, ema or cost, got {self.policy!r}")
+        check(self.policy != "ema" or bool(self.adaptive), "policy", "ema needs --adaptive (a JSON file or preset)")
         check(self.metrics_window >= 1, "metrics_window", "must be >= 1")
         check(self.wandb_mode in ("off", "offline", "online"), "wandb_mode",
               f"must be off, offline or online, got {self.wandb_mode!r}")
@@ -199,17 +207,33 @@ class SpecServer:
                 log.exception("round observer %r failed (ignored)", obs)
 
 
-def build_policy(cfg: ServerConfig):
-    """The step policy the config names: SGLang's EMA tier policy over an adaptive JSON, or None
+def build_policy(cfg: ServerConfig, target=None, head=None):
+    """The step policy the config names: SGLang's EMA tier policy over an adaptive JSON, the
+    cost-model policy (calibrated on `target` and `head`, stored in the run directory), or None
     (the engine's fixed K)."""
-    if not cfg.adaptive:
-        return None
     from pathlib import Path
 
-    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
+    from online_spec.controller import (AdaptiveConfig, CostModelPolicy, EmaTierPolicy, adaptive_config_path,
+                                        load_adaptive_config)
 
-    path = Path(cfg.adaptive) if Path(cfg.adaptive).exists() else adaptive_config_path(cfg.adaptive)
-    return EmaTierPolicy(load_adaptive_config(path), initial_steps=cfg.engine.num_steps or None)
+    policy = cfg.policy if cfg.policy != "auto" else ("ema" if cfg.adaptive else "static")
+    if policy == "static":
+        return None
+    adaptive = None
+    if cfg.adaptive:
+        path = Path(cfg.adaptive) if Path(cfg.adaptive).exists() else adaptive_config_path(cfg.adaptive)
+        adaptive = load_adaptive_config(path)
+    if policy == "ema":
+        return EmaTierPolicy(adaptive, initial_steps=cfg.engine.num_steps or None)
+    from online_spec.controller.calibrate import engine_cost_model
+
+    check(target is not None and head is not None, "policy", "cost needs the target and head to calibrate on")
+    if adaptive is None:
+        adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(cfg.engine.max_steps + 1))}})
+    model, report = engine_cost_model(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
+                                      store=Path(cfg.control.run_dir) / "cost_model.json")
+    log.info("cost-model policy: tiers %s, round-time model from %s", adaptive.candidate_steps, report["source"])
+    return CostModelPolicy(adaptive, cost_model=model)
 
 
 def build_server(cfg: ServerConfig) -> SpecServer:
@@ -233,8 +257,8 @@ def build_server(cfg: ServerConfig) -> SpecServer:
         from online_spec.wandb_run import init_wandb
         run = init_wandb(cfg.wandb_project, None, cfg.wandb_dir, mode=cfg.wandb_mode, config=config_to_dict(cfg))
     publisher = CapturePublisher(cfg.publisher) if cfg.capture else None
-    return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg), publisher=publisher,
-                      wandb_run=run)
+    return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg, target, head),
+                      publisher=publisher, wandb_run=run)
 
 
 class HttpThread:
@@ -292,8 +316,9 @@ def run(args: argparse.Namespace) -> int:
     server = build_server(cfg)
     try:
         server.start()
-        log.info("serving %s (head version %d, K=%d) on http://%s:%d", server.model_name,
-                 server.engine.head_version, cfg.engine.num_steps, cfg.host, cfg.port)
+        policy = getattr(server.engine.policy, "name", None) or f"static K={cfg.engine.num_steps}"
+        log.info("serving %s (head version %d, K policy %s, %d torch threads) on http://%s:%d", server.model_name,
+                 server.engine.head_version, policy, torch.get_num_threads(), cfg.host, cfg.port)
         uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     finally:
         server.close()

@@ -19,8 +19,8 @@ from online_spec.cli import BENCHES, main
 from online_spec.config import ConfigError
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
 from online_spec.controller.bench import ControllerBenchConfig, Phase, Traffic, run_bench
-from online_spec.controller.calibrate import (calibrate_cost_model, measure_round_timings, median_per_point,
-                                              prediction_errors)
+from online_spec.controller.calibrate import (calibrate_cost_model, engine_cost_model, measure_round_timings,
+                                              median_per_point, prediction_errors)
 from online_spec.controller.replay import attach_trace_recorder
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
@@ -135,6 +135,38 @@ def _check_calibration(target, head, seed: int) -> None:
     assert all(predicted[p] > predicted[q] for p, q in pairs), (measured, predicted)
     # the fit is not the prior: the measured rounds moved it
     assert model.observations > 0 and model.verify_coef[0] != 0.02
+
+
+def test_engine_cost_model_is_stored_and_reused(tiny8, tmp_path, caplog):
+    """Calibrated once, stored with the run, reused while the machine matches; a store of
+    another machine, a malformed one or one with non-finite numbers is measured over."""
+    target, head = tiny8
+    store = tmp_path / "run" / "cost_model.json"
+
+    def model(**kw):
+        return engine_cost_model(target, head, max_batch=4, max_steps=3, store=store, rounds=1, ctx_len=24, **kw)
+
+    first, rep = model()
+    assert rep["source"] == "calibrated" and rep["batch_sizes"] == [1, 4] and rep["ks"] == [0, 1, 3]
+    assert store.exists() and first.verify_s(4, 3) > 0
+    again, rep = model()
+    assert rep["source"] == "store"
+    assert (again.draft_coef, again.verify_coef) == (first.draft_coef, first.verify_coef)
+
+    saved = json.loads(store.read_text())
+    bad_stores = {"another machine": {**saved, "key": {**saved["key"], "threads": saved["key"]["threads"] + 1}},
+                  "non-finite": {**saved, "verify_coef": [float("nan")] * 4},
+                  "malformed": {**saved, "draft_coef": [1.0]}}
+    for why, content in bad_stores.items():
+        store.write_text(json.dumps(content))
+        caplog.clear()
+        _, rep = model()
+        assert rep["source"] == "calibrated", why
+        assert "not used" in caplog.text, why
+        assert json.loads(store.read_text())["key"] == saved["key"]  # rewritten for this machine
+    store.write_text("{not json")
+    _, rep = model()
+    assert rep["source"] == "calibrated"
 
 
 def test_recorded_trace_replays_to_the_live_ema_decisions(tiny8, tmp_path):

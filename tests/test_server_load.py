@@ -8,12 +8,14 @@ counted in /metrics. Plus the incremental detokenizer against full decodes.
 """
 
 import asyncio
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
+from online_spec.config import ConfigError
 from online_spec.head import new_head
 from online_spec.target import tiny_target
 from serving.engine import EngineConfig
@@ -150,6 +152,39 @@ def test_adaptive_policy_steps_down_and_is_reported_per_slot(tiny_smol):
     finally:
         http.stop()
         server.close()
+
+
+def test_cost_policy_calibrates_stores_and_reports(tiny_smol, tmp_path):
+    """`serve --policy cost`: calibrated on the engine at build, stored in the run directory,
+    reused by the next build, and its per-slot K / expected tokens shown in /server_info."""
+    from serving.control import ControlConfig
+    from serving.server import build_policy
+
+    head = new_head(tiny_smol, draft_vocab_size=2048)
+    cfg = ServerConfig(policy="cost", control=ControlConfig(run_dir=str(tmp_path)),
+                       engine=EngineConfig(max_len=256, max_batch=2, max_steps=3, num_steps=1))
+    policy = build_policy(cfg, tiny_smol, head)
+    assert policy.name == "cost_model" and policy.candidate_steps == [0, 1, 2, 3]
+    store = json.loads((tmp_path / "cost_model.json").read_text())
+    assert store["report"]["source"] == "calibrated" and store["key"]["target"] == tiny_smol.name
+    server = SpecServer(cfg, tiny_smol, head, policy=build_policy(cfg, tiny_smol, head))  # from the store
+    server.start()
+    http = HttpThread(server).start()
+    try:
+        r = httpx.post(http.url + "/v1/completions", timeout=60,
+                       json={"prompt": "go", "max_tokens": 24, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200
+        state = server.info()["internal_states"][0]
+        assert state["policy"]["policy"] == "cost_model"
+        assert state["speculative_num_steps_per_slot"]["1"] in (0, 1, 2, 3)
+        assert set(state["policy"]["slots"]["1"]["expected_tokens"]) == {"0", "1", "2", "3"}
+    finally:
+        http.stop()
+        server.close()
+    with pytest.raises(ConfigError, match="policy"):
+        ServerConfig(policy="ema")  # no --adaptive
+    with pytest.raises(ConfigError, match="policy"):
+        ServerConfig(policy="fastest")
 
 
 def test_capture_stream_counted_in_metrics(tiny_smol, tmp_path):

@@ -19,17 +19,26 @@ a one-off cost of a new request.
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
 import statistics
+import time
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import torch
 
-from online_spec.config import check
+from online_spec.config import ConfigError, check
 from online_spec.controller.cost import CostModel, CostModelConfig
 from online_spec.controller.static import StaticSteps
 
 
 CTX_BUCKET = 128  # rounds whose context lengths fall in one bucket share a median
+STORE_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 class RoundTiming(NamedTuple):
@@ -122,3 +131,53 @@ def cost_model_report(model: CostModel) -> dict:
             "verify_s": dict(zip(("const", "per_request", "per_token", "per_request_per_kctx"), model.verify_coef)),
             "draft_coef": list(model.draft_coef), "verify_coef": list(model.verify_coef),
             "observations": model.observations}
+
+
+def calibration_key(target) -> dict:
+    """What a stored calibration is valid for: the model, dtype, device, CPU and thread count."""
+    from online_spec.benchutil import machine_info
+
+    info = machine_info()
+    return {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+            "cpu": info.get("gpu") or info["cpu"], "threads": torch.get_num_threads()}
+
+
+def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str | Path | None = None,
+                      rounds: int = 2, ctx_len: int = 256) -> tuple[CostModel, dict]:
+    """The cost model of this engine, stored with the run: loaded from `store` when it holds a
+    calibration of the same target, dtype, device, CPU and thread count; else measured now
+    (batch sizes 1/4/16/64 up to max_batch, K 0/1/3/7 up to max_steps; a few seconds to a
+    minute on a CPU) and written to `store` atomically. A store that is unreadable, of another
+    machine or malformed is measured over, with the reason logged. Returns (model, report):
+    the report says where the model came from (`source`: "store" or "calibrated")."""
+    key = calibration_key(target)
+    path = Path(store) if store else None
+    if path is not None and path.exists():
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("version") != STORE_VERSION or saved.get("key") != key:
+                raise ValueError(f"calibrated for {saved.get('key')}, this engine is {key}")
+            model = CostModel.with_coefficients(saved["draft_coef"], saved["verify_coef"])
+            if not all(math.isfinite(c) for c in model.draft_coef + model.verify_coef):
+                raise ValueError("non-finite coefficients")
+            return model, {**cost_model_report(model), "source": "store", "path": str(path)}
+        except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+            log.warning("cost model store %s not used (%s): calibrating", path, e)
+    batch_sizes = [b for b in (1, 4, 16, 64) if b <= max_batch] or [max_batch]
+    ks = [k for k in (0, 1, 3, 7) if k <= max_steps]
+    t0 = time.perf_counter()
+    timings = measure_round_timings(target, head, batch_sizes, ks, [ctx_len], rounds)
+    model = calibrate_cost_model(target, head, timings=timings)
+    report = {**cost_model_report(model), "source": "calibrated", "seconds": time.perf_counter() - t0,
+              "median_rel_error": median_relative_error(model, median_per_point(timings)),
+              "batch_sizes": batch_sizes, "ks": ks}
+    log.info("cost model calibrated in %.1f s (batch sizes %s, K %s): median error %.1f%%", report["seconds"],
+             batch_sizes, ks, 100 * report["median_rel_error"])
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": STORE_VERSION, "key": key, "draft_coef": model.draft_coef,
+                                   "verify_coef": model.verify_coef, "report": report}, indent=1))
+        os.replace(tmp, path)
+        report["path"] = str(path)
+    return model, report
