@@ -46,12 +46,16 @@ class ServerBenchConfig:
     max_len: int = doc("engine max_len", 1024)
     draft: str = doc("head checkpoint directory; empty = a random day-0 head", "")
     temperature: float = doc("sampling temperature of the requests (0 = greedy)", 0.0)
+    policy: str = doc("K policy of the speculative mode: static (K = --num-steps), ema (SGLang's default "
+                      "adaptive tiers) or cost (the cost-model policy, calibrated on the engine before the load; "
+                      "tiers 0..7)", "static")
 
     def __post_init__(self):
         check(self.clients >= 1, "clients", "must be >= 1")
         check(self.requests >= self.clients, "requests", f"must be >= clients={self.clients}")
         check(self.max_tokens >= 2, "max_tokens", "must be >= 2 (TPOT needs two tokens)")
         check(self.time_limit_s > 0, "time_limit_s", "must be > 0")
+        check(self.policy in ("static", "ema", "cost"), "policy", f"must be static, ema or cost, got {self.policy!r}")
 
 
 QUICK = dict(requests=64, max_tokens=16, max_prompt_tokens=96, time_limit_s=240.0)
@@ -124,21 +128,34 @@ async def _load(url: str, prompts: list[list[dict]], cfg: ServerBenchConfig) -> 
             "tpot_s": {"p50": _pct(tpot, 0.5), "p99": _pct(tpot, 0.99)}}
 
 
-def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list[list[dict]]) -> dict:
-    engine = EngineConfig(max_batch=cfg.max_batch, max_len=cfg.max_len, max_steps=max(num_steps, 1),
+def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list[list[dict]],
+             policy: str = "static") -> dict:
+    """One mode under load; `policy` (spec mode only): static, ema or cost, built as `serve --policy`
+    builds it (the cost model calibrated into a temporary run directory, before the clients start)."""
+    import tempfile
+
+    from serving.control import ControlConfig
+    from serving.server import build_policy
+
+    engine = EngineConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
+                          max_steps=7 if policy != "static" else max(num_steps, 1),
                           num_steps=num_steps, max_queue=max(1024, cfg.clients))
-    server = SpecServer(ServerConfig(engine=engine, drift_monitor=False), target, head)
-    server.start()
-    http = HttpThread(server).start()
-    try:
-        out = asyncio.run(_load(http.url, prompts, cfg))
-        st = server.info()["internal_states"][0]
-        out.update(num_steps=num_steps, avg_spec_accept_length=st["avg_spec_accept_length_lifetime"] or 1.0,
-                   rounds_failed=server.loop.rounds_failed)
-        return out
-    finally:
-        http.stop()
-        server.close()
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as run_dir:
+        scfg = ServerConfig(engine=engine, drift_monitor=False, policy=policy,
+                            adaptive="sglang_default" if policy == "ema" else "", control=ControlConfig(run_dir=run_dir))
+        server = SpecServer(scfg, target, head, policy=build_policy(scfg, target, head))
+        server.start()
+        http = HttpThread(server).start()
+        try:
+            out = asyncio.run(_load(http.url, prompts, cfg))
+            st = server.info()["internal_states"][0]
+            out.update(num_steps=num_steps, avg_spec_accept_length=st["avg_spec_accept_length_lifetime"] or 1.0,
+                       rounds_failed=server.loop.rounds_failed, policy=getattr(server.engine.policy, "name", "static"),
+                       steps_per_slot=st.get("speculative_num_steps_per_slot"))
+            return out
+        finally:
+            http.stop()
+            server.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [c[:1] for c in convs]
     results["model"] = target.name
     results["head"] = cfg.draft or "day-0 (random)"
-    results["spec"] = run_mode(target, head, cfg, cfg.num_steps, prompts)
+    results["spec"] = run_mode(target, head, cfg, cfg.num_steps, prompts, policy=cfg.policy)
     results["plain"] = run_mode(target, head, cfg, 0, prompts)
     results["failed_requests"] = results["spec"]["failed_requests"] + results["plain"]["failed_requests"]
     results["speedup_tokens_per_s"] = results["spec"]["tokens_per_s"] / max(results["plain"]["tokens_per_s"], 1e-9)

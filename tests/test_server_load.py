@@ -187,6 +187,19 @@ def test_cost_policy_calibrates_stores_and_reports(tiny_smol, tmp_path):
         ServerConfig(policy="fastest")
 
 
+def test_bench_server_runs_the_cost_policy_under_load(tiny_smol):
+    """`bench server --policy cost`: the spec mode is served by the calibrated cost policy."""
+    from serving.bench_server import ServerBenchConfig, run_mode
+
+    cfg = ServerBenchConfig(clients=8, requests=8, max_tokens=4, max_batch=4, max_len=256, policy="cost")
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
+    out = run_mode(tiny_smol, new_head(tiny_smol, draft_vocab_size=2048), cfg, 3, prompts, policy=cfg.policy)
+    assert out["failed_requests"] == 0 and out["completion_tokens"] == 8 * 4
+    assert out["policy"] == "cost_model" and set(out["steps_per_slot"]) == {"1"}
+    with pytest.raises(ConfigError, match="policy"):
+        ServerBenchConfig(policy="fastest")
+
+
 def test_capture_stream_counted_in_metrics(tiny_smol, tmp_path):
     from collector.publisher import CapturePublisher, PublisherConfig
     from collector.subscriber import CaptureSubscriber, SubscriberConfig
