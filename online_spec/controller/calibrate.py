@@ -146,7 +146,7 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
                       rounds: int = 2, ctx_len: int = 256) -> tuple[CostModel, dict]:
     """The cost model of this engine, stored with the run: loaded from `store` when it holds a
     calibration of the same target, dtype, device, CPU and thread count; else measured now
-    (batch sizes 1/4/16/64 up to max_batch, K 0/1/3/7 up to max_steps; a few seconds to a
+    (batch sizes 1/4/16/64 below max_batch and max_batch itself, K 0/1/3/7 up to max_steps; a few seconds to a
     minute on a CPU) and written to `store` atomically. A store that is unreadable, of another
     machine or malformed is measured over, with the reason logged. Returns (model, report):
     the report says where the model came from (`source`: "store" or "calibrated")."""
@@ -163,7 +163,7 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
             return model, {**cost_model_report(model), "source": "store", "path": str(path)}
         except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
             log.warning("cost model store %s not used (%s): calibrating", path, e)
-    batch_sizes = [b for b in (1, 4, 16, 64) if b <= max_batch] or [max_batch]
+    batch_sizes = [b for b in (1, 4, 16, 64) if b < max_batch] + [max_batch]  # the largest batch measured, not extrapolated
     ks = [k for k in (0, 1, 3, 7) if k <= max_steps]
     t0 = time.perf_counter()
     timings = measure_round_timings(target, head, batch_sizes, ks, [ctx_len], rounds)
