@@ -115,7 +115,10 @@ def test_daemon_learns_from_live_traffic_and_publishes(smol, prompts, tmp_path):
         dcfg, scfg, rcfg, distill, loss, gate = daemon_cfgs(tmp_path)
         daemon = TrainerDaemon(dcfg, smol, ControlClient.from_run_dir(tmp_path / "serve"), scfg, rcfg,
                                distill, loss, gate)
-        summary = daemon.run(max_seconds=600, max_steps=12)
+        # 24 steps (12 gate evaluations): with 12, one full-suite run of 2026-11-23 saw no candidate
+        # beat the wrong head on its held-out anchors (6 runs of this file alone passed; the cause
+        # was not pinned down). This test is about the publish path, not how soon the gate agrees.
+        summary = daemon.run(max_seconds=600, max_steps=24)
         time.sleep(3)  # some rounds with the new head
     finally:
         load.stop()
