@@ -72,7 +72,8 @@ def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int 
             accepted = patterns[k] = [r % (k + 1) for r in range(batch_size)]
         if not isinstance(lens, int):
             accepted = [min(a, m) for a, m in zip(accepted, lens)]
+        verified = max(lens, default=0) if isinstance(lens, list) else lens
         policy.update(batch_size, accepted, num_steps=lens, ctx_len=ctx_len,
-                      confidences=[row[:k] for row in conf])  # the engine passes them too
+                      confidences=[row[:verified] for row in conf])  # as the engine passes them
         times.append(time.perf_counter_ns() - t0)
     return statistics.median(times) / 1000.0
