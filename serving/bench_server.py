@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,9 @@ import torch
 
 from online_spec.benchutil import machine_info, quick_overrides
 from online_spec.config import check, config_from_args, config_to_dict, doc
+from serving.control import ControlConfig
 from serving.engine import EngineConfig
-from serving.server import HttpThread, ServerConfig, SpecServer
+from serving.server import HttpThread, ServerConfig, SpecServer, build_policy
 
 
 @dataclass
@@ -132,11 +134,6 @@ def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list
              policy: str = "static") -> dict:
     """One mode under load; `policy` (spec mode only): static, ema or cost, built as `serve --policy`
     builds it (the cost model calibrated into a temporary run directory, before the clients start)."""
-    import tempfile
-
-    from serving.control import ControlConfig
-    from serving.server import build_policy
-
     engine = EngineConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
                           max_steps=7 if policy != "static" else max(num_steps, 1),
                           num_steps=num_steps, max_queue=max(1024, cfg.clients))

@@ -250,10 +250,12 @@ class Engine:
         # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
         # length for the batch: a request cut shorter than the rest would save nothing.
         lens = [K] * B
+        confidences = draft_probs.tolist()  # one host copy per round, for the policy
         if K > 0 and hasattr(self.policy, "verify_lengths"):
-            lens = [min(K, n) for n in self.policy.verify_lengths(draft_probs.tolist(), ctx, padded=True)]
+            lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
             K = max(lens)
             drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
+            confidences = [row[:K] for row in confidences]
         t2 = time.perf_counter()
 
         # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
@@ -296,7 +298,7 @@ class Engine:
         # every round counts, K=0 too: SGLang's policy probes up from plain decode
         if self.head is not None:
             self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=t2 - t1, verify_s=t3 - t2,
-                               confidences=draft_probs.tolist())
+                               confidences=confidences)
         if self.publisher is not None and records:
             self.publisher.submit(records)
         stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,

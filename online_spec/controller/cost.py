@@ -28,6 +28,7 @@ Three parts:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -527,18 +528,10 @@ class CostModelPolicy:
         uniform = lens.count(longest) == b
         gain = []  # gain[m]: expected tokens the batch gains from verifying draft m+1
         table, n = self._calib.table_with_top(), self._calib.bins
-        if uniform:  # the engine's case: column by column
-            surv = [1.0] * b
-            for col in zip(*confidences):
-                surv = [s * table[int(c * n)] for s, c in zip(surv, col)]
-                gain.append(sum(surv))
-        else:
-            gain = [0.0] * longest
-            for row in self._calib.rows(confidences):
-                s = 1.0
-                for m, p in enumerate(row):
-                    s *= p
-                    gain[m] += s
+        surv = [1.0] * b  # column by column; a row past its last draft survives with 0
+        for col in zip(*confidences) if uniform else itertools.zip_longest(*confidences):
+            surv = [s * table[int(c * n)] if c is not None else 0.0 for s, c in zip(surv, col)]
+            gain.append(sum(surv))
         draft_s = longest * self.cost.draft_step_s(b, ctx_len)
         best_n, best_rate, tokens = 0, -1.0, float(b)
         for n in range(longest + 1):
