@@ -250,12 +250,12 @@ class Engine:
         # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
         # length for the batch: a request cut shorter than the rest would save nothing.
         lens = [K] * B
-        confidences = draft_probs.tolist()  # one host copy per round, for the policy
+        confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
         if K > 0 and hasattr(self.policy, "verify_lengths"):
             lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
             K = max(lens)
             drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
-            confidences = [row[:K] for row in confidences]
+            confidences = confidences[:, :K]
         t2 = time.perf_counter()
 
         # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
@@ -349,7 +349,7 @@ class Engine:
                     drafts[b, j], probs[b, j] = t, float(q[t])
                     q_full[b][j] = q
             if j + 1 < K and hasattr(self.policy, "should_continue") and \
-                    not self.policy.should_continue(j + 1, probs[:, j].tolist(), B, ctx):
+                    not self.policy.should_continue(j + 1, probs[:, j].numpy(), B, ctx):
                 drafts, probs = drafts[:, :j + 1], probs[:, :j + 1]
                 q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
                 break

@@ -8,6 +8,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 
 from online_spec.config import ConfigError
@@ -154,6 +155,42 @@ def test_calibrator_starts_at_identity_and_learns():
     assert cal(0.93) == pytest.approx(0.95) and cal(1.0) == pytest.approx(0.95) and cal(0.0) == pytest.approx(0.05)
     cal.observe([[0.95, 0.95]] * 20, [0] * 20)  # first draft always rejected, second never judged
     assert cal(0.95) == pytest.approx(4 * 0.95 / 24)
+
+
+def test_calibrator_counts_judged_drafts_only():
+    """Per request: drafts before the first rejection are hits, the rejected one a miss, the
+    rest unjudged; rows of a ragged batch end at their own length (per-draft tally as reference)."""
+    rng = random.Random(3)
+    for ragged in (False, True):
+        rows = [[rng.random() for _ in range(rng.randint(0, 5) if ragged else 5)] for _ in range(12)]
+        accepted = [rng.randint(0, len(r)) for r in rows]
+        cal = ConfidenceCalibrator(bins=10, prior_weight=4.0)
+        cal.observe(rows, accepted)
+        hits, trials = [0] * 10, [0] * 10
+        for r, a in zip(rows, accepted):
+            for i, c in enumerate(r[: a + 1]):
+                trials[min(9, int(c * 10))] += 1
+                hits[min(9, int(c * 10))] += i < a
+        assert cal.hits.tolist() == hits and cal.trials.tolist() == trials
+
+
+def test_policy_reads_the_engines_array_like_lists():
+    """The engine passes its float32 [B, K] draft probabilities (and column views) as numpy
+    arrays; every decision equals the one taken on the same values as lists."""
+    rng = random.Random(9)
+    for _ in range(20):
+        b, k = rng.randint(1, 16), rng.randint(1, 7)
+        arr = np.array([[rng.random() ** 0.3 for _ in range(k)] for _ in range(b)], dtype=np.float32)
+        as_list = arr.tolist()
+        p, q = (policy([k], 0.5, draft=(0.01, 0, 0), verify=(0.1, 0, 0.02, 0)) for _ in range(2))
+        assert p.verify_lengths(arr, padded=True) == q.verify_lengths(as_list, padded=True)
+        assert p.verify_lengths(arr) == q.verify_lengths(as_list)
+        if k > 1:
+            assert p.should_continue(1, arr[:, 0], b) == q.should_continue(1, [r[0] for r in as_list], b)
+        acc = [rng.randint(0, k) for _ in range(b)]
+        p.update(b, acc, num_steps=k, confidences=arr)
+        q.update(b, acc, num_steps=k, confidences=as_list)
+        assert p.state_dict() == q.state_dict()
 
 
 # -- choose_steps ----------------------------------------------------------------------------

@@ -28,10 +28,11 @@ Three parts:
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from online_spec.config import ConfigError, check, doc
 from online_spec.controller.config import AdaptiveConfig
@@ -182,7 +183,14 @@ class CostModel:
 
     def verify_s(self, batch_size: float, num_steps: float, ctx_len: float = 0) -> float:
         """Verify seconds with num_steps drafts (+ 1) per request; num_steps may be a mean."""
-        return max(0.0, _dot(self.verify_coef, verify_features(batch_size, num_steps + 1, ctx_len)))
+        base, per_token = self.verify_terms(batch_size, ctx_len)
+        return max(0.0, base + per_token * (num_steps + 1))
+
+    def verify_terms(self, batch_size: float, ctx_len: float = 0) -> tuple[float, float]:
+        """(base, per_token) with verify_s(b, k, ctx) = max(0, base + per_token * (k + 1)): the
+        policy's loops over K evaluate this line instead of the whole model per K."""
+        c0, c1, c2, c3 = self.verify_coef
+        return c0 + c1 * batch_size + c3 * batch_size * ctx_len / CTX_SCALE, c2 * batch_size
 
     def verify_token_s(self) -> float:
         """Extra verify seconds for one more token in the batch."""
@@ -270,57 +278,73 @@ class AcceptanceEstimate:
         self._filled = None
 
 
+def confidence_array(confidences) -> tuple[np.ndarray, np.ndarray | None]:
+    """(array [B, K] of the drafts' confidences, row lengths or None when every row has K).
+
+    `confidences` is a 2-D array (the engine passes its [B, K] draft probabilities as one) or
+    one sequence of floats per request; ragged rows are padded with 0 and their lengths returned."""
+    if isinstance(confidences, np.ndarray) and confidences.ndim == 2:
+        return confidences, None
+    rows = [list(r) for r in confidences]
+    lens = [len(r) for r in rows]
+    k = max(lens, default=0)
+    if all(n == k for n in lens):
+        return np.array(rows, dtype=np.float64).reshape(len(rows), k), None
+    out = np.zeros((len(rows), k))
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out, np.array(lens)
+
+
 class ConfidenceCalibrator:
     """Draft confidence -> P(accepted | earlier drafts accepted), per confidence bin.
 
     Each bin starts at its midpoint with `prior_weight` pseudo-observations (the identity map).
+    Batches of confidences go through numpy: the engine calibrates B x K of them twice a round,
+    and the decision cost is part of every round.
     """
 
     def __init__(self, bins: int, prior_weight: float):
         self.bins, self.prior_weight = bins, prior_weight
         self.load(None, None)
 
-    def _bin(self, confidence: float) -> int:
-        return min(self.bins - 1, max(0, int(confidence * self.bins)))
-
-    def _values(self) -> list[float]:
-        """Calibrated value of every bin, recomputed only after new observations (the engine
-        calibrates B x K confidences per round: a table lookup each keeps that cheap)."""
+    def _values(self) -> np.ndarray:
+        """Calibrated value of every bin, recomputed only after new observations."""
         if self._table is None:
             w, n = self.prior_weight, self.bins
-            self._table = [(h + w * (b + 0.5) / n) / (t + w) for b, (h, t) in enumerate(zip(self.hits, self.trials))]
+            self._table = (self.hits + w * (np.arange(n) + 0.5) / n) / (self.trials + w)
         return self._table
 
+    def bin_of(self, confidences: np.ndarray) -> np.ndarray:
+        """Bin index of each confidence (a probability; 1.0 falls in the top bin)."""
+        bins = (np.asarray(confidences) * self.bins).astype(np.int64)
+        return np.maximum(np.minimum(bins, self.bins - 1, out=bins), 0, out=bins)  # ufuncs: np.clip costs more
+
     def __call__(self, confidence: float) -> float:
-        return self._values()[self._bin(confidence)]
+        return float(self._values()[min(self.bins - 1, max(0, int(confidence * self.bins)))])
 
-    def table_with_top(self) -> list[float]:
-        """Calibrated values indexed by int(confidence * bins), confidence in [0, 1] (1.0 falls
-        in the top bin)."""
-        table = self._values()
-        return table + [table[-1]]
+    def calibrated(self, confidences: np.ndarray) -> np.ndarray:
+        """`self(c)` for every element of an array of confidences."""
+        return self._values()[self.bin_of(confidences)]
 
-    def rows(self, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
-        """`self(c)` for every confidence (a probability, in [0, 1]) of every row."""
-        table, n = self.table_with_top(), self.bins
-        return [[table[int(c * n)] for c in row] for row in confidences]
-
-    def observe(self, confidences: Sequence[Sequence[float]], accepted: Sequence[int]) -> None:
-        # `_bin` inlined: the engine passes B x K confidences every round (decision cost).
-        n, top, hits, trials = self.bins, self.bins - 1, self.hits, self.trials
-        for row, a in zip(confidences, accepted):
-            for i, c in enumerate(row[: a + 1]):  # drafts after the first rejection were never judged
-                b = int(c * n)
-                b = top if b > top else (0 if b < 0 else b)
-                trials[b] += 1
-                if i < a:
-                    hits[b] += 1
+    def observe(self, confidences, accepted: Sequence[int]) -> None:
+        """One round: request r's drafts had `confidences[r]` and the first accepted[r] were
+        accepted; draft accepted[r] (if drafted) was rejected, later ones were never judged."""
+        conf, lens = confidence_array(confidences)
+        if conf.size == 0:
+            return
+        pos = np.arange(conf.shape[1])
+        a = np.asarray(accepted)[:, None]
+        judged = pos <= a if lens is None else (pos <= a) & (pos < lens[:, None])
+        bins = self.bin_of(conf)
+        self.trials += np.bincount(bins[judged], minlength=self.bins)
+        self.hits += np.bincount(bins[pos < a], minlength=self.bins)  # accepted drafts exist, so never padding
         self._table = None
 
     def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:
-        self.hits = [0.0] * self.bins if hits is None else [float(x) for x in hits]
-        self.trials = [0.0] * self.bins if trials is None else [float(x) for x in trials]
-        self._table: list[float] | None = None
+        self.hits = np.zeros(self.bins) if hits is None else np.array(hits, dtype=np.float64)
+        self.trials = np.zeros(self.bins) if trials is None else np.array(trials, dtype=np.float64)
+        self._table: np.ndarray | None = None
 
     def reset(self) -> None:
         self.load(None, None)
@@ -391,8 +415,8 @@ class CostModelPolicy:
         i = self.adaptive.slot_index(batch_size)
         a = self._accept[i].estimates()
         slo = self.config.tpot_slo_s
-        cost = self.cost
-        step_s = cost.draft_step_s(batch_size, ctx_len)
+        step_s = self.cost.draft_step_s(batch_size, ctx_len)
+        base, per_token = self.cost.verify_terms(batch_size, ctx_len)  # this runs twice a round
         best_k, best_rate = None, -1.0
         expected, surv, pos = 1.0, 1.0, 0
         for k in self._slots[i].candidate_steps:
@@ -400,7 +424,8 @@ class CostModelPolicy:
                 surv *= a[pos]
                 expected += surv
                 pos += 1
-            t = k * step_s + cost.verify_s(batch_size, k, ctx_len)
+            v = base + per_token * (k + 1)
+            t = k * step_s + (v if v > 0.0 else 0.0)
             if slo is not None and t > slo:
                 continue
             rate = expected / max(t, 1e-12)
@@ -442,15 +467,17 @@ class CostModelPolicy:
         a = self._accept[self.adaptive.slot_index(batch_size)].estimates()
         if step_index >= len(a):
             return False
-        cost = self.cost
-        t_now = cost.predict_round_s(batch_size, step_index, ctx_len)
-        t_next = cost.predict_round_s(batch_size, step_index + 1, ctx_len)
+        step_s = self.cost.draft_step_s(batch_size, ctx_len)
+        base, per_token = self.cost.verify_terms(batch_size, ctx_len)
+        t_now = step_index * step_s + max(0.0, base + per_token * (step_index + 1))
+        t_next = (step_index + 1) * step_s + max(0.0, base + per_token * (step_index + 2))
         if self.config.tpot_slo_s is not None and t_next > self.config.tpot_slo_s:
             return False
         if isinstance(draft_confidence, (int, float)):
             p_last = self._calib(draft_confidence)
         else:
-            p_last = sum(self._calib.rows([draft_confidence])[0]) / max(1, len(draft_confidence))
+            vals = self._calib.calibrated(draft_confidence)
+            p_last = float(vals.sum()) / vals.size if vals.size else 0.0  # .sum() / size: np.mean costs more
         expected, surv = 1.0, 1.0
         for j in range(step_index - 1):
             surv *= a[j]
@@ -472,28 +499,26 @@ class CostModelPolicy:
         engine's batch is rectangular), so a request cut shorter than the longest saves nothing
         and only loses drafts; then one common length is chosen for the whole batch (see
         `_padded_cut`). Per-request lengths pay only where the verify packs ragged rows."""
-        b = len(confidences)
+        conf, lens = confidence_array(confidences)
+        b, k = conf.shape
         if b == 0:
             return []
-        full = [len(row) for row in confidences]
-        tok_s = self.cost.verify_token_s()
-        if tok_s <= 0:
+        full = [k] * b if lens is None else lens.tolist()
+        if k == 0 or self.cost.verify_token_s() <= 0:
             return full
+        # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
+        surv = np.cumprod(self._calib.calibrated(conf), axis=1)
+        if lens is not None:
+            surv[np.arange(k) >= lens[:, None]] = 0.0
+        draft_s = k * self.cost.draft_step_s(b, ctx_len)  # already spent, part of the round
         if padded:
-            return self._padded_cut(confidences, ctx_len)
-        # Survival S_rm = prod_{j<=m} p(conf_rj) never rises along a row, so every
-        # throughput threshold keeps a prefix of each row, and the rows' kept drafts together
-        # are the largest survivals of the batch: sort them once and scan the cut (the
-        # Dinkelbach fixed point is the best cut, and on a tie it keeps the equal drafts too).
-        calibrated = self._calib.rows(confidences)
-        flat = []
-        for row in calibrated:
-            s = 1.0
-            for p in row:
-                s *= p
-                flat.append(s)
-        flat.sort(reverse=True)
-        draft_s = max(full) * self.cost.draft_step_s(b, ctx_len)  # already spent, part of the round
+            return self._padded_cut(surv, full, draft_s, ctx_len)
+        # S_rm never rises along a row, so every throughput threshold keeps a prefix of each
+        # row, and the rows' kept drafts together are the largest survivals of the batch: sort
+        # them once and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie
+        # it keeps the equal drafts too).
+        flat = np.sort(surv[surv > 0.0] if lens is not None else surv.ravel())[::-1].tolist()
+        tok_s = self.cost.verify_token_s()
         v0 = _dot(self.cost.verify_coef, verify_features(b, 1, ctx_len))  # verify with no draft kept
         best_m, best_rate, tokens = 0, b / max(draft_s + max(0.0, v0), 1e-12), float(b)
         for m, sv in enumerate(flat, 1):
@@ -507,40 +532,24 @@ class CostModelPolicy:
             return full
         if best_m == 0:
             return [0] * b
-        cut = flat[best_m - 1]
-        lengths = []
-        for row in calibrated:
-            s, n = 1.0, 0
-            for p in row:
-                s *= p
-                if s < cut:
-                    break
-                n += 1
-            lengths.append(n)
-        return lengths
+        return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
 
-    def _padded_cut(self, confidences: Sequence[Sequence[float]], ctx_len: float) -> list[int]:
+    def _padded_cut(self, surv: np.ndarray, lens: list[int], draft_s: float, ctx_len: float) -> list[int]:
         """One verify length L for every request (fewer where a row has fewer drafts): the L
         maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
-        the longer L."""
-        b, lens = len(confidences), list(map(len, confidences))
-        longest = max(lens)
-        uniform = lens.count(longest) == b
-        gain = []  # gain[m]: expected tokens the batch gains from verifying draft m+1
-        table, n = self._calib.table_with_top(), self._calib.bins
-        surv = [1.0] * b  # column by column; a row past its last draft survives with 0
-        for col in zip(*confidences) if uniform else itertools.zip_longest(*confidences):
-            surv = [s * table[int(c * n)] if c is not None else 0.0 for s, c in zip(surv, col)]
-            gain.append(sum(surv))
-        draft_s = longest * self.cost.draft_step_s(b, ctx_len)
+        the longer L. surv: the survivals [b, K], 0 past a row's last draft."""
+        b, k = surv.shape
+        gain = surv.sum(axis=0).tolist()  # gain[m]: expected tokens the batch gains from verifying draft m+1
+        base, per_token = self.cost.verify_terms(b, ctx_len)
         best_n, best_rate, tokens = 0, -1.0, float(b)
-        for n in range(longest + 1):
+        for n in range(k + 1):
             if n:
                 tokens += gain[n - 1]
-            rate = tokens / max(draft_s + self.cost.verify_s(b, n, ctx_len), 1e-12)
+            v = base + per_token * (n + 1)
+            rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
             if rate >= best_rate:
                 best_n, best_rate = n, rate
-        return [best_n] * b if uniform else [min(best_n, m) for m in lens]
+        return [min(best_n, m) for m in lens]
 
     # -- after verify ------------------------------------------------------------------------
 
@@ -588,7 +597,7 @@ class CostModelPolicy:
 
     def state_dict(self) -> dict:
         return {"policy": self.name, "cost": self.cost.state_dict(),
-                "calibrator": {"hits": self._calib.hits[:], "trials": self._calib.trials[:]},
+                "calibrator": {"hits": self._calib.hits.tolist(), "trials": self._calib.trials.tolist()},
                 "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:],
                                                   "weight": acc.weight[:], "steps": last,
                                                   "decisions": n, "below": below}
