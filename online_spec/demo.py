@@ -51,8 +51,9 @@ class DemoConfig:
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
     requests_per_minute: float = doc("built-in trace: requests per phase per serving minute (each phase gets a "
                                      "third of --minutes; lines left when it is up are skipped, so the trace "
-                                     "must hold more than the machine serves: the 2-core CPU serves ~20 a "
-                                     "minute at 4 clients)", 30.0)
+                                     "must hold more than the machine serves: a 2-core CPU served ~100 a "
+                                     "minute at 4 clients on 2026-11-23, where 30 ran out before the phases' "
+                                     "time was up)", 60.0)
     policy: str = doc("K policy of the server: cost (the project's controller), sglang_default, static", "cost")
     num_steps: int = doc("initial / static K", 3)
     server_threads: int = doc("torch threads of the server process", 1)

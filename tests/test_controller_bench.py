@@ -134,7 +134,7 @@ def _check_calibration(target, head, seed: int) -> None:
     pairs = [(p, q) for p in measured for q in measured if measured[p] >= 2.0 * measured[q]]
     assert all(predicted[p] > predicted[q] for p, q in pairs), (measured, predicted)
     # the fit is not the prior: the measured rounds moved it
-    assert model.observations > 0 and model.verify_coef[0] != 0.02
+    assert model.calibration_points > 0 and model.verify_coef[0] != 0.02
 
 
 def test_engine_cost_model_is_stored_and_reused(tiny8, tmp_path, caplog):
@@ -152,11 +152,15 @@ def test_engine_cost_model_is_stored_and_reused(tiny8, tmp_path, caplog):
     again, rep = model()
     assert rep["source"] == "store"
     assert (again.draft_coef, again.verify_coef) == (first.draft_coef, first.verify_coef)
+    assert again.calibration_points == first.calibration_points > 0  # the calibration is the reused model's anchor
 
     saved = json.loads(store.read_text())
+    nan_point = [list(saved["points"][0][:3]) + [float("nan"), 0.1]] + saved["points"][1:]
     bad_stores = {"another machine": {**saved, "key": {**saved["key"], "threads": saved["key"]["threads"] + 1}},
-                  "non-finite": {**saved, "verify_coef": [float("nan")] * 4},
-                  "malformed": {**saved, "draft_coef": [1.0]}}
+                  "non-finite": {**saved, "points": nan_point},
+                  "coefficients not of its points": {**saved, "verify_coef": [c * 1.5 for c in saved["verify_coef"]]},
+                  "malformed": {**saved, "draft_coef": [1.0]},
+                  "old version, no points": {k: v for k, v in saved.items() if k != "points"}}
     for why, content in bad_stores.items():
         store.write_text(json.dumps(content))
         caplog.clear()

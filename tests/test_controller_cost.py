@@ -62,6 +62,23 @@ def test_online_observe_tracks_a_cost_change():
     assert model.predict_round_s(12, 4, 2000) == pytest.approx(2 * sum(true_times(12, 4, 2000)), rel=0.05)
 
 
+def test_calibration_anchors_the_costs_of_k_no_longer_run():
+    """Online rounds at one (b, K) for a long while (the policy settled) leave the calibrated
+    costs of the other K's in place: the calibration never decays. Coefficients given without
+    their points (`with_coefficients`) are replaced by the first refit on those rounds alone."""
+    anchored = CostModel().fit(grid(noise=0.02, seed=6))
+    bare = CostModel.with_coefficients(anchored.draft_coef, anchored.verify_coef)
+    d, v = true_times(4, 1, 256)
+    for _ in range(5000):  # decay 0.999: an online-only weight would be e^-5 by now
+        anchored.observe(4, 1, 256, d, v)
+        bare.observe(4, 1, 256, d, v)
+    assert anchored.predict_round_s(4, 1, 256) == pytest.approx(d + v, rel=0.02)
+    for b, k, ctx in HELD_OUT + [(4, 5, 256), (32, 7, 1024)]:
+        assert anchored.predict_round_s(b, k, ctx) == pytest.approx(sum(true_times(b, k, ctx)), rel=0.05)
+    worst = max(abs(bare.predict_round_s(b, k, ctx) / sum(true_times(b, k, ctx)) - 1) for b, k, ctx in HELD_OUT)
+    assert worst > 0.2  # one (b, K) cannot pin four coefficients
+
+
 def test_prior_before_any_observation():
     model = CostModel(CostModelConfig(prior_draft_step_s=0.25, prior_verify_s=0.5))
     assert model.predict_round_s(8, 3, 100) == 3 * 0.25 + 0.5

@@ -115,3 +115,26 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
     assert set(rep["per_phase"]) == {"chat", "code", "mix"}
     assert rep["overall"]["plain"]["accept_len"] is None and rep["overall"]["static"]["accept_len"] is not None
     assert rep["speedup_vs_static_sglang_adaptive"] > 0 and rep["speedup_vs_plain_bs1_adapted"] > 0
+
+
+def test_e2e_repeats_report_medians_of_per_repeat_ratios():
+    """With --repeats, each ratio is the median of the repeats' own ratios (not a ratio of
+    medians), per-phase and overall figures are element-wise medians, and a figure missing
+    from any repeat is None rather than a median of the others."""
+    from online_spec.bench_e2e import median_headline
+
+    def head(r_adapt, r_bs1, tps_online, acc):
+        return {"speedup_vs_static_sglang_adaptive": r_adapt, "speedup_vs_static": 1.0, "speedup_vs_plain": 1.1,
+                "speedup_vs_plain_bs1_adapted": r_bs1,
+                "per_phase": {"chat": {"online_spec": {"tokens_per_s": tps_online, "accept_len": acc}}},
+                "overall": {"online_spec": {"tokens_per_s": tps_online, "accept_len": acc, "failed": 0}},
+                "adaptation_online_spec": [], "swaps_online_spec": 0, "alerts_online_spec": 0,
+                "targets": {}, "met": {}}
+
+    out = median_headline([head(0.9, 1.4, 100.0, 1.0), head(1.4, 2.6, 90.0, None), head(1.0, 1.5, 120.0, 1.2)])
+    assert out["speedup_vs_static_sglang_adaptive"] == 1.0 and out["speedup_vs_plain_bs1_adapted"] == 1.5
+    assert out["overall"]["online_spec"]["tokens_per_s"] == 100.0
+    assert out["per_phase"]["chat"]["online_spec"]["accept_len"] is None  # missing in one repeat
+    assert out["met"] == {"speedup_vs_static_sglang_adaptive": False, "speedup_vs_plain_bs1_adapted": False}
+    assert median_headline([head(1.3, 2.5, 1.0, 1.0)] * 2)["met"] == {"speedup_vs_static_sglang_adaptive": True,
+                                                                     "speedup_vs_plain_bs1_adapted": True}

@@ -36,7 +36,7 @@ from online_spec.controller.static import StaticSteps
 
 
 CTX_BUCKET = 128  # rounds whose context lengths fall in one bucket share a median
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: the calibration points are stored (1 had the coefficients only)
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,15 @@ def calibrate_cost_model(target, head, batch_sizes: Sequence[int] = (1, 4, 16), 
     `timings` are given), one median per (batch size, K, context length) point."""
     if timings is None:
         timings = measure_round_timings(target, head, batch_sizes, ks, ctx_lens, rounds)
+    return CostModel(config).fit(calibration_points(timings))
+
+
+def calibration_points(timings: Sequence[RoundTiming]) -> list[RoundTiming]:
+    """The rows a model is fitted to: `median_per_point` within each context-length bucket."""
     points = []
     for bucket in sorted({int(t.ctx_len // CTX_BUCKET) for t in timings}):
         points += median_per_point([t for t in timings if int(t.ctx_len // CTX_BUCKET) == bucket])
-    return CostModel(config).fit(points)
+    return points
 
 
 def prediction_errors(model: CostModel, timings: Sequence[RoundTiming]) -> list[float]:
@@ -130,7 +135,7 @@ def cost_model_report(model: CostModel) -> dict:
     return {"draft_step_s": dict(zip(("const", "per_request", "per_request_per_kctx"), model.draft_coef)),
             "verify_s": dict(zip(("const", "per_request", "per_token", "per_request_per_kctx"), model.verify_coef)),
             "draft_coef": list(model.draft_coef), "verify_coef": list(model.verify_coef),
-            "observations": model.observations}
+            "observations": model.observations, "calibration_points": model.calibration_points}
 
 
 def calibration_key(target) -> dict:
@@ -157,9 +162,17 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
             saved = json.loads(path.read_text())
             if saved.get("version") != STORE_VERSION or saved.get("key") != key:
                 raise ValueError(f"calibrated for {saved.get('key')}, this engine is {key}")
-            model = CostModel.with_coefficients(saved["draft_coef"], saved["verify_coef"])
-            if not all(math.isfinite(c) for c in model.draft_coef + model.verify_coef):
-                raise ValueError("non-finite coefficients")
+            # refit from the stored points, so the calibration stays the model's anchor (coefficients
+            # alone would be replaced by the first online refit, on whatever K the first rounds ran)
+            points = [RoundTiming(int(b), int(k), float(c), float(d), float(v)) for b, k, c, d, v in saved["points"]]
+            if not points or not all(math.isfinite(x) for p in points for x in p):
+                raise ValueError("no calibration points, or non-finite ones")
+            model = CostModel().fit(points)
+            stored = [float(c) for c in saved["draft_coef"]] + [float(c) for c in saved["verify_coef"]]
+            fitted = model.draft_coef + model.verify_coef
+            if len(stored) != len(fitted) or not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+                                                     for a, b in zip(stored, fitted)):
+                raise ValueError("the stored coefficients are not the fit of the stored points")
             return model, {**cost_model_report(model), "source": "store", "path": str(path)}
         except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
             log.warning("cost model store %s not used (%s): calibrating", path, e)
@@ -167,9 +180,10 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
     ks = [k for k in (0, 1, 3, 7) if k <= max_steps]
     t0 = time.perf_counter()
     timings = measure_round_timings(target, head, batch_sizes, ks, [ctx_len], rounds)
-    model = calibrate_cost_model(target, head, timings=timings)
+    points = calibration_points(timings)
+    model = CostModel().fit(points)
     report = {**cost_model_report(model), "source": "calibrated", "seconds": time.perf_counter() - t0,
-              "median_rel_error": median_relative_error(model, median_per_point(timings)),
+              "median_rel_error": median_relative_error(model, points),
               "batch_sizes": batch_sizes, "ks": ks}
     log.info("cost model calibrated in %.1f s (batch sizes %s, K %s): median error %.1f%%", report["seconds"],
              batch_sizes, ks, 100 * report["median_rel_error"])
@@ -177,7 +191,8 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": STORE_VERSION, "key": key, "draft_coef": model.draft_coef,
-                                   "verify_coef": model.verify_coef, "report": report}, indent=1))
+                                   "verify_coef": model.verify_coef, "points": [list(p) for p in points],
+                                   "report": report}, indent=1))
         os.replace(tmp, path)
         report["path"] = str(path)
     return model, report

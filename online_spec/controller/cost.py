@@ -8,8 +8,8 @@ verdict inside a round, and per-request verify lengths. Pure arithmetic: no torc
 Three parts:
   - `CostModel`: least-squares fit of the draft-step time, (1, b, b*ctx), and of the verify
     time, (1, b, b*n, b*ctx) with n = K + 1 tokens verified per request and ctx in thousands
-    of tokens; refined online with exponential forgetting, pulled toward a prior where the
-    data say nothing.
+    of tokens; the calibration (`fit`) is an anchor that never decays, the rounds served refine
+    it with exponential forgetting, and a prior holds where neither says anything.
   - `AcceptanceEstimate` (one per batch-size slot): a_i = P(draft i accepted | drafts < i
     accepted), hits over trials with exponential forgetting per trial (a window of
     `accept_window` request-drafts, so one request at batch 1 moves it as little as one of 16
@@ -76,17 +76,22 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float]:
 
 
 class _RidgeLeastSquares:
-    """Exponentially weighted least squares, ridge-pulled toward `prior` (sufficient statistics)."""
+    """Exponentially weighted least squares, ridge-pulled toward `prior` (sufficient statistics),
+    plus an anchor: observations that never decay (a calibration), so the directions that online
+    data stop spanning (the K the policy no longer runs) keep what the calibration measured."""
 
     def __init__(self, prior: Sequence[float], ridge: float, decay: float):
         self.prior, self.ridge, self.decay = list(prior), ridge, decay
         d = len(prior)
         self.gram = [[0.0] * d for _ in range(d)]
         self.moment = [0.0] * d
-        self.count = 0
+        self.anchor_gram = [[0.0] * d for _ in range(d)]
+        self.anchor_moment = [0.0] * d
+        self.count = 0  # online observations
+        self.anchors = 0  # anchor observations
 
-    def add(self, x: Sequence[float], y: float, decay: float | None = None) -> None:
-        g = self.decay if decay is None else decay
+    def add(self, x: Sequence[float], y: float) -> None:
+        g = self.decay
         for i, xi in enumerate(x):
             row = self.gram[i]
             for j, xj in enumerate(x):
@@ -94,22 +99,38 @@ class _RidgeLeastSquares:
             self.moment[i] = g * self.moment[i] + xi * y
         self.count += 1
 
+    def add_anchor(self, x: Sequence[float], y: float, weight: float) -> None:
+        for i, xi in enumerate(x):
+            row = self.anchor_gram[i]
+            for j, xj in enumerate(x):
+                row[j] += weight * xi * xj
+            self.anchor_moment[i] += weight * xi * y
+        self.anchors += 1
+
     def solve(self) -> list[float]:
         d = len(self.prior)
-        m = [[self.gram[i][j] + (self.ridge if i == j else 0.0) for j in range(d)] for i in range(d)]
-        v = [self.moment[i] + self.ridge * self.prior[i] for i in range(d)]
+        m = [[self.gram[i][j] + self.anchor_gram[i][j] + (self.ridge if i == j else 0.0) for j in range(d)]
+             for i in range(d)]
+        v = [self.moment[i] + self.anchor_moment[i] + self.ridge * self.prior[i] for i in range(d)]
         # Jacobi scaling: features span ~1 to ~1e4, so solve the unit-diagonal system.
         s = [1.0 / math.sqrt(m[i][i]) for i in range(d)]
         z = _solve([[m[i][j] * s[i] * s[j] for j in range(d)] for i in range(d)], [v[i] * s[i] for i in range(d)])
         return [z[i] * s[i] for i in range(d)]
 
     def state_dict(self) -> dict:
-        return {"gram": [r[:] for r in self.gram], "moment": self.moment[:], "count": self.count}
+        return {"gram": [r[:] for r in self.gram], "moment": self.moment[:], "count": self.count,
+                "anchor_gram": [r[:] for r in self.anchor_gram], "anchor_moment": self.anchor_moment[:],
+                "anchors": self.anchors}
 
     def load_state_dict(self, state: dict) -> None:
+        d = len(self.prior)
         self.gram = [[float(x) for x in r] for r in state["gram"]]
         self.moment = [float(x) for x in state["moment"]]
         self.count = int(state["count"])
+        # states stored before the anchor existed have none
+        self.anchor_gram = [[float(x) for x in r] for r in state.get("anchor_gram", [[0.0] * d] * d)]
+        self.anchor_moment = [float(x) for x in state.get("anchor_moment", [0.0] * d)]
+        self.anchors = int(state.get("anchors", 0))
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,8 @@ class CostModelConfig:
     decay: float = doc("weight an observation keeps per newer one (1 = plain least squares)", 0.999)
     ridge: float = doc("pull toward the prior in directions the data do not constrain", 1e-6)
     refit_interval: int = doc("observations between two online refits of the coefficients", 16)
+    anchor_weight: float = doc("rounds each calibration point (`fit`) counts as, for good: online rounds decay, "
+                               "the calibration does not, so a K the policy stops running keeps its measured cost", 4.0)
 
     def __post_init__(self) -> None:
         for f in ("prior_draft_step_s", "prior_verify_s"):
@@ -129,6 +152,8 @@ class CostModelConfig:
         check(math.isfinite(self.ridge) and self.ridge > 0, "ridge", f"must be > 0, got {self.ridge!r}")
         check(isinstance(self.refit_interval, int) and self.refit_interval >= 1, "refit_interval",
               f"must be an int >= 1, got {self.refit_interval!r}")
+        check(math.isfinite(self.anchor_weight) and self.anchor_weight > 0, "anchor_weight",
+              f"must be > 0, got {self.anchor_weight!r}")
 
 
 class CostModel:
@@ -145,7 +170,9 @@ class CostModel:
     @classmethod
     def with_coefficients(cls, draft_coef: Sequence[float], verify_coef: Sequence[float],
                           config: CostModelConfig | None = None) -> "CostModel":
-        """A model with known coefficients (e.g. from a benchmark), in `draft_features`/`verify_features` order."""
+        """A model with known coefficients (e.g. from a benchmark), in `draft_features`/`verify_features` order.
+        They hold until the first online refit (`refit_interval` observations), which has only the
+        online rounds to go by: a model that should keep a calibration is built with `fit`."""
         model = cls(config)
         check(len(draft_coef) == 3, "draft_coef", f"needs 3 values (1, b, b*ctx), got {len(draft_coef)}")
         check(len(verify_coef) == 4, "verify_coef", f"needs 4 values (1, b, b*n, b*ctx), got {len(verify_coef)}")
@@ -153,23 +180,29 @@ class CostModel:
         return model
 
     def observe(self, batch_size: int, num_steps: int, ctx_len: float, draft_s: float | None,
-                verify_s: float | None, *, verify_tokens: int | None = None, _decay: float | None = None) -> None:
+                verify_s: float | None, *, verify_tokens: int | None = None) -> None:
         """One measured round; `verify_tokens` = total tokens verified if not batch_size * (K + 1)."""
         if batch_size <= 0:
             return
         if draft_s is not None and num_steps > 0:
-            self._draft.add([num_steps * f for f in draft_features(batch_size, ctx_len)], draft_s, _decay)
+            self._draft.add([num_steps * f for f in draft_features(batch_size, ctx_len)], draft_s)
         if verify_s is not None:
             per_req = (verify_tokens / batch_size) if verify_tokens is not None else num_steps + 1
-            self._verify.add(verify_features(batch_size, per_req, ctx_len), verify_s, _decay)
+            self._verify.add(verify_features(batch_size, per_req, ctx_len), verify_s)
         self._pending += 1
-        if _decay is None and self._pending >= self.config.refit_interval:
+        if self._pending >= self.config.refit_interval:
             self.refit()
 
     def fit(self, observations: Iterable[Sequence[float]]) -> "CostModel":
-        """Plain least-squares fit (no forgetting) to (batch_size, num_steps, ctx_len, draft_s, verify_s)."""
+        """Least-squares fit to calibration rows (batch_size, num_steps, ctx_len, draft_s, verify_s),
+        kept as the model's anchor: they never decay, each weighs `anchor_weight` online rounds."""
+        w = self.config.anchor_weight
         for b, k, ctx, d, v in observations:
-            self.observe(int(b), int(k), ctx, d, v, _decay=1.0)
+            if b <= 0:
+                continue
+            if k > 0:
+                self._draft.add_anchor([k * f for f in draft_features(b, ctx)], d, w)
+            self._verify.add_anchor(verify_features(b, k + 1, ctx), v, w)
         self.refit()
         return self
 
@@ -202,7 +235,13 @@ class CostModel:
 
     @property
     def observations(self) -> int:
+        """Online rounds observed (calibration points not included)."""
         return self._verify.count
+
+    @property
+    def calibration_points(self) -> int:
+        """Rows given to `fit`: the anchor."""
+        return self._verify.anchors
 
     def state_dict(self) -> dict:
         return {"draft": self._draft.state_dict(), "verify": self._verify.state_dict(),
