@@ -78,7 +78,7 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
             "swaps": [{"t_s": s["t"] - result.t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"]}
                       for s in result.swaps],
             "alerts": [{**a, "t_s": a["t"] - result.t0} for a in result.alerts],
-            "adaptation": adaptation(result), "trainer": result.trainer}
+            "adaptation": adaptation(result), "trainer": result.trainer, "policy_log": result.policy_log}
     return figs
 
 

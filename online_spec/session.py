@@ -49,7 +49,8 @@ class SessionConfig:
     run_dir: str = doc("where the session writes (trainer run directory, logs)", "runs/demo/session")
     head: str = doc("head checkpoint directory (SGLang layout); empty = random day-0 head; 'none' = plain", "")
     policy: str = doc("K policy: static (K = num_steps), sglang_default (SGLang's EMA tiers), "
-                      "cost (the project's cost-model controller over SGLang's default slots)", "static")
+                      "cost (the project's cost-model controller, every K from 0 to the engine's max_steps)",
+                      "static")
     num_steps: int = doc("K of the static policy (0 = plain decoding)", 3)
     online: bool = doc("run the trainer daemon beside the server (capture on, gated swaps)", False)
     concurrency: int = doc("streaming clients in flight", 4)
@@ -85,6 +86,7 @@ class SessionResult:
     trainer: dict = field(default_factory=dict)
     done: int = 0
     server_info: dict = field(default_factory=dict)
+    policy_log: list[dict] = field(default_factory=list)  # the K policy's info() with each progress line
 
 
 class RoundLog:
@@ -109,20 +111,20 @@ class RoundLog:
 
 
 def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
-    """The session's K policy; the cost-model policy's round-time model is calibrated on this
-    engine (stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
-    from online_spec.controller import CostModelPolicy, EmaTierPolicy, adaptive_config_path, load_adaptive_config
-    from online_spec.controller.calibrate import engine_cost_model
+    """The session's K policy: SGLang's EMA tiers, or the cost-model policy as `serve --policy
+    cost` builds it (every K from 0 to max_steps; round-time model calibrated on this engine,
+    stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
+    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
+    from online_spec.controller.calibrate import engine_cost_policy
 
     if cfg.policy == "static":
         return None
-    adaptive = load_adaptive_config(adaptive_config_path("sglang_default"))
     if cfg.policy == "sglang_default":
+        adaptive = load_adaptive_config(adaptive_config_path("sglang_default"))
         tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
         return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
-    model, _ = engine_cost_model(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
-                                 store=run_dir / "cost_model.json")
-    return CostModelPolicy(adaptive, cost_model=model)
+    return engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
+                              store=run_dir / "cost_model.json")[0]
 
 
 def _control_available() -> bool:
@@ -296,6 +298,12 @@ def _progress(server, result: SessionResult, total: int, cfg: SessionConfig, sto
         acc = " ".join(f"b{b}:{sum(v) / len(v):.2f}" for b, v in sorted(per_slot.items())) or "-"
         ks = {k: v for k, v in (server.info()["internal_states"][0].get("speculative_num_steps_per_slot") or {}).items()
               if v is not None}
+        policy = server.engine.policy
+        if hasattr(policy, "info"):  # why the policy chose its K (acceptance estimates, time model) over time
+            try:
+                result.policy_log.append({"t_s": time.time() - result.t0, **policy.info()})
+            except (RuntimeError, ValueError, IndexError, KeyError) as e:  # read while the engine thread updates it
+                log.debug("policy info skipped: %s", e)
         k_last = rounds[-1]["num_steps"] if rounds else "-"
         tps = sum(r["committed"] for r in rounds) / cfg.progress_every_s
         print(f"[{cfg.name} {time.time() - result.t0:5.0f}s] rounds {len(result.rounds):5d}  "

@@ -213,8 +213,7 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
     (the engine's fixed K)."""
     from pathlib import Path
 
-    from online_spec.controller import (AdaptiveConfig, CostModelPolicy, EmaTierPolicy, adaptive_config_path,
-                                        load_adaptive_config)
+    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
 
     policy = cfg.policy if cfg.policy != "auto" else ("ema" if cfg.adaptive else "static")
     if policy == "static":
@@ -225,15 +224,13 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
         adaptive = load_adaptive_config(path)
     if policy == "ema":
         return EmaTierPolicy(adaptive, initial_steps=cfg.engine.num_steps or None)
-    from online_spec.controller.calibrate import engine_cost_model
+    from online_spec.controller.calibrate import engine_cost_policy
 
     check(target is not None and head is not None, "policy", "cost needs the target and head to calibrate on")
-    if adaptive is None:
-        adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(cfg.engine.max_steps + 1))}})
-    model, report = engine_cost_model(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
-                                      store=Path(cfg.control.run_dir) / "cost_model.json")
-    log.info("cost-model policy: tiers %s, round-time model from %s", adaptive.candidate_steps, report["source"])
-    return CostModelPolicy(adaptive, cost_model=model)
+    policy, report = engine_cost_policy(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
+                                        store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive)
+    log.info("cost-model policy: tiers %s, round-time model from %s", policy.candidate_steps, report["source"])
+    return policy
 
 
 def build_server(cfg: ServerConfig) -> SpecServer:

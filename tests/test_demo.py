@@ -85,8 +85,10 @@ def test_demo_end_to_end_writes_the_report(smol, tmp_path):
     for png in ("accept_len_tokens_per_s.png", "k_per_slot.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     saved = json.loads((out / "figures.json").read_text())
-    for key in ("overall", "phases", "timeline", "swaps", "alerts", "adaptation", "trainer", "requests", "plots"):
+    for key in ("overall", "phases", "timeline", "swaps", "alerts", "adaptation", "trainer", "requests", "plots",
+                "policy_log"):
         assert key in saved, key
+    assert all(e["policy"] == "cost_model" and e["slots"] and e["t_s"] >= 0 for e in saved["policy_log"])
     assert list(saved["phases"]) == ["chat", "code", "mix"]
     assert saved["overall"]["requests"] == 6 and saved["overall"]["failed"] == 0
     assert saved["overall"]["completion_tokens"] == figs["overall"]["completion_tokens"] > 0

@@ -196,3 +196,18 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
         os.replace(tmp, path)
         report["path"] = str(path)
     return model, report
+
+
+def engine_cost_policy(target, head, max_batch: int, max_steps: int, store: str | Path | None = None,
+                       adaptive=None) -> tuple["CostModelPolicy", dict]:
+    """The cost-model policy an engine serves with: its round-time model from
+    `engine_cost_model` (stored with the run), its tiers those of `adaptive` or, by default,
+    every K from 0 to max_steps in one slot (the policy weighs every K by its predicted tokens
+    per second; SGLang's tiers exist for its EMA rule). Returns (policy, the model's report)."""
+    from online_spec.controller.config import AdaptiveConfig
+    from online_spec.controller.cost import CostModelPolicy
+
+    if adaptive is None:
+        adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(max_steps + 1))}})
+    model, report = engine_cost_model(target, head, max_batch, max_steps, store=store)
+    return CostModelPolicy(adaptive, cost_model=model), report
