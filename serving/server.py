@@ -227,10 +227,10 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
     from online_spec.controller.calibrate import engine_cost_policy
 
     check(target is not None and head is not None, "policy", "cost needs the target and head to calibrate on")
-    policy, report = engine_cost_policy(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
-                                        store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive)
-    log.info("cost-model policy: tiers %s, round-time model from %s", policy.candidate_steps, report["source"])
-    return policy
+    cost_policy, report = engine_cost_policy(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
+                                             store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive)
+    log.info("cost-model policy: tiers %s, round-time model from %s", cost_policy.candidate_steps, report["source"])
+    return cost_policy
 
 
 def build_server(cfg: ServerConfig) -> SpecServer:

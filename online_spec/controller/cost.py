@@ -90,21 +90,22 @@ class _RidgeLeastSquares:
         self.count = 0  # online observations
         self.anchors = 0  # anchor observations
 
-    def add(self, x: Sequence[float], y: float) -> None:
-        g = self.decay
+    @staticmethod
+    def _accumulate(gram: list[list[float]], moment: list[float], x: Sequence[float], y: float,
+                    keep: float, weight: float) -> None:
+        """gram = keep * gram + weight * x x^T, moment = keep * moment + weight * x y, in place."""
         for i, xi in enumerate(x):
-            row = self.gram[i]
+            row = gram[i]
             for j, xj in enumerate(x):
-                row[j] = g * row[j] + xi * xj
-            self.moment[i] = g * self.moment[i] + xi * y
+                row[j] = keep * row[j] + weight * xi * xj
+            moment[i] = keep * moment[i] + weight * xi * y
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        self._accumulate(self.gram, self.moment, x, y, self.decay, 1.0)
         self.count += 1
 
     def add_anchor(self, x: Sequence[float], y: float, weight: float) -> None:
-        for i, xi in enumerate(x):
-            row = self.anchor_gram[i]
-            for j, xj in enumerate(x):
-                row[j] += weight * xi * xj
-            self.anchor_moment[i] += weight * xi * y
+        self._accumulate(self.anchor_gram, self.anchor_moment, x, y, 1.0, weight)
         self.anchors += 1
 
     def solve(self) -> list[float]:
@@ -355,12 +356,12 @@ class ConfidenceCalibrator:
         return self._table
 
     def bin_of(self, confidences: np.ndarray) -> np.ndarray:
-        """Bin index of each confidence (a probability; 1.0 falls in the top bin)."""
+        """Bin index of each confidence of an array (a probability; 1.0 falls in the top bin)."""
         bins = (np.asarray(confidences) * self.bins).astype(np.int64)
         return np.maximum(np.minimum(bins, self.bins - 1, out=bins), 0, out=bins)  # ufuncs: np.clip costs more
 
     def __call__(self, confidence: float) -> float:
-        return float(self._values()[min(self.bins - 1, max(0, int(confidence * self.bins)))])
+        return float(self.calibrated(np.array([confidence]))[0])
 
     def calibrated(self, confidences: np.ndarray) -> np.ndarray:
         """`self(c)` for every element of an array of confidences."""
@@ -558,7 +559,8 @@ class CostModelPolicy:
         # it keeps the equal drafts too).
         flat = np.sort(surv[surv > 0.0] if lens is not None else surv.ravel())[::-1].tolist()
         tok_s = self.cost.verify_token_s()
-        v0 = _dot(self.cost.verify_coef, verify_features(b, 1, ctx_len))  # verify with no draft kept
+        base, per_token = self.cost.verify_terms(b, ctx_len)
+        v0 = base + per_token  # verify with no draft kept: one token per request
         best_m, best_rate, tokens = 0, b / max(draft_s + max(0.0, v0), 1e-12), float(b)
         for m, sv in enumerate(flat, 1):
             tokens += sv
