@@ -28,6 +28,17 @@ lists each repeat's ratios and tokens/s. One ~25 s run per configuration moves ~
 static, adaptive, bs1 plain) T torch threads: a deployment without a trainer has the whole
 machine, where online-spec splits it between server and trainer.
 
+`--overhead-split` adds two configurations between static and online-spec, each with the
+online-spec server's threads, so the ratio of online-spec to static falls into three factors
+(`overhead_split`, overall tokens/s ratios whose product is online_spec / static):
+  cost_policy         the same head with the cost-model controller; no capture, no trainer
+                      -> `controller` = cost_policy / static
+  online_no_training  cost controller, capture on, the trainer daemon subscribed and filling
+                      its replay buffer but never training (--min-buffer-tokens above any run)
+                      -> `capture` = online_no_training / cost_policy
+  online_spec         -> `training` = online_spec / online_no_training (the trainer's CPU and
+                      memory traffic beside the server, and whatever its swapped heads gained)
+
     online-spec bench e2e --quick --json results/bench_e2e.json
     online-spec bench e2e --json results/bench_e2e.json --head runs/sharegpt-100k
 """
@@ -71,6 +82,8 @@ class E2EConfig:
                        "medians over the repeats", 1)
     baseline_threads: int = doc("torch threads of the server in the trainer-free configurations (0 = "
                                 "--server-threads)", 0)
+    overhead_split: bool = doc("also run cost_policy and online_no_training (see the module doc): where "
+                               "online-spec's tokens/s go against static", False)
 
     def __post_init__(self):
         check(self.requests_per_phase >= 1, "requests_per_phase", "must be >= 1")
@@ -140,8 +153,13 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         configs = {"plain": session(f"{pre}plain", items, head="none", num_steps=0, **alone),
                    "static": session(f"{pre}static", items, num_steps=best_k, **alone),
                    "sglang_adaptive": session(f"{pre}sglang_adaptive", items, policy="sglang_default",
-                                              num_steps=best_k, **alone),
-                   "online_spec": session(f"{pre}online_spec", items, policy="cost", num_steps=best_k, online=True)}
+                                              num_steps=best_k, **alone)}
+        if cfg.overhead_split:
+            configs["cost_policy"] = session(f"{pre}cost_policy", items, policy="cost", num_steps=best_k)
+            configs["online_no_training"] = session(
+                f"{pre}online_no_training", items, policy="cost", num_steps=best_k, online=True,
+                trainer_args=targs + ["--min-buffer-tokens", str(NEVER_TRAIN_TOKENS)])
+        configs["online_spec"] = session(f"{pre}online_spec", items, policy="cost", num_steps=best_k, online=True)
         # batch 1 on the last phase, with the head the trainer left live
         live = (configs["online_spec"].get("trainer") or {}).get("live_version") or 0
         adapted = out / f"{pre}online_spec" / "trainer" / "ckpt" / f"v{live}"
@@ -171,6 +189,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     return res
 
 
+NEVER_TRAIN_TOKENS = 10**12  # a replay buffer never holds this many rows: the daemon ingests, never trains
 RATIOS = ("speedup_vs_static_sglang_adaptive", "speedup_vs_static", "speedup_vs_plain", "speedup_vs_plain_bs1_adapted")
 TARGETS = {"speedup_vs_static_sglang_adaptive": 1.3, "speedup_vs_plain_bs1_adapted": 2.5}
 
@@ -195,6 +214,8 @@ def median_headline(heads: list[dict]) -> dict:
         vals = [h[k] for h in heads if h[k] is not None]
         out[k] = statistics.median(vals) if len(vals) == len(heads) else None
     out["per_phase"] = _median_tree([h["per_phase"] for h in heads])
+    if "overhead_split" in out:
+        out["overhead_split"] = _median_tree([h["overhead_split"] for h in heads])
     out["overall"] = _median_tree([h["overall"] for h in heads])
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
     return out
@@ -238,6 +259,10 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
            "adaptation_online_spec": configs["online_spec"]["adaptation"],
            "swaps_online_spec": len(configs["online_spec"]["swaps"]),
            "alerts_online_spec": len(configs["online_spec"]["alerts"])}
+    if "cost_policy" in configs and "online_no_training" in configs:
+        out["overhead_split"] = {"controller": _ratio(tps("cost_policy"), tps("static")),
+                                 "capture": _ratio(tps("online_no_training"), tps("cost_policy")),
+                                 "training": _ratio(tps("online_spec"), tps("online_no_training"))}
     out["tokens_to_beat_plain_from_day0"] = None  # set by run_bench when the day-0 run is on
     out["targets"] = dict(TARGETS)
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
@@ -266,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
-    print(json.dumps({k: report[k] for k in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted",
-                                              "tokens_to_beat_plain_from_day0", "static_k", "overall", "met")},
+    print(json.dumps({k: report.get(k) for k in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted",
+                                                  "tokens_to_beat_plain_from_day0", "static_k", "overall",
+                                                  "overhead_split", "met")},
                      indent=2, default=str))
     return 0

@@ -102,16 +102,23 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
 
     trace = write_trace(tmp_path / "t.jsonl", [TINY[0], TINY[2], TINY[4]])  # one request per phase
     path = tmp_path / "e2e.json"
-    # one calibration K (no calibration sessions) and no day-0 run keep this under a minute
+    # one calibration K (no calibration sessions) and no day-0 run keep this short
     assert main(["bench", "e2e", "--quick", "--head", "day0", "--trace", str(trace), "--max-tokens", "3",
-                 "--calib-steps", "2", "--bs1-requests", "1", "--no-day0",
+                 "--calib-steps", "2", "--bs1-requests", "1", "--no-day0", "--overhead-split",
                  "--out", str(tmp_path / "runs"), "--json", str(path)]) == 0
     rep = json.loads(path.read_text())
     for key in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted", "tokens_to_beat_plain_from_day0",
                 "speedup_vs_static", "speedup_vs_plain", "static_k", "per_phase", "overall", "adaptation_online_spec",
                 "bs1", "machine", "targets", "met"):
         assert key in rep, key
-    assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "online_spec"}
+    assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "cost_policy", "online_no_training",
+                                   "online_spec"}
+    # the split's factors multiply to online-spec over static; the no-training daemon never trained
+    split, tps = rep["overhead_split"], {n: f["tokens_per_s"] for n, f in rep["overall"].items()}
+    assert split["controller"] * split["capture"] * split["training"] == pytest.approx(tps["online_spec"] / tps["static"])
+    assert split["capture"] == pytest.approx(tps["online_no_training"] / tps["cost_policy"])
+    assert rep["configs"]["online_no_training"]["trainer"]["step"] == 0
+    assert rep["configs"]["online_no_training"]["trainer"]["returncode"] == 0
     assert rep["static_k"]["best"] == 2 and rep["configs"]["static"]["timeline"]["num_steps_per_slot"]
     assert rep["tokens_to_beat_plain_from_day0"] is None  # --no-day0: reported, not invented
     assert set(rep["per_phase"]) == {"chat", "code", "mix"}

@@ -4,7 +4,8 @@ the K-mix score, the rollback monitor. Named boundary cases."""
 import pytest
 
 from online_spec.config import ConfigError
-from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
+from trainer.gate import (GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, expected_accept_length,
+                          k_mix_score)
 
 CFG = GateConfig(margin_rel=0.05, margin_abs=0.1, min_anchors=100, rollback_threshold=0.2, rollback_min_rounds=3)
 
@@ -86,6 +87,48 @@ def test_rollback_compares_versions_on_the_same_traffic_tags():
     live.observe_rows([1, 0] * 3, [3] * 6, [4] * 6, [1] * 6, "code")
     d = mon.update(live)
     assert d.action == "rollback" and "overall" in d.reason
+    mon2 = RollbackMonitor(CFG)
+    mon2.load_state_dict(__import__("json").loads(__import__("json").dumps(mon.state_dict())))
+    assert mon2.baseline == mon.baseline
+
+
+def test_positions_are_counted_per_round_from_the_rows():
+    live = LiveAcceptance()
+    # K=3: accepts 2 (1,1,0), accepts 3 (1,1,1,-1), accepts 0 (0); K=1: accepts 1 (1,-1)
+    live.observe_rows([-1, 1, 1, 0, 1, 1, 1, -1, 0, 1, -1], [0, 3, 3, 3, 3, 3, 3, 3, 3, 1, 1], [1] * 11, [2] * 11,
+                      "chat")
+    pos = live.position_tallies(1)["chat"]
+    assert pos["trials"] == [4, 2, 2] and pos["hits"] == [3, 2, 1]
+    assert pos["rounds_by_k"] == {3: 3, 1: 1}
+    assert live.position_tallies(2) == {}
+    # a0 = 3/4, a1 = 1, a2 = 1/2: K=1 -> 0.75, K=3 -> 0.75 + 0.75 + 0.375; position 4 extends a2
+    assert expected_accept_length(pos["hits"], pos["trials"], 1) == pytest.approx(0.75)
+    assert expected_accept_length(pos["hits"], pos["trials"], 3) == pytest.approx(1.875)
+    assert expected_accept_length(pos["hits"], pos["trials"], 4) == pytest.approx(1.875 + 0.1875)
+    assert expected_accept_length([], [], 2) is None
+
+
+def test_rollback_compares_at_the_new_versions_k():
+    # v1 ran K=3 with per-position acceptance 1, 1, 0 (2 drafts a round); after the swap the
+    # controller re-warms and v2 runs K=1 with the same first position: 1 draft a round. By the
+    # accept lengths that is half of v1's (a rollback); at the same K it is v1's own figure
+    live = LiveAcceptance()
+    live.observe_rows([1, 1, 0] * 10, [3] * 30, [1] * 30, [1] * 30, "code")
+    mon = RollbackMonitor(CFG)
+    mon.start(2, 1, *live.accept_length(1), live.by_tags(1), live.position_tallies(1))
+    live.observe_rows([1, -1] * 4, [1] * 8, [2] * 8, [1] * 8, "code")
+    d = mon.update(live)
+    assert d.action == "keep" and "same K" in d.reason, d.reason
+    # without the per-position tallies (a state saved before them) it is judged by accept lengths
+    mon.start(3, 1, *live.accept_length(1), live.by_tags(1))
+    live.observe_rows([1, -1] * 4, [1] * 8, [3] * 8, [1] * 8, "code")
+    d = mon.update(live)
+    assert d.action == "rollback" and "same K" not in d.reason
+    # a version worse at its own K is still rolled back: v4 at K=1 accepts 1 of 4 (v1 there: 4 of 4)
+    mon.start(4, 1, *live.accept_length(1), live.by_tags(1), live.position_tallies(1))
+    live.observe_rows([1, -1, 0, 0, 0], [1] * 5, [4] * 5, [1] * 5, "code")
+    d = mon.update(live)
+    assert d.action == "rollback" and "same K" in d.reason, d.reason
     mon2 = RollbackMonitor(CFG)
     mon2.load_state_dict(__import__("json").loads(__import__("json").dumps(mon.state_dict())))
     assert mon2.baseline == mon.baseline

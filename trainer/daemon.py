@@ -206,7 +206,7 @@ class TrainerDaemon:
                 return None
         prev = self.state["live_version"]
         acc, rounds = self.live.accept_length(prev)
-        self.rollbacks.start(version, prev, acc, rounds, self.live.by_tags(prev))
+        self.rollbacks.start(version, prev, acc, rounds, self.live.by_tags(prev), self.live.position_tallies(prev))
         self.state.update(previous_version=prev, live_version=version, swaps=self.state["swaps"] + 1)
         self.state["published"].append({"version": version, "digest": digest, "step": self.distiller.step,
                                         "time": time.time()})

@@ -13,7 +13,11 @@ drafted `min_rounds` rounds, roll back if its live accept length is below p's by
 threshold; otherwise confirm v. Before enough rounds, wait. Both are compared on the same
 traffic: per traffic tag, p's accept length weighted by v's rounds of each tag (tags p served;
 v's accept length on those tags), so a shift in the traffic mix at the swap (chat before, code
-after) is not mistaken for a worse head. Without such tags, the overall accept lengths.
+after) is not mistaken for a worse head. Without such tags, the overall accept lengths. And at
+the same K: drafts accepted per round grow with K, and the step controller re-warms at a swap
+(it starts over from its acceptance prior, often at a lower K for a while), so p's figure is
+its per-position acceptance on the tag (hits / trials of draft position i) evaluated at v's
+K of each round, not p's accept length at p's own K mix.
 """
 
 from __future__ import annotations
@@ -85,28 +89,69 @@ class _Tally:
         return self.accepted / self.rounds if self.rounds else 0.0
 
 
+@dataclass
+class _Positions:
+    """Per draft position i (0-based): rounds that verified it (trials) and accepted it (hits);
+    and rounds per verified K."""
+    hits: list = field(default_factory=list)
+    trials: list = field(default_factory=list)
+    rounds_by_k: dict = field(default_factory=lambda: defaultdict(int))
+
+    def observe_round(self, accepted: int, k: int) -> None:
+        if len(self.trials) < k:
+            grow = k - len(self.trials)
+            self.hits += [0] * grow
+            self.trials += [0] * grow
+        for i in range(min(accepted + 1, k)):  # positions 1..a accepted, a+1 rejected (if verified)
+            self.trials[i] += 1
+            self.hits[i] += i < accepted
+        self.rounds_by_k[k] += 1
+
+
+def expected_accept_length(hits: list, trials: list, k: int) -> float | None:
+    """Drafts accepted per round at K = k from per-position hits / trials: sum over i <= k of
+    prod_{j <= i} a_j. A position never verified takes the deepest verified rate to its left;
+    None when position 1 never was."""
+    if not trials or not trials[0]:
+        return None
+    total, surv, rate = 0.0, 1.0, 0.0
+    for i in range(k):
+        if i < len(trials) and trials[i]:
+            rate = hits[i] / trials[i]
+        surv *= rate
+        total += surv
+    return total
+
+
 class LiveAcceptance:
-    """Live acceptance tallies from captured spans, per version, per (version, slot), per (version, tag)."""
+    """Live acceptance tallies from captured spans, per version, per (version, slot), per (version, tag);
+    per (version, tag) also per draft position (`_Positions`)."""
 
     def __init__(self):
         self.by_version: dict[int, _Tally] = defaultdict(_Tally)
         self.by_slot: dict[tuple[int, int], _Tally] = defaultdict(_Tally)
         self.by_tag: dict[tuple[int, str], _Tally] = defaultdict(_Tally)
+        self.positions: dict[tuple[int, str], _Positions] = defaultdict(_Positions)
         self.k_counts: dict[int, int] = defaultdict(int)
 
     def observe_rows(self, accepted: list[int], num_steps: list[int], versions: list[int],
                      batch_sizes: list[int], tag: str) -> None:
+        run = 0  # accepted rows of the round in progress (a span holds whole rounds, in order)
         for a, k, v, b in zip(accepted, num_steps, versions, batch_sizes):
             if k <= 0:
+                run = 0
                 continue  # prefill or plain decode: nothing was drafted
             tallies = (self.by_version[v], self.by_slot[(v, b)], self.by_tag[(v, tag)])
             if a == 1:
+                run += 1
                 for t in tallies:
                     t.accepted += 1
             else:  # the row that ends a drafted round (rejection, or the bonus after all accepted)
                 for t in tallies:
                     t.rounds += 1
                 self.k_counts[k] += 1
+                self.positions[(v, tag)].observe_round(min(run, k), k)
+                run = 0
 
     def accept_length(self, version: int) -> tuple[float, int]:
         t = self.by_version.get(version)
@@ -115,6 +160,11 @@ class LiveAcceptance:
     def by_tags(self, version: int) -> dict[str, tuple[int, int]]:
         """{tag: (accepted drafts, rounds)} of one version."""
         return {g: (t.accepted, t.rounds) for (v, g), t in list(self.by_tag.items()) if v == version and t.rounds}
+
+    def position_tallies(self, version: int) -> dict[str, dict]:
+        """{tag: {"hits": [...], "trials": [...], "rounds_by_k": {K: rounds}}} of one version."""
+        return {g: {"hits": list(p.hits), "trials": list(p.trials), "rounds_by_k": dict(p.rounds_by_k)}
+                for (v, g), p in list(self.positions.items()) if v == version and p.rounds_by_k}
 
     def summary(self) -> dict:
         return {"version": {str(v): {"accept_length": t.accept_length, "rounds": t.rounds}
@@ -137,11 +187,28 @@ class RollbackMonitor:
     baseline: dict = field(default_factory=dict)
 
     def start(self, new_version: int, previous_version: int, previous_accept: float, previous_rounds: int,
-              previous_tags: dict[str, tuple[int, int]] | None = None) -> None:
-        """previous_tags: the previous version's {tag: (accepted, rounds)} (`LiveAcceptance.by_tags`)."""
+              previous_tags: dict[str, tuple[int, int]] | None = None,
+              previous_positions: dict[str, dict] | None = None) -> None:
+        """previous_tags: the previous version's {tag: (accepted, rounds)} (`LiveAcceptance.by_tags`);
+        previous_positions: its per-position tallies per tag (`LiveAcceptance.position_tallies`)."""
         self.watching = (new_version, previous_version)
         self.baseline = {"accept": previous_accept, "rounds": previous_rounds,
-                         "tags": {g: list(ar) for g, ar in (previous_tags or {}).items()}}
+                         "tags": {g: list(ar) for g, ar in (previous_tags or {}).items()},
+                         "positions": {g: {"hits": list(p["hits"]), "trials": list(p["trials"])}
+                                       for g, p in (previous_positions or {}).items()}}
+
+    def _tag_baseline(self, tag: str, new_rounds_by_k: dict, rounds: int) -> tuple[float, bool]:
+        """The previous version's accepted drafts on `tag` over the new version's rounds there:
+        at the new version's K of each round when its per-position tallies allow (True), else
+        its accept length at its own K mix times the rounds (False)."""
+        pos = (self.baseline.get("positions") or {}).get(tag)
+        if pos and new_rounds_by_k:
+            by_k = {int(k): n for k, n in new_rounds_by_k.items()}
+            exp = {k: expected_accept_length(pos["hits"], pos["trials"], k) for k in by_k}
+            if all(e is not None for e in exp.values()):
+                return sum(n * exp[k] for k, n in by_k.items()), True
+        acc, n = self.baseline["tags"][tag]
+        return rounds * acc / n, False
 
     def _compare(self, live: LiveAcceptance, new: int) -> tuple[float, float, int, str]:
         """(new version's accept length, the previous one's on the same traffic, new's rounds, how)."""
@@ -150,8 +217,14 @@ class RollbackMonitor:
         rounds = sum(r for _, r in new_tags.values())
         if rounds >= self.cfg.rollback_min_rounds:
             acc = sum(a for a, _ in new_tags.values()) / rounds
-            base = sum(r * base_tags[g][0] / base_tags[g][1] for g, (_, r) in new_tags.items()) / rounds
-            return acc, base, rounds, f"on tags {sorted(new_tags)}"
+            new_pos = live.position_tallies(new)
+            base_sum, matched = 0.0, True
+            for g, (_, r) in new_tags.items():
+                b, same_k = self._tag_baseline(g, (new_pos.get(g) or {}).get("rounds_by_k") or {}, r)
+                base_sum += b
+                matched = matched and same_k
+            how = f"on tags {sorted(new_tags)}" + (", at the same K" if matched else "")
+            return acc, base_sum / rounds, rounds, how
         acc, rounds = live.accept_length(new)
         return acc, self.baseline["accept"], rounds, "overall"
 
