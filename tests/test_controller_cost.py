@@ -301,6 +301,22 @@ def test_update_without_num_steps_uses_the_last_choice():
     assert p.info()["slots"]["1"]["accept"][0] > 0.6
 
 
+def test_info_reads_fresh_estimates_and_leaves_the_engines_cache_alone():
+    """info() runs on other threads (status, progress lines): it must not fill the estimates
+    cache that the engine thread's observe() clears (a fill racing an observe would keep the
+    previous round's values until the next one)."""
+    p = policy([1, 3], 0.6)
+    k = p.steps_for(1)
+    p.update(1, [k], num_steps=k)  # its choose_steps fills the cache
+    acc = p._accept[0]
+    acc.observe([0], 1)  # as the engine thread's next round does: the cache is cleared
+    assert acc._filled is None
+    info = p.info()["slots"]["1"]
+    assert acc._filled is None
+    assert info["accept"] == acc.estimates() == acc.fresh_estimates()
+    assert info["expected_tokens"]["3"] == pytest.approx(p.expected_tokens(1, 3))
+
+
 def test_update_feeds_measured_times_to_the_cost_model():
     p = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 3]}}),
                         cost_model=CostModel(CostModelConfig(refit_interval=1)))

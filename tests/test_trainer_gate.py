@@ -132,3 +132,46 @@ def test_rollback_compares_at_the_new_versions_k():
     mon2 = RollbackMonitor(CFG)
     mon2.load_state_dict(__import__("json").loads(__import__("json").dumps(mon.state_dict())))
     assert mon2.baseline == mon.baseline
+
+
+def test_rollback_waits_out_a_drop_that_is_not_significant():
+    """Per-round acceptance is 0..K: a short run of hard rounds after a swap falls below the
+    previous version's figure by more than the threshold without being evidence of a worse head.
+    The monitor waits while the drop is under rollback_z standard errors, rolls back once it is
+    over, and keeps the version after rollback_max_rounds rounds without a significant drop."""
+    cfg = GateConfig(rollback_threshold=0.1, rollback_min_rounds=4, rollback_z=2.0, rollback_max_rounds=40)
+    live = LiveAcceptance()
+    live.observe_rows([1, 1, 0, 0] * 20, [3] * 80, [1] * 80, [1] * 80, "code")  # v1: rounds of 2 and 0: mean 1
+    mon = RollbackMonitor(cfg)
+    mon.start(2, 1, *live.accept_length(1), live.by_tags(1), live.position_tallies(1))
+    # v2, same per-round spread, 4 rounds at 0.5: 50% below v1 but se = 0.5 (z = 1)
+    live.observe_rows([1, 1, 0, 0, 0, 0], [3] * 6, [2] * 6, [1] * 6, "code")
+    assert live.accept_length(2) == (0.5, 4)
+    assert live.standard_error(2, ["code"]) == pytest.approx(0.5)
+    d = mon.update(live)
+    assert d.action == "wait" and "standard errors" in d.reason, d.reason
+    # more rounds: 2 and 0 alternating, then two of 3: 16 drafts in 14 rounds, not below v1 by 10 %
+    live.observe_rows([1, 1, 0, 0] * 4 + [1, 1, 1, -1] * 2, [3] * 24, [2] * 24, [1] * 24, "code")
+    assert live.accept_length(2) == (pytest.approx(16 / 14), 14)
+    assert mon.update(live).action == "keep"
+    # v3 really worse: every round accepts 0 -> no spread, the drop is significant at min_rounds
+    mon.start(3, 1, *live.accept_length(1), live.by_tags(1), live.position_tallies(1))
+    live.observe_rows([0] * 4, [3] * 4, [3] * 4, [1] * 4, "code")
+    d = mon.update(live)
+    assert d.action == "rollback" and "standard errors" in d.reason
+    # v4 at 0.8 (20 % below) with a spread that keeps the drop at ~1.2 standard errors after
+    # rollback_max_rounds = 40 rounds (2, 2, 0, 0, 0 repeated): kept
+    mon.start(4, 1, *live.accept_length(1), live.by_tags(1), live.position_tallies(1))
+    live.observe_rows([1, 1, 0, 1, 1, 0, 0, 0, 0] * 7, [3] * 63, [4] * 63, [1] * 63, "code")  # 35 rounds
+    assert live.accept_length(4) == (pytest.approx(0.8), 35)
+    assert mon.update(live).action == "wait"
+    live.observe_rows([1, 1, 0, 1, 1, 0, 0, 0, 0], [3] * 9, [4] * 9, [1] * 9, "code")  # 40 rounds
+    d = mon.update(live)
+    assert d.action == "keep" and "no significant drop in 40 rounds" in d.reason, d.reason
+
+
+def test_rollback_z_config_errors():
+    with pytest.raises(ConfigError, match="rollback_z"):
+        GateConfig(rollback_z=-1)
+    with pytest.raises(ConfigError, match="rollback_max_rounds"):
+        GateConfig(rollback_min_rounds=50, rollback_max_rounds=10)

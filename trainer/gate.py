@@ -17,7 +17,11 @@ after) is not mistaken for a worse head. Without such tags, the overall accept l
 the same K: drafts accepted per round grow with K, and the step controller re-warms at a swap
 (it starts over from its acceptance prior, often at a lower K for a while), so p's figure is
 its per-position acceptance on the tag (hits / trials of draft position i) evaluated at v's
-K of each round, not p's accept length at p's own K mix.
+K of each round, not p's accept length at p's own K mix. A drop beyond the threshold must also
+be significant: at least `rollback_z` standard errors of v's mean accept length (per-round
+accepted drafts vary from 0 to K: over 30 rounds the standard error is ~20 % of the mean, as
+large as the drops being judged); a drop that is not yet significant waits for more rounds, up to
+`rollback_max_rounds`, after which v is kept.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class GateConfig:
     rollback_threshold: float = doc("roll back when the new version's live accept length is below the "
                                     "previous version's by more than this fraction", 0.10)
     rollback_min_rounds: int = doc("live verify rounds of the new version before judging it", 40)
+    rollback_z: float = doc("a drop must also exceed this many standard errors of the new version's mean "
+                            "accept length (0 = the threshold alone)", 2.0)
+    rollback_max_rounds: int = doc("keep the new version once it has this many rounds without a significant "
+                                   "drop", 2000)
 
     def __post_init__(self):
         check(self.margin_rel >= 0, "margin_rel", "must be >= 0")
@@ -43,6 +51,9 @@ class GateConfig:
         check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
         check(0 < self.rollback_threshold < 1, "rollback_threshold", "must be in (0, 1)")
         check(self.rollback_min_rounds >= 1, "rollback_min_rounds", "must be >= 1")
+        check(self.rollback_z >= 0, "rollback_z", "must be >= 0")
+        check(self.rollback_max_rounds >= self.rollback_min_rounds, "rollback_max_rounds",
+              f"must be >= rollback_min_rounds ({self.rollback_min_rounds})")
 
 
 @dataclass
@@ -83,6 +94,7 @@ def k_mix_score(accept_length: dict[str, float], k_counts: dict[int, int]) -> fl
 class _Tally:
     accepted: int = 0
     rounds: int = 0
+    squares: int = 0  # sum over rounds of (accepted drafts)^2: the spread of per-round acceptance
 
     @property
     def accept_length(self) -> float:
@@ -147,10 +159,12 @@ class LiveAcceptance:
                 for t in tallies:
                     t.accepted += 1
             else:  # the row that ends a drafted round (rejection, or the bonus after all accepted)
+                a_round = min(run, k)
                 for t in tallies:
                     t.rounds += 1
+                    t.squares += a_round * a_round
                 self.k_counts[k] += 1
-                self.positions[(v, tag)].observe_round(min(run, k), k)
+                self.positions[(v, tag)].observe_round(a_round, k)
                 run = 0
 
     def accept_length(self, version: int) -> tuple[float, int]:
@@ -160,6 +174,19 @@ class LiveAcceptance:
     def by_tags(self, version: int) -> dict[str, tuple[int, int]]:
         """{tag: (accepted drafts, rounds)} of one version."""
         return {g: (t.accepted, t.rounds) for (v, g), t in list(self.by_tag.items()) if v == version and t.rounds}
+
+    def standard_error(self, version: int, tags: list[str] | None = None) -> float:
+        """Standard error of the version's mean accepted drafts per round (on `tags`, or overall),
+        from the spread of its rounds; inf with fewer than 2 rounds."""
+        if tags is None:
+            ts = [self.by_version[version]] if version in self.by_version else []
+        else:
+            ts = [t for (v, g), t in list(self.by_tag.items()) if v == version and g in tags]
+        n, total, sq = (sum(getattr(t, f) for t in ts) for f in ("rounds", "accepted", "squares"))
+        if n < 2:
+            return float("inf")
+        var = max(0.0, (sq - total * total / n) / (n - 1))
+        return (var / n) ** 0.5
 
     def position_tallies(self, version: int) -> dict[str, dict]:
         """{tag: {"hits": [...], "trials": [...], "rounds_by_k": {K: rounds}}} of one version."""
@@ -210,8 +237,9 @@ class RollbackMonitor:
         acc, n = self.baseline["tags"][tag]
         return rounds * acc / n, False
 
-    def _compare(self, live: LiveAcceptance, new: int) -> tuple[float, float, int, str]:
-        """(new version's accept length, the previous one's on the same traffic, new's rounds, how)."""
+    def _compare(self, live: LiveAcceptance, new: int) -> tuple[float, float, float, str]:
+        """(new version's accept length, the previous one's on the same traffic, the standard
+        error of the first, how)."""
         base_tags = self.baseline.get("tags") or {}
         new_tags = {g: ar for g, ar in live.by_tags(new).items() if g in base_tags and base_tags[g][1] > 0}
         rounds = sum(r for _, r in new_tags.values())
@@ -224,9 +252,9 @@ class RollbackMonitor:
                 base_sum += b
                 matched = matched and same_k
             how = f"on tags {sorted(new_tags)}" + (", at the same K" if matched else "")
-            return acc, base_sum / rounds, rounds, how
+            return acc, base_sum / rounds, live.standard_error(new, list(new_tags)), how
         acc, rounds = live.accept_length(new)
-        return acc, self.baseline["accept"], rounds, "overall"
+        return acc, self.baseline["accept"], live.standard_error(new), "overall"
 
     def update(self, live: LiveAcceptance) -> RollbackDecision:
         if self.watching is None:
@@ -235,11 +263,20 @@ class RollbackMonitor:
         acc, rounds = live.accept_length(new)
         if rounds < self.cfg.rollback_min_rounds:
             return RollbackDecision("wait", f"v{new}: {rounds} rounds (< {self.cfg.rollback_min_rounds})")
-        acc, base, _, how = self._compare(live, new)
+        acc, base, se, how = self._compare(live, new)
         if self.baseline["rounds"] > 0 and acc < base * (1 - self.cfg.rollback_threshold):
+            z = (base - acc) / se if se > 0 else float("inf")
+            if z >= self.cfg.rollback_z:
+                self.watching = None
+                return RollbackDecision("rollback", f"v{new} live accept length {acc:.3f} < v{prev}'s {base:.3f} "
+                                                    f"by more than {self.cfg.rollback_threshold:.0%}, {z:.1f} standard "
+                                                    f"errors, {rounds} rounds ({how})")
+            if rounds < self.cfg.rollback_max_rounds:
+                return RollbackDecision("wait", f"v{new} live accept length {acc:.3f} < v{prev}'s {base:.3f} but "
+                                                f"only {z:.1f} standard errors after {rounds} rounds ({how})")
             self.watching = None
-            return RollbackDecision("rollback", f"v{new} live accept length {acc:.3f} < v{prev}'s {base:.3f} "
-                                                f"by more than {self.cfg.rollback_threshold:.0%} ({how})")
+            return RollbackDecision("keep", f"v{new} live accept length {acc:.3f} vs v{prev}'s {base:.3f}: no "
+                                            f"significant drop in {rounds} rounds ({how})")
         self.watching = None
         return RollbackDecision("keep", f"v{new} live accept length {acc:.3f} vs v{prev}'s {base:.3f} ({how})")
 

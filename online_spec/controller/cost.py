@@ -302,14 +302,20 @@ class AcceptanceEstimate:
         self._filled = None
 
     def estimates(self) -> list[float]:
-        """a_1..a_depth; a position never tried takes the deepest tried estimate to its left."""
+        """a_1..a_depth; a position never tried takes the deepest tried estimate to its left.
+        Cached until the next `observe` (the engine thread's hot path)."""
         if self._filled is None:
-            out, last = [], self.prior
-            for rate, seen in zip(self.rates, self.seen):
-                last = rate if seen else last
-                out.append(last)
-            self._filled = out
+            self._filled = self.fresh_estimates()
         return self._filled
+
+    def fresh_estimates(self) -> list[float]:
+        """`estimates` computed now, leaving the cache alone: for readers on other threads (a
+        cache they filled while `observe` ran could hold the previous round's values)."""
+        out, last = [], self.prior
+        for rate, seen in zip(list(self.rates), list(self.seen)):
+            last = rate if seen else last
+            out.append(last)
+        return out
 
     def reset(self) -> None:
         self.rates = [self.prior] * self.depth
@@ -440,9 +446,10 @@ class CostModelPolicy:
 
     # -- before drafting ---------------------------------------------------------------------
 
-    def expected_tokens(self, batch_size: int, k: int) -> float:
-        """E(K): committed tokens per request (bonus included) with K drafts, from the estimates."""
-        a = self._accept[self.adaptive.slot_index(batch_size)].estimates()
+    def expected_tokens(self, batch_size: int, k: int, estimates: Sequence[float] | None = None) -> float:
+        """E(K): committed tokens per request (bonus included) with K drafts, from the estimates
+        (the slot's, or the given a_1..a_depth)."""
+        a = self._accept[self.adaptive.slot_index(batch_size)].estimates() if estimates is None else estimates
         total, surv = 1.0, 1.0
         for i in range(min(k, len(a))):
             surv *= a[i]
@@ -627,11 +634,13 @@ class CostModelPolicy:
         self._calib.reset()
 
     def info(self) -> dict:
-        slots = {}
+        slots = {}  # read from other threads (status, progress lines): never through the engine's cache
         for slot, acc, last, n in zip(self._slots, self._accept, self._last, self._decisions):
+            a = acc.fresh_estimates()
             slots[str(slot.min_batch_size)] = {
-                "steps": last, "decisions": n, "accept": list(acc.estimates()),
-                "expected_tokens": {str(k): self.expected_tokens(slot.min_batch_size, k) for k in slot.candidate_steps}}
+                "steps": last, "decisions": n, "accept": a,
+                "expected_tokens": {str(k): self.expected_tokens(slot.min_batch_size, k, a)
+                                    for k in slot.candidate_steps}}
         return {"policy": self.name, "slots": slots,
                 "cost": {"draft_coef": list(self.cost.draft_coef), "verify_coef": list(self.cost.verify_coef),
                          "observations": self.cost.observations}}
