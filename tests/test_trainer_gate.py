@@ -174,4 +174,15 @@ def test_rollback_z_config_errors():
     with pytest.raises(ConfigError, match="rollback_z"):
         GateConfig(rollback_z=-1)
     with pytest.raises(ConfigError, match="rollback_max_rounds"):
-        GateConfig(rollback_min_rounds=50, rollback_max_rounds=10)
+        GateConfig(rollback_max_rounds=0)
+
+
+def test_rollback_max_rounds_below_min_rounds_decides_at_min_rounds():
+    cfg = GateConfig(rollback_threshold=0.1, rollback_min_rounds=4, rollback_z=2.0, rollback_max_rounds=1)
+    live = LiveAcceptance()
+    live.observe_rows([1, 1, 0, 0] * 20, [3] * 80, [1] * 80, [1] * 80, "code")
+    mon = RollbackMonitor(cfg)
+    mon.start(2, 1, *live.accept_length(1), live.by_tags(1), live.position_tallies(1))
+    live.observe_rows([1, 1, 0, 0, 0, 0], [3] * 6, [2] * 6, [1] * 6, "code")  # 50 % below, 1 standard error
+    d = mon.update(live)
+    assert d.action == "keep" and "no significant drop" in d.reason
