@@ -30,6 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from online_spec.config import check, doc
+from online_spec.controller.cost import expected_accepted, fill_untried
 
 
 @dataclass
@@ -120,18 +121,13 @@ class _Positions:
 
 
 def expected_accept_length(hits: list, trials: list, k: int) -> float | None:
-    """Drafts accepted per round at K = k from per-position hits / trials: sum over i <= k of
-    prod_{j <= i} a_j. A position never verified takes the deepest verified rate to its left;
-    None when position 1 never was."""
+    """Drafts accepted per round at K = k from per-position hits / trials (the controller's
+    `expected_accepted`); a position never verified takes the deepest verified rate to its left
+    (`fill_untried`), past the last one too. None when position 1 never was verified."""
     if not trials or not trials[0]:
         return None
-    total, surv, rate = 0.0, 1.0, 0.0
-    for i in range(k):
-        if i < len(trials) and trials[i]:
-            rate = hits[i] / trials[i]
-        surv *= rate
-        total += surv
-    return total
+    rates = fill_untried([h / t if t else 0.0 for h, t in zip(hits, trials)], trials, 0.0)
+    return expected_accepted(rates + [rates[-1]] * (k - len(rates)), k)
 
 
 class LiveAcceptance:

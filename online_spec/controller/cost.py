@@ -256,6 +256,26 @@ class CostModel:
         self._pending = int(state["pending"])
 
 
+def fill_untried(rates: Sequence[float], tried: Sequence, prior: float) -> list[float]:
+    """Per-position acceptance with every untried position (tried[i] falsy) taking the deepest
+    tried rate to its left, or `prior` left of any tried one."""
+    out, last = [], prior
+    for rate, t in zip(rates, tried):
+        last = rate if t else last
+        out.append(last)
+    return out
+
+
+def expected_accepted(a: Sequence[float], k: int) -> float:
+    """Drafts accepted per round with K = k from per-position acceptance a_1..: sum over
+    i <= k of prod_{j <= i} a_j (bonus excluded; positions past len(a) add nothing)."""
+    total, surv = 0.0, 1.0
+    for i in range(min(k, len(a))):
+        surv *= a[i]
+        total += surv
+    return total
+
+
 class AcceptanceEstimate:
     """Conditional acceptance of each draft position, for one batch-size slot: hits / trials,
     both discounted by (1 - 1/window) per later trial of the same position, starting from the
@@ -311,11 +331,7 @@ class AcceptanceEstimate:
     def fresh_estimates(self) -> list[float]:
         """`estimates` computed now, leaving the cache alone: for readers on other threads (a
         cache they filled while `observe` ran could hold the previous round's values)."""
-        out, last = [], self.prior
-        for rate, seen in zip(list(self.rates), list(self.seen)):
-            last = rate if seen else last
-            out.append(last)
-        return out
+        return fill_untried(list(self.rates), list(self.seen), self.prior)
 
     def reset(self) -> None:
         self.rates = [self.prior] * self.depth
@@ -450,11 +466,7 @@ class CostModelPolicy:
         """E(K): committed tokens per request (bonus included) with K drafts, from the estimates
         (the slot's, or the given a_1..a_depth)."""
         a = self._accept[self.adaptive.slot_index(batch_size)].estimates() if estimates is None else estimates
-        total, surv = 1.0, 1.0
-        for i in range(min(k, len(a))):
-            surv *= a[i]
-            total += surv
-        return total
+        return 1.0 + expected_accepted(a, k)
 
     def choose_steps(self, batch_size: int, ctx_len: float = 0) -> int:
         """The slot's tier maximizing E(K) / round seconds; ties go to the smaller K. Under a
