@@ -106,6 +106,7 @@ class _Generation:
         self.data = {s: read_shard(path / s) for s in SPLITS if (path / s).is_dir()}
         self.lens = {s: np.asarray(self.data[s].data.column("num_rows").to_numpy(), dtype=np.int64)
                      if s in self.data else np.zeros(0, dtype=np.int64) for s in SPLITS}
+        self.tags = {s: self.data[s].data.column("tag").to_pylist() if s in self.data else [] for s in SPLITS}
 
     def span(self, split: str, i: int) -> CaptureSpan:
         return row_to_span(self.data[split][int(i)])
@@ -196,12 +197,13 @@ class ReplayBuffer:
             _draw(out, max_tokens - got, self._pools("train"), rng)
             return out
 
-    def heldout(self, max_tokens: int, newest: bool = True) -> list[CaptureSpan]:
-        """Held-out spans, newest first (or oldest first), up to `max_tokens` rows in all."""
+    def heldout(self, max_tokens: int, newest: bool = True, tag: str | None = None) -> list[CaptureSpan]:
+        """Held-out spans, newest first (or oldest first), up to `max_tokens` rows in all; only
+        those of traffic tag `tag` when given."""
         with self._lock:
             out: list[CaptureSpan] = []
             left = max_tokens
-            for span in self._iter_split("heldout", newest):
+            for span in self._iter_split("heldout", newest, tag):
                 if left <= 0:
                     break
                 if span.num_rows > left:
@@ -209,6 +211,12 @@ class ReplayBuffer:
                 out.append(span)
                 left -= span.num_rows
             return out
+
+    def heldout_tags(self) -> list[str]:
+        """Traffic tags of the stored held-out spans, sorted."""
+        with self._lock:
+            return sorted({str(t) for g in self._gens for t in g.tags["heldout"]}
+                          | {s.tag for s in self._pending["heldout"]})
 
     def __len__(self) -> int:
         with self._lock:
@@ -254,17 +262,23 @@ class ReplayBuffer:
         pools.append(_Pool(np.array([s.num_rows for s in pending], dtype=np.int64), pending.__getitem__))
         return pools
 
-    def _iter_split(self, split: str, newest: bool):
-        pending = self._pending[split]
+    def _iter_split(self, split: str, newest: bool, tag: str | None = None):
+        """Spans of `split` in arrival order (or newest first); only those of `tag` when given
+        (skipped by their stored tag, without reading them)."""
+        pending = [s for s in self._pending[split] if tag is None or s.tag == tag]
         gens = self._gens
+
+        def indices(g: _Generation):
+            return [i for i in range(len(g.lens[split])) if tag is None or g.tags[split][i] == tag]
+
         if newest:
             yield from reversed(pending)
             for g in reversed(gens):
-                for i in reversed(range(len(g.lens[split]))):
+                for i in reversed(indices(g)):
                     yield g.span(split, i)
         else:
             for g in gens:
-                for i in range(len(g.lens[split])):
+                for i in indices(g):
                     yield g.span(split, i)
             yield from pending
 

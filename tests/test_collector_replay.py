@@ -19,8 +19,9 @@ from online_spec.config import ConfigError
 H = 16
 
 
-def make_span(i: int, rounds: int = 4, dtype: torch.dtype = torch.bfloat16) -> CaptureSpan:
-    return CaptureSpan.from_records(request_records(f"req-{i}", num_rounds=rounds, hidden=H, seed=i, dtype=dtype))
+def make_span(i: int, rounds: int = 4, dtype: torch.dtype = torch.bfloat16, tag: str = "chat") -> CaptureSpan:
+    return CaptureSpan.from_records(request_records(f"req-{i}", num_rounds=rounds, hidden=H, seed=i, dtype=dtype,
+                                                    tag=tag))
 
 
 def assert_spans_equal(a: CaptureSpan, b: CaptureSpan) -> None:
@@ -166,6 +167,29 @@ def test_malformed_and_oversized_spans_are_refused_and_counted(tmp_path: Path):
     assert huge.nbytes > 396 * SPAN_BYTES
     assert not buf.add(huge) and buf.stats()["dropped"] == 1
     assert len(buf) == 0
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_heldout_of_one_tag_and_the_tags_held_out(tmp_path: Path, reopen: bool):
+    """The gate's per-tag guard reads each tag's newest held-out spans, from pending spans and from
+    flushed generations (after a restart too); tags are listed from what is stored."""
+    spans = [make_span(i, tag="chat" if i < 12 else "code") for i in range(40)]
+    cfg = small_cfg(tmp_path)
+    buf = ReplayBuffer(cfg)
+    for s in spans:
+        buf.add(s)
+    if reopen:
+        buf.close()
+        buf = ReplayBuffer(cfg)
+    held = [s for s in spans if is_heldout(s.request_id, 4)]
+    assert {s.tag for s in held} == {"chat", "code"} and buf.heldout_tags() == ["chat", "code"]
+    for tag in ("chat", "code"):
+        got = buf.heldout(10**9, tag=tag)
+        assert [s.request_id for s in got] == [s.request_id for s in reversed(held) if s.tag == tag]
+    newest_chat = [s for s in reversed(held) if s.tag == "chat"][0]
+    cut = buf.heldout(3, tag="chat")
+    assert len(cut) == 1 and cut[0].request_id == newest_chat.request_id and cut[0].num_rows == 3
+    assert buf.heldout(100, tag="other") == []
 
 
 def test_empty_buffer_samples_nothing(tmp_path: Path):

@@ -465,7 +465,7 @@ def test_padded_verify_does_not_cut_a_weak_row_alone():
 # -- lifecycle -------------------------------------------------------------------------------
 
 def test_rewarm_forgets_acceptance_but_keeps_costs():
-    p = policy([1, 3, 7], 0.6)
+    p = policy([1, 3, 7], 0.6, rewarm_keep_trials=0)
     for _ in range(20):
         p.update(1, [7], num_steps=7, confidences=[[0.95] * 7])
     coefs = (list(p.cost.draft_coef), list(p.cost.verify_coef))
@@ -474,6 +474,29 @@ def test_rewarm_forgets_acceptance_but_keeps_costs():
     assert p.info()["slots"]["1"]["accept"] == [0.6] * 7
     assert p._calib(0.95) == pytest.approx(0.95)
     assert (p.cost.draft_coef, p.cost.verify_coef) == coefs
+
+
+def test_rewarm_keeps_the_old_heads_figures_as_a_weak_prior():
+    """Default re-warm: right after a swap the estimates and the calibration are the old head's
+    (not the 0.6 prior and the identity map, which made K dip after swaps), held by only
+    `rewarm_keep_trials` trials, so the new head's own rounds take over within a few rounds."""
+    old = policy([1, 3, 7], 0.6)
+    for _ in range(40):  # old head: every draft accepted, at confidence 0.3 (calibrated up to ~1)
+        old.update(1, [7], num_steps=7, confidences=[[0.3] * 7])
+    before = old.info()["slots"]["1"]["accept"]
+    calib_before = old._calib(0.3)
+    assert before[0] > 0.95 and calib_before > 0.95
+    old.rewarm()
+    assert old.info()["slots"]["1"]["accept"] == before
+    assert 0.6 < old._calib(0.3) < calib_before  # the old map, at 4 observations against the 0.35 midpoint
+    reset = policy([1, 3, 7], 0.6)  # the same new head seen from the 0.6 prior
+    for p in (old, reset):
+        for _ in range(8):  # the new head: every first draft rejected
+            p.update(1, [0], num_steps=7, confidences=[[0.3] * 7])
+    a_old, a_reset = old.info()["slots"]["1"]["accept"][0], reset.info()["slots"]["1"]["accept"][0]
+    assert a_old < 0.4 and abs(a_old - a_reset) < 0.15  # 8 rounds of the new head decide in both
+    with pytest.raises(ConfigError, match="rewarm_keep_trials"):
+        CostPolicyConfig(rewarm_keep_trials=-1)
 
 
 def test_policy_state_round_trip():

@@ -214,6 +214,43 @@ def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
     assert d.state["live_version"] == 1 and (tmp_path / "b" / "ckpt" / "v1" / "config.json").exists()
 
 
+def test_gate_refuses_a_head_that_learned_the_new_tag_and_forgot_the_old(tmp_path):
+    """Live head trained on "chat" sequences, candidate on "code" ones; the newest held-out traffic
+    is code, on which the candidate wins, but the buffer also holds chat, on which it is worse:
+    refused with the tag named (and published once the guard is off)."""
+    from trainer.data import capture_tokens
+
+    target = tiny8()
+    _, chat_seqs = greedy_records(target, num=6, new_tokens=40, seed=1)
+    _, code_seqs = greedy_records(target, num=6, new_tokens=40, seed=0)
+    chat = capture_tokens(target, chat_seqs, [f"chat-{i}" for i in range(6)], tag="chat")
+    code = capture_tokens(target, code_seqs, [f"code-{i}" for i in range(6)], tag="code")
+
+    def trained_on(recs):
+        dist = Distiller(target, new_head(target, 256, seed=0).float(),
+                         DistillConfig(lr=3e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=3))
+        for _ in range(40):
+            dist.train_step(collate(recs))
+        return dist.head
+
+    live, cand = trained_on(chat), trained_on(code)
+
+    def decide(tag_regress, sub):
+        d = TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / sub), eval_max_steps=3, eval_tokens=150), target, None,
+                          SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                          ReplayConfig(root=str(tmp_path / sub / "replay"), heldout_every=1), DistillConfig(),
+                          LossConfig(ttt_steps=3), GateConfig(min_anchors=10, tag_regress=tag_regress), head=cand)
+        d.live_head = d._live_head_from(live)
+        for r in chat + code:  # code arrives last: the newest held-out traffic is code only
+            d.on_span(CaptureSpan.from_records([r]))
+        return d.evaluate_and_publish()
+
+    refused = decide(0.05, "guard")
+    assert refused.candidate > refused.live  # it wins on the newest traffic ...
+    assert not refused.publish and "'chat'" in refused.reason  # ... but forgot chat
+    assert decide(1.0, "off").publish
+
+
 class FakeServer:
     """The control endpoint as the daemon sees it: info (the live version), swap_dir, rollback."""
 

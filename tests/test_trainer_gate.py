@@ -58,7 +58,23 @@ def test_rollback_waits_then_rolls_back_a_worse_version_and_keeps_a_good_one():
     assert mon2.watching == mon.watching
 
 
+def test_gate_refuses_a_mix_winner_that_forgets_a_tag():
+    """A candidate better on today's code but >5 % worse on the buffer's chat is refused, with the
+    tag named; a regression within the tolerance, or on a tag with too few anchors, is not."""
+    gate = SwapGate(GateConfig(min_anchors=100, tag_regress=0.05))
+    code_win = {"code": (2.0, 1.4, 500)}
+    assert gate.decide(2.0, 1.4, 500, {**code_win, "chat": (0.96, 1.0, 300)}).publish  # -4 %: kept
+    d = gate.decide(2.0, 1.4, 500, {**code_win, "chat": (0.94, 1.0, 300)})  # -6 %: refused
+    assert not d.publish and "'chat'" in d.reason and "0.940" in d.reason
+    assert gate.decide(2.0, 1.4, 500, {**code_win, "chat": (0.5, 1.0, 99)}).publish  # too few anchors to judge
+    assert SwapGate(GateConfig(min_anchors=100, tag_regress=1.0)).decide(
+        2.0, 1.4, 500, {"chat": (0.0, 1.0, 300)}).publish  # 1 = off
+    assert not gate.decide(1.0, 1.4, 500, {"chat": (2.0, 1.0, 300)}).publish  # the mix still decides first
+
+
 def test_gate_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="tag_regress"):
+        GateConfig(tag_regress=1.5)
     with pytest.raises(ConfigError, match="rollback_threshold"):
         GateConfig(rollback_threshold=1.5)
     with pytest.raises(ConfigError, match="min_anchors"):

@@ -6,7 +6,9 @@ Out: versioned head checkpoints (SGLang layout) published into the server, W&B l
 Loop (one thread; the subscriber fills the replay buffer from its own thread):
   1. train: a batch of recent traffic from the replay buffer -> one distillation step (DeepSpeed)
   2. every `eval_every_steps` steps or `eval_every_s` seconds: simulate the candidate and the
-     live head on the newest held-out traffic at the live K mix; the `SwapGate` decides; a
+     live head on the newest held-out traffic at the live K mix, and on each traffic tag's own
+     newest held-out traffic (a candidate that wins on the mix but regresses on a tag the buffer
+     holds is refused: no forgetting of an earlier phase); the `SwapGate` decides; a
      winner is written as a new version (atomic directory, digest) and swapped in over the
      control endpoint
   3. watch live acceptance of the new version (`RollbackMonitor`) and roll back if it is worse
@@ -175,19 +177,34 @@ class TrainerDaemon:
         heldout = self.buffer.heldout(self.cfg.eval_tokens, newest=True)
         if not heldout:
             return None
-        ks = list(range(1, self.cfg.eval_max_steps + 1))
-        cand = simulate_acceptance(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
-        live = simulate_acceptance(self.live_head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
         k_counts = dict(self.live.k_counts)
-        c, lv = k_mix_score(cand["accept_length"], k_counts), k_mix_score(live["accept_length"], k_counts)
-        decision = self.gate.decide(c, lv, cand["anchors"])
+        c, lv, anchors = self._gate_scores(heldout, k_counts)
+        decision, per_tag = self.gate.decide(c, lv, anchors), {}
+        if decision.publish and self.gate.cfg.tag_regress < 1:
+            # a winner on the mix: also each stored tag on its own newest held-out traffic (only
+            # now, an evaluation per tag being as costly as the one above)
+            mix_tags = {sp.tag for sp in heldout}
+            for tag in self.buffer.heldout_tags():
+                per_tag[tag] = ((c, lv, anchors) if mix_tags == {tag} else
+                                self._gate_scores(self.buffer.heldout(self.cfg.eval_tokens, tag=tag), k_counts))
+            decision = self.gate.decide(c, lv, anchors, per_tag)
         self.state["evals"] += 1
-        self._log({"gate/candidate": c, "gate/live": lv, "gate/anchors": cand["anchors"],
-                   "gate/publish": int(decision.publish)})
+        self._log({"gate/candidate": c, "gate/live": lv, "gate/anchors": anchors,
+                   "gate/publish": int(decision.publish),
+                   **{f"gate/{key}/{tag or 'untagged'}": v for tag, (ct, lt, _) in per_tag.items()
+                      for key, v in (("candidate", ct), ("live", lt))}})
         log.info("step %d gate: %s", self.distiller.step, decision.reason)
         if decision.publish:
             self.publish()
         return decision
+
+    def _gate_scores(self, heldout: list, k_counts: dict) -> tuple[float, float, int]:
+        """(candidate, live, anchors): simulated accept lengths on `heldout` at the live K mix."""
+        ks = list(range(1, self.cfg.eval_max_steps + 1))
+        cand = simulate_acceptance(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
+        live = simulate_acceptance(self.live_head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
+        return (k_mix_score(cand["accept_length"], k_counts), k_mix_score(live["accept_length"], k_counts),
+                cand["anchors"])
 
     def publish(self) -> int | None:
         """Write the candidate as a new version and swap it into the server."""

@@ -38,6 +38,10 @@ class GateConfig:
     margin_rel: float = doc("a candidate must beat the live head's simulated accept length by this fraction", 0.02)
     margin_abs: float = doc("... and by at least this many tokens", 0.02)
     min_anchors: int = doc("held-out anchors needed before any decision", 200)
+    tag_regress: float = doc("refuse a candidate that is worse than the live head by more than this fraction "
+                             "on any traffic tag with held-out traffic in the buffer (min_anchors of it), even "
+                             "when it wins on the current mix: a head that learns today's code must not forget "
+                             "yesterday's chat; 1 = off", 0.05)
     rollback_threshold: float = doc("roll back when the new version's live accept length is below the "
                                     "previous version's by more than this fraction", 0.10)
     rollback_min_rounds: int = doc("live verify rounds of the new version before judging it", 40)
@@ -50,6 +54,7 @@ class GateConfig:
         check(self.margin_rel >= 0, "margin_rel", "must be >= 0")
         check(self.margin_abs >= 0, "margin_abs", "must be >= 0")
         check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
+        check(0 <= self.tag_regress <= 1, "tag_regress", "must be in [0, 1]")
         check(0 < self.rollback_threshold < 1, "rollback_threshold", "must be in (0, 1)")
         check(self.rollback_min_rounds >= 1, "rollback_min_rounds", "must be >= 1")
         check(self.rollback_z >= 0, "rollback_z", "must be >= 0")
@@ -68,15 +73,23 @@ class SwapGate:
     def __init__(self, cfg: GateConfig):
         self.cfg = cfg
 
-    def decide(self, candidate: float, live: float, anchors: int) -> GateDecision:
+    def decide(self, candidate: float, live: float, anchors: int,
+               per_tag: dict[str, tuple[float, float, int]] | None = None) -> GateDecision:
+        """`candidate` / `live`: scores on the current traffic mix over `anchors` held-out anchors;
+        `per_tag`: tag -> (candidate, live, anchors) on each tag's own held-out traffic."""
         c = self.cfg
         if anchors < c.min_anchors:
             return GateDecision(False, f"only {anchors} held-out anchors (< {c.min_anchors})", candidate, live)
         need = max(live * (1 + c.margin_rel), live + c.margin_abs)
-        if candidate >= need:
-            return GateDecision(True, f"candidate {candidate:.3f} >= {need:.3f} needed over live {live:.3f}",
+        if candidate < need:
+            return GateDecision(False, f"candidate {candidate:.3f} < {need:.3f} needed over live {live:.3f}",
                                 candidate, live)
-        return GateDecision(False, f"candidate {candidate:.3f} < {need:.3f} needed over live {live:.3f}",
+        for tag, (ct, lt, n) in sorted((per_tag or {}).items()):
+            if n >= c.min_anchors and ct < lt * (1 - c.tag_regress):
+                return GateDecision(False, f"candidate {candidate:.3f} wins on the mix over live {live:.3f} but "
+                                           f"regresses on tag {tag!r}: {ct:.3f} < {lt * (1 - c.tag_regress):.3f} "
+                                           f"(live {lt:.3f} - {c.tag_regress:.0%})", candidate, live)
+        return GateDecision(True, f"candidate {candidate:.3f} >= {need:.3f} needed over live {live:.3f}",
                             candidate, live)
 
 

@@ -339,6 +339,15 @@ class AcceptanceEstimate:
         self.weight = [PRIOR_TRIALS] * self.depth
         self._filled = None
 
+    def soften(self, trials: float) -> None:
+        """Keep the rates as a prior worth at most `trials` trials per position (0 = `reset`):
+        a new head's own rounds outweigh them within a few rounds."""
+        if trials <= 0:
+            self.reset()
+            return
+        self.weight = [min(w, trials) for w in self.weight]
+        self._filled = None
+
 
 def confidence_array(confidences) -> tuple[np.ndarray, np.ndarray | None]:
     """(array [B, K] of the drafts' confidences, row lengths or None when every row has K).
@@ -411,6 +420,14 @@ class ConfidenceCalibrator:
     def reset(self) -> None:
         self.load(None, None)
 
+    def soften(self, trials: float) -> None:
+        """Keep each bin's calibrated value, held by at most `trials` observations (0 = `reset`)."""
+        if trials <= 0:
+            self.reset()
+            return
+        scale = np.minimum(1.0, trials / np.maximum(self.trials, 1e-12))
+        self.load(self.hits * scale, self.trials * scale)
+
 
 @dataclass(frozen=True)
 class CostPolicyConfig:
@@ -422,6 +439,10 @@ class CostPolicyConfig:
     tpot_slo_s: float | None = doc("never pick a K whose predicted round seconds exceed this (None = off)", None)
     calib_bins: int = doc("confidence bins of the calibrator", 10)
     calib_prior_weight: float = doc("pseudo-observations holding each bin at its midpoint", 4.0)
+    rewarm_keep_trials: float = doc("when a new head goes live, the old head's acceptance estimates and confidence "
+                                    "calibration stay as a prior worth this many trials per position and bin (the "
+                                    "new head is usually its fine-tuned successor); 0 = start over from prior_accept "
+                                    "and the identity calibration", 4.0)
     probe_interval: int = doc("decisions a slot makes below its deepest tier before it runs one round at the "
                               "next tier up, re-measuring positions it no longer drafts (0 = never)", 32)
 
@@ -434,6 +455,8 @@ class CostPolicyConfig:
         check(isinstance(self.calib_bins, int) and self.calib_bins >= 1, "calib_bins",
               f"must be an int >= 1, got {self.calib_bins!r}")
         check(self.calib_prior_weight > 0, "calib_prior_weight", f"must be > 0, got {self.calib_prior_weight!r}")
+        check(math.isfinite(self.rewarm_keep_trials) and self.rewarm_keep_trials >= 0, "rewarm_keep_trials",
+              f"must be >= 0, got {self.rewarm_keep_trials!r}")
         check(isinstance(self.probe_interval, int) and self.probe_interval >= 0, "probe_interval",
               f"must be an int >= 0, got {self.probe_interval!r}")
 
@@ -640,10 +663,13 @@ class CostModelPolicy:
         return self.choose_steps(batch_size, ctx_len)
 
     def rewarm(self) -> None:
-        """A new head went live: acceptance and calibration start over; round costs are kept."""
+        """A new head went live: acceptance and calibration are cut to a weak prior (or start over,
+        `rewarm_keep_trials` 0), so the new head's rounds decide within a few; round costs are kept.
+        Starting over cost the e2e runs of 2026-11-23 seconds at K = 1 after swaps: the 0.6 prior and
+        the identity calibration of the head's confidences stopped drafting early."""
         for acc in self._accept:
-            acc.reset()
-        self._calib.reset()
+            acc.soften(self.config.rewarm_keep_trials)
+        self._calib.soften(self.config.rewarm_keep_trials)
 
     def info(self) -> dict:
         slots = {}  # read from other threads (status, progress lines): never through the engine's cache
