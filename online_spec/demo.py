@@ -37,11 +37,15 @@ log = logging.getLogger(__name__)
 # lr 3e-4, not 1e-3: replaying the stream of a bench e2e run (chat -> code -> mix, 190 steps from the
 # shipped head; scripts/forgetting_probe.py, docs/results.md 2026-11-23 night) 1e-3 learned code as well
 # (HumanEval 1.41 -> 2.28 drafts a round at K = 3) but forgot chat (ShareGPT 1.07 -> 0.80); 3e-4
-# learned as much (2.26) and kept chat (1.04).
+# learned as much (2.26) and kept chat (1.04). Drift boost off: an alert still reaches the daemon (its
+# log says so), but evaluating after every step for 120 s from the shift alert halved the trainer's
+# steps (~2 s a step, ~1.7 s an evaluation on one core) right when adaptation counts; the demo
+# evaluates every 5 steps / 20 s anyway.
 DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "512", "--eval-every-steps", "5",
                      "--eval-every-s", "20", "--eval-tokens", "512", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
-                     "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "3e-4"]
+                     "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "3e-4",
+                     "--drift-boost-s", "0"]
 
 
 @dataclass
