@@ -10,7 +10,7 @@ one accepted draft; each drafted round ends in exactly one row with accepted != 
 
 `RollbackMonitor.update(live) -> RollbackDecision`: after a swap to version v from p, once v has
 drafted `min_rounds` rounds, roll back if its live accept length is below p's by more than the
-threshold; otherwise confirm v. Before enough rounds, wait. Both are compared on the same
+threshold; otherwise confirm v. Before enough rounds (and requests), wait. Both are compared on the same
 traffic: per traffic tag, p's accept length weighted by v's rounds of each tag (tags p served;
 v's accept length on those tags), so a shift in the traffic mix at the swap (chat before, code
 after) is not mistaken for a worse head. Without such tags, the overall accept lengths. And at
@@ -20,7 +20,9 @@ its per-position acceptance on the tag (hits / trials of draft position i) evalu
 K of each round, not p's accept length at p's own K mix. A drop beyond the threshold must also
 be significant: at least `rollback_z` standard errors of v's mean accept length (per-round
 accepted drafts vary from 0 to K: over 30 rounds the standard error is ~20 % of the mean, as
-large as the drops being judged); a drop that is not yet significant waits for more rounds, up to
+large as the drops being judged; and rounds of one request are alike, so the standard error is
+also taken over requests, the larger of the two counting; p's figure on a tag, from the requests
+p served there, has its own standard error, added in quadrature); a drop that is not yet significant waits for more rounds, up to
 `rollback_max_rounds`, after which v is kept.
 """
 
@@ -46,6 +48,10 @@ class GateConfig:
     rollback_threshold: float = doc("roll back when the new version's live accept length is below the "
                                     "previous version's by more than this fraction", 0.10)
     rollback_min_rounds: int = doc("live verify rounds of the new version before judging it", 40)
+    rollback_min_requests: int = doc("captured spans (requests, or parts of long ones) the new version's rounds must "
+                                     "come from before it is judged: an easy or a hard task accepts alike round "
+                                     "after round, so 40 rounds of 2 requests decide nothing (a replayed e2e stream "
+                                     "rolled back a better head on 47 rounds of 2 requests)", 8)
     rollback_z: float = doc("a drop must also exceed this many standard errors of the new version's mean "
                             "accept length (0 = the threshold alone)", 2.0)
     rollback_max_rounds: int = doc("keep the new version once it has this many rounds without a significant "
@@ -58,6 +64,7 @@ class GateConfig:
         check(0 <= self.tag_regress <= 1, "tag_regress", "must be in [0, 1]")
         check(0 < self.rollback_threshold < 1, "rollback_threshold", "must be in (0, 1)")
         check(self.rollback_min_rounds >= 1, "rollback_min_rounds", "must be >= 1")
+        check(self.rollback_min_requests >= 1, "rollback_min_requests", "must be >= 1")
         check(self.rollback_z >= 0, "rollback_z", "must be >= 0")
         check(self.rollback_max_rounds >= 1, "rollback_max_rounds", "must be >= 1")
 
@@ -109,6 +116,18 @@ class _Tally:
     accepted: int = 0
     rounds: int = 0
     squares: int = 0  # sum over rounds of (accepted drafts)^2: the spread of per-round acceptance
+    # per span (one request, or the part of one the server sent at once): its accepted drafts A
+    # and rounds R, as sums over spans of A^2, A R, R^2 (the spread between requests)
+    spans: int = 0
+    span_aa: int = 0
+    span_ar: int = 0
+    span_rr: int = 0
+
+    def add_span(self, a: int, r: int) -> None:
+        self.spans += 1
+        self.span_aa += a * a
+        self.span_ar += a * r
+        self.span_rr += r * r
 
     @property
     def accept_length(self) -> float:
@@ -157,7 +176,10 @@ class LiveAcceptance:
 
     def observe_rows(self, accepted: list[int], num_steps: list[int], versions: list[int],
                      batch_sizes: list[int], tag: str) -> None:
+        """One span's rows (one request, or part of one): accepted drafts and rounds per tally, and
+        the span's own totals per tally (its rounds are one cluster: a request's rounds are alike)."""
         run = 0  # accepted rows of the round in progress (a span holds whole rounds, in order)
+        in_span: dict[int, list] = {}  # id(tally) -> [tally, accepted, rounds] within this span
         for a, k, v, b in zip(accepted, num_steps, versions, batch_sizes):
             if k <= 0:
                 run = 0
@@ -172,9 +194,14 @@ class LiveAcceptance:
                 for t in tallies:
                     t.rounds += 1
                     t.squares += a_round * a_round
+                    own = in_span.setdefault(id(t), [t, 0, 0])
+                    own[1] += a_round
+                    own[2] += 1
                 self.k_counts[k] += 1
                 self.positions[(v, tag)].observe_round(a_round, k)
                 run = 0
+        for t, a_span, r_span in in_span.values():
+            t.add_span(a_span, r_span)
 
     def accept_length(self, version: int) -> tuple[float, int]:
         t = self.by_version.get(version)
@@ -184,18 +211,31 @@ class LiveAcceptance:
         """{tag: (accepted drafts, rounds)} of one version."""
         return {g: (t.accepted, t.rounds) for (v, g), t in list(self.by_tag.items()) if v == version and t.rounds}
 
-    def standard_error(self, version: int, tags: list[str] | None = None) -> float:
-        """Standard error of the version's mean accepted drafts per round (on `tags`, or overall),
-        from the spread of its rounds; inf with fewer than 2 rounds."""
+    def _tallies(self, version: int, tags: list[str] | None) -> list[_Tally]:
         if tags is None:
-            ts = [self.by_version[version]] if version in self.by_version else []
-        else:
-            ts = [t for (v, g), t in list(self.by_tag.items()) if v == version and g in tags]
-        n, total, sq = (sum(getattr(t, f) for t in ts) for f in ("rounds", "accepted", "squares"))
-        if n < 2:
+            return [self.by_version[version]] if version in self.by_version else []
+        return [t for (v, g), t in list(self.by_tag.items()) if v == version and g in tags]
+
+    def spans(self, version: int, tags: list[str] | None = None) -> int:
+        """Captured spans (requests) the version's drafted rounds came from (on `tags`, or overall)."""
+        return sum(t.spans for t in self._tallies(version, tags))
+
+    def standard_error(self, version: int, tags: list[str] | None = None) -> float:
+        """Standard error of the version's mean accepted drafts per round (on `tags`, or overall):
+        the larger of the one from the spread of its rounds and the one from the spread of its
+        spans (requests as clusters of rounds: an easy task accepts a lot round after round, so
+        200 rounds of 15 requests are closer to 15 samples than to 200); inf with fewer than 2
+        rounds or 2 spans."""
+        ts = self._tallies(version, tags)
+        n, total, sq, c, aa, ar, rr = (sum(getattr(t, f) for t in ts) for f in
+                                       ("rounds", "accepted", "squares", "spans", "span_aa", "span_ar", "span_rr"))
+        if n < 2 or c < 2:
             return float("inf")
-        var = max(0.0, (sq - total * total / n) / (n - 1))
-        return (var / n) ** 0.5
+        m = total / n
+        per_round = max(0.0, (sq - total * total / n) / (n - 1)) / n
+        # ratio estimator m = sum A / sum R over clusters: var = C/(C-1) sum (A - m R)^2 / (sum R)^2
+        per_span = c / (c - 1) * max(0.0, aa - 2 * m * ar + m * m * rr) / (n * n)
+        return max(per_round, per_span) ** 0.5
 
     def position_tallies(self, version: int) -> dict[str, dict]:
         """{tag: {"hits": [...], "trials": [...], "rounds_by_k": {K: rounds}}} of one version."""
@@ -224,14 +264,18 @@ class RollbackMonitor:
 
     def start(self, new_version: int, previous_version: int, previous_accept: float, previous_rounds: int,
               previous_tags: dict[str, tuple[int, int]] | None = None,
-              previous_positions: dict[str, dict] | None = None) -> None:
+              previous_positions: dict[str, dict] | None = None,
+              previous_se: dict[str, float] | None = None) -> None:
         """previous_tags: the previous version's {tag: (accepted, rounds)} (`LiveAcceptance.by_tags`);
-        previous_positions: its per-position tallies per tag (`LiveAcceptance.position_tallies`)."""
+        previous_positions: its per-position tallies per tag (`LiveAcceptance.position_tallies`);
+        previous_se: the standard error of its accept length per tag (`LiveAcceptance.standard_error`;
+        none given: its figures are taken as exact)."""
         self.watching = (new_version, previous_version)
         self.baseline = {"accept": previous_accept, "rounds": previous_rounds,
                          "tags": {g: list(ar) for g, ar in (previous_tags or {}).items()},
                          "positions": {g: {"hits": list(p["hits"]), "trials": list(p["trials"])}
-                                       for g, p in (previous_positions or {}).items()}}
+                                       for g, p in (previous_positions or {}).items()},
+                         "se": {g: float(v) for g, v in (previous_se or {}).items()}}
 
     def _tag_baseline(self, tag: str, new_rounds_by_k: dict, rounds: int) -> tuple[float, bool]:
         """The previous version's accepted drafts on `tag` over the new version's rounds there:
@@ -246,9 +290,9 @@ class RollbackMonitor:
         acc, n = self.baseline["tags"][tag]
         return rounds * acc / n, False
 
-    def _compare(self, live: LiveAcceptance, new: int) -> tuple[float, float, float, str]:
+    def _compare(self, live: LiveAcceptance, new: int) -> tuple[float, float, float, str, int]:
         """(new version's accept length, the previous one's on the same traffic, the standard
-        error of the first, how)."""
+        error of the first, how, the spans it comes from)."""
         base_tags = self.baseline.get("tags") or {}
         new_tags = {g: ar for g, ar in live.by_tags(new).items() if g in base_tags and base_tags[g][1] > 0}
         rounds = sum(r for _, r in new_tags.values())
@@ -261,9 +305,14 @@ class RollbackMonitor:
                 base_sum += b
                 matched = matched and same_k
             how = f"on tags {sorted(new_tags)}" + (", at the same K" if matched else "")
-            return acc, base_sum / rounds, live.standard_error(new, list(new_tags)), how
+            # the previous version's figure is an estimate too (after a shift, from a few requests of
+            # the new traffic): its standard error per tag, weighted as its figure is, adds in quadrature
+            base_se = sum((r / rounds * (self.baseline.get("se") or {}).get(g, 0.0)) ** 2
+                          for g, (_, r) in new_tags.items()) ** 0.5
+            se = (live.standard_error(new, list(new_tags)) ** 2 + base_se ** 2) ** 0.5
+            return acc, base_sum / rounds, se, how, live.spans(new, list(new_tags))
         acc, rounds = live.accept_length(new)
-        return acc, self.baseline["accept"], live.standard_error(new), "overall"
+        return acc, self.baseline["accept"], live.standard_error(new), "overall", live.spans(new)
 
     def update(self, live: LiveAcceptance) -> RollbackDecision:
         if self.watching is None:
@@ -272,7 +321,10 @@ class RollbackMonitor:
         acc, rounds = live.accept_length(new)
         if rounds < self.cfg.rollback_min_rounds:
             return RollbackDecision("wait", f"v{new}: {rounds} rounds (< {self.cfg.rollback_min_rounds})")
-        acc, base, se, how = self._compare(live, new)
+        acc, base, se, how, spans = self._compare(live, new)
+        if spans < self.cfg.rollback_min_requests and rounds < self.cfg.rollback_max_rounds:
+            return RollbackDecision("wait", f"v{new}: {rounds} rounds from {spans} requests "
+                                            f"(< {self.cfg.rollback_min_requests})")
         if self.baseline["rounds"] > 0 and acc < base * (1 - self.cfg.rollback_threshold):
             z = (base - acc) / se if se > 0 else float("inf")
             if z >= self.cfg.rollback_z:
