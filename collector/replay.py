@@ -212,6 +212,16 @@ class ReplayBuffer:
                 left -= span.num_rows
             return out
 
+    def stored_spans(self):
+        """(generation index, span) of every span written to disk, both splits, oldest generation
+        first (pending spans are not included): for offline replays of what a trainer received."""
+        with self._lock:
+            gens = list(self._gens)
+        for g in gens:
+            for split in SPLITS:
+                for i in range(len(g.lens[split])):
+                    yield g.index, g.span(split, i)
+
     def heldout_tags(self) -> list[str]:
         """Traffic tags of the stored held-out spans, sorted."""
         with self._lock:

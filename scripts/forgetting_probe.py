@@ -53,8 +53,7 @@ def main() -> None:
 
     lo, hi = (int(x) for x in args.gens.split("-"))
     src = ReplayBuffer(ReplayConfig(root=args.replay))
-    spans = [g.span(s, i) for g in src._gens if lo <= g.index <= hi
-             for s in ("train", "heldout") if s in g.data for i in range(len(g.lens[s]))]
+    spans = [span for gen, span in src.stored_spans() if lo <= gen <= hi]
     target = load_target()
     prompts = {name: heldout_prompts(name, target.tokenizer, target.encode_chat, args.prompts)
                for name in ("humaneval", "sharegpt")}

@@ -28,8 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     swaps = [s for s in json.load(open(args.json))["configs"]["online_spec"]["swaps"] if not s["rollback"]]
     buf = ReplayBuffer(ReplayConfig(root=f"{args.out}/online_spec/trainer/replay"))
-    spans = [g.span(split, i) for g in buf._gens for split in ("train", "heldout") if split in g.data
-             for i in range(len(g.lens[split]))]
+    spans = [span for _, span in buf.stored_spans()]
     spans.sort(key=lambda sp: float(sp.timestamp.max()))
     live, mon = LiveAcceptance(), RollbackMonitor(GateConfig(rollback_min_rounds=args.min_rounds))
     for sp in spans:
@@ -38,10 +37,7 @@ def main() -> None:
             s = swaps.pop(0)
             if mon.watching:
                 print(f"v{mon.watching[0]}: still waiting when v{s['to']} went live")
-            prev = s["from"]
-            tags = live.by_tags(prev)
-            mon.start(s["to"], prev, *live.accept_length(prev), tags, live.position_tallies(prev),
-                      {g: live.standard_error(prev, [g]) for g in tags})
+            mon.start_from(live, s["to"], s["from"])
         live.observe_rows(sp.accepted.tolist(), sp.num_steps.tolist(), sp.draft_version.tolist(),
                           sp.batch_size.tolist(), sp.tag)
         if mon.watching:

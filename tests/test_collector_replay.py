@@ -190,6 +190,8 @@ def test_heldout_of_one_tag_and_the_tags_held_out(tmp_path: Path, reopen: bool):
     cut = buf.heldout(3, tag="chat")
     assert len(cut) == 1 and cut[0].request_id == newest_chat.request_id and cut[0].num_rows == 3
     assert buf.heldout(100, tag="other") == []
+    if reopen:  # everything was flushed: offline replays read every stored span, both splits
+        assert sorted(s.request_id for _, s in buf.stored_spans()) == sorted(s.request_id for s in spans)
 
 
 def test_empty_buffer_samples_nothing(tmp_path: Path):

@@ -222,10 +222,7 @@ class TrainerDaemon:
                 self.save_state()
                 return None
         prev = self.state["live_version"]
-        acc, rounds = self.live.accept_length(prev)
-        tags = self.live.by_tags(prev)
-        self.rollbacks.start(version, prev, acc, rounds, tags, self.live.position_tallies(prev),
-                             {g: self.live.standard_error(prev, [g]) for g in tags})
+        self.rollbacks.start_from(self.live, version, prev)
         self.state.update(previous_version=prev, live_version=version, swaps=self.state["swaps"] + 1)
         self.state["published"].append({"version": version, "digest": digest, "step": self.distiller.step,
                                         "time": time.time()})

@@ -10,8 +10,8 @@ one accepted draft; each drafted round ends in exactly one row with accepted != 
 
 `RollbackMonitor.update(live) -> RollbackDecision`: after a swap to version v from p, once v has
 drafted `min_rounds` rounds, roll back if its live accept length is below p's by more than the
-threshold; otherwise confirm v. Before enough rounds (and requests), wait. Both are compared on the same
-traffic: per traffic tag, p's accept length weighted by v's rounds of each tag (tags p served;
+threshold; otherwise confirm v. Before enough rounds (and requests), wait. Both are compared on
+the same traffic: per traffic tag, p's accept length weighted by v's rounds of each tag (tags p served;
 v's accept length on those tags), so a shift in the traffic mix at the swap (chat before, code
 after) is not mistaken for a worse head. Without such tags, the overall accept lengths. And at
 the same K: drafts accepted per round grow with K, and the step controller re-warms at a swap
@@ -22,8 +22,8 @@ be significant: at least `rollback_z` standard errors of v's mean accept length 
 accepted drafts vary from 0 to K: over 30 rounds the standard error is ~20 % of the mean, as
 large as the drops being judged; and rounds of one request are alike, so the standard error is
 also taken over requests, the larger of the two counting; p's figure on a tag, from the requests
-p served there, has its own standard error, added in quadrature); a drop that is not yet significant waits for more rounds, up to
-`rollback_max_rounds`, after which v is kept.
+p served there, has its own standard error, added in quadrature); a drop that is not yet
+significant waits for more rounds, up to `rollback_max_rounds`, after which v is kept.
 """
 
 from __future__ import annotations
@@ -276,6 +276,13 @@ class RollbackMonitor:
                          "positions": {g: {"hits": list(p["hits"]), "trials": list(p["trials"])}
                                        for g, p in (previous_positions or {}).items()},
                          "se": {g: float(v) for g, v in (previous_se or {}).items()}}
+
+    def start_from(self, live: LiveAcceptance, new_version: int, previous_version: int) -> None:
+        """`start` with everything about the previous version read from the live tallies."""
+        tags = live.by_tags(previous_version)
+        self.start(new_version, previous_version, *live.accept_length(previous_version), tags,
+                   live.position_tallies(previous_version),
+                   {g: live.standard_error(previous_version, [g]) for g in tags})
 
     def _tag_baseline(self, tag: str, new_rounds_by_k: dict, rounds: int) -> tuple[float, bool]:
         """The previous version's accepted drafts on `tag` over the new version's rounds there:
