@@ -50,7 +50,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
         origin = typing.get_origin(tp)
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         base = args[0] if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args else tp
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help strings
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         dest = prefix + f.name
