@@ -27,7 +27,8 @@ budget is drawn from the recent window, the rest from all stored train spans (di
 pending); within each pool a span is drawn with probability proportional to its rows (uniform
 over tokens), and a span longer than what is left of the budget is cut to a random contiguous
 window of it. `heldout` is deterministic: held-out spans newest first (or oldest first), the
-last one cut to fit.
+last one cut to fit; optionally only spans serving drafted on, each cut after its first
+generated rows (the gate's sample).
 
 All methods take a lock: the subscriber thread adds while the trainer thread samples.
 """
@@ -197,15 +198,22 @@ class ReplayBuffer:
             _draw(out, max_tokens - got, self._pools("train"), rng)
             return out
 
-    def heldout(self, max_tokens: int, newest: bool = True, tag: str | None = None) -> list[CaptureSpan]:
+    def heldout(self, max_tokens: int, newest: bool = True, tag: str | None = None,
+                generated: bool = False, max_generated: int | None = None) -> list[CaptureSpan]:
         """Held-out spans, newest first (or oldest first), up to `max_tokens` rows in all; only
-        those of traffic tag `tag` when given."""
+        those of traffic tag `tag` when given. `generated`: only spans with rows serving drafted
+        on, each cut after `max_generated` of them (`CaptureSpan.cut_generated`), so a long
+        generation does not fill the sample alone."""
         with self._lock:
             out: list[CaptureSpan] = []
             left = max_tokens
             for span in self._iter_split("heldout", newest, tag):
                 if left <= 0:
                     break
+                if generated:
+                    span = span.cut_generated(max_generated)
+                    if span is None:
+                        continue
                 if span.num_rows > left:
                     span = span.slice(0, left)
                 out.append(span)

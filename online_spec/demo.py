@@ -33,7 +33,10 @@ from online_spec.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
 
-# the daemon's settings for a demo: small batches, frequent evaluation, a small gate sample.
+# the daemon's settings for a demo: small batches, frequent evaluation, a small gate sample (1,024
+# rows: ~5 held-out requests' prompts and generated rows; the live head's counts are cached, so an
+# evaluation is one pass of the candidate: 1.9 s on one core, where the 512 rows of whole spans
+# scored by both heads before took 2.2 s).
 # lr 3e-4, not 1e-3: replaying the stream of a bench e2e run (chat -> code -> mix, 190 steps from the
 # shipped head; scripts/forgetting_probe.py, docs/results.md 2026-11-23 night) 1e-3 learned code as well
 # (HumanEval 1.41 -> 2.28 drafts a round at K = 3) but forgot chat (ShareGPT 1.07 -> 0.80); 3e-4
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 # steps (~2 s a step, ~1.7 s an evaluation on one core) right when adaptation counts; the demo
 # evaluates every 5 steps / 20 s anyway.
 DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "512", "--eval-every-steps", "5",
-                     "--eval-every-s", "20", "--eval-tokens", "512", "--save-every-steps", "20",
+                     "--eval-every-s", "20", "--eval-tokens", "1024", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
                      "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "3e-4",
                      "--drift-boost-s", "0"]

@@ -4,8 +4,17 @@ against forgetting old traffic, on a real run's captured stream.
 Replays the spans a trainer daemon stored (its `replay/` directory, in arrival order) into a fresh
 `ReplayBuffer` with the daemon's sampling, interleaving optimizer steps with arrivals as the daemon
 would (`--steps` spread evenly over the spans), from the shipped head, for each `--lr`; then
-measures each resulting head on the engine (`trainer.evaluate.engine_accept_length`: drafts
-accepted per round, batch 1, greedy) on held-out HumanEval and ShareGPT prompts.
+measures each resulting head two ways, neither on anything it trained on:
+
+- `stream_heldout`: simulated accept length at K = `--num-steps` over the generated rows of the
+  stream's held-out requests, per traffic tag (`trainer.evaluate.simulate_acceptance`,
+  generated_only; one request in 4, by the buffer's hash, never enters training). The built-in
+  trace repeats its ~40 HumanEval tasks, so "code" here is new requests of tasks trained on:
+  what serving that trace sees, not new code;
+- `unseen`: drafts accepted per round on the engine (batch 1, greedy) for ShareGPT held-out
+  prompts and HumanEval tasks that are not in the stream at all (a prompt is in the stream when
+  a stored span starts with its tokens). Until 2026-11-24 this probe drew the first held-out
+  prompts, which the built-in trace contains: every one of them had been trained on.
 
     PYTHONPATH=$PWD python scripts/forgetting_probe.py --replay RUN/online_spec/trainer/replay \
         --gens 0-6 --steps 130 --lr 1e-3 3e-4 --json /tmp/forgetting.json
@@ -49,21 +58,35 @@ def main() -> None:
     from trainer.distill import DistillConfig, Distiller
     from trainer.evaluate import engine_accept_length
     from trainer.loss import LossConfig
-    from trainer.pretrain import heldout_prompts
+    from collector.replay import is_heldout
+    from online_spec.data import humaneval_conversations, sharegpt_conversations
+    from trainer.evaluate import simulate_acceptance
 
     lo, hi = (int(x) for x in args.gens.split("-"))
     src = ReplayBuffer(ReplayConfig(root=args.replay))
     spans = [span for gen, span in src.stored_spans() if lo <= gen <= hi]
+    heldout = [s for s in spans if is_heldout(s.request_id, 4)]
+    tags = sorted({s.tag for s in heldout})
     target = load_target()
-    prompts = {name: heldout_prompts(name, target.tokenizer, target.encode_chat, args.prompts)
-               for name in ("humaneval", "sharegpt")}
+    in_stream = {tuple(s.tokens[:int(s.is_prefill.sum())].tolist()) for s in spans if s.first_pos == 0}
+    pools = {"humaneval": humaneval_conversations(split="all"),
+             "sharegpt": sharegpt_conversations(limit=len(in_stream) + 20 * args.prompts, split="heldout",
+                                                max_prompt_tokens=200, tokenizer=target.tokenizer)}
+    prompts = {name: [p for p in (target.encode_chat(c[:1]) for c in convs)
+                      if tuple(p) not in in_stream][:args.prompts] for name, convs in pools.items()}
     shipped = resolve_head("shipped", target)
 
     def measure(head) -> dict:
-        return {name: engine_accept_length(target, head, p, args.num_steps, max_tokens=args.max_tokens)["accept_length"]
-                for name, p in prompts.items()}
+        sim = {tag: simulate_acceptance(head, target, [s for s in heldout if s.tag == tag], args.num_steps,
+                                        ks=(args.num_steps,), generated_only=True)["accept_length"][str(args.num_steps)]
+               for tag in tags}
+        return {"stream_heldout": sim,
+                "unseen": {name: engine_accept_length(target, head, p, args.num_steps,
+                                                      max_tokens=args.max_tokens)["accept_length"]
+                           for name, p in prompts.items()}}
 
-    out = {"args": vars(args), "spans": len(spans), "shipped": measure(load_head(shipped, target.info,
+    out = {"args": vars(args), "spans": len(spans), "heldout_spans": len(heldout),
+           "unseen_prompts": {name: len(p) for name, p in prompts.items()}, "shipped": measure(load_head(shipped, target.info,
                                                                               dtype=target.dtype)[0])}
     print("shipped", out["shipped"], flush=True)
     out["runs"] = []

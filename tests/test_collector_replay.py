@@ -194,6 +194,27 @@ def test_heldout_of_one_tag_and_the_tags_held_out(tmp_path: Path, reopen: bool):
         assert sorted(s.request_id for _, s in buf.stored_spans()) == sorted(s.request_id for s in spans)
 
 
+def test_heldout_generated_sample_skips_prompt_only_spans_and_cuts_long_generations(tmp_path: Path):
+    """The gate's sample: held-out spans serving drafted on, newest first, each with all its prompt
+    rows (4 here) and at most `max_generated` rows drafts start from (the last prompt row on) plus
+    the row after them; a span of a continuing request (no prompt rows) keeps its first ones."""
+    buf = ReplayBuffer(small_cfg(tmp_path, heldout_every=1))
+    spans = [make_span(i, rounds=0 if i == 2 else 8) for i in range(4)]  # span 2: a prefill only
+    tail = make_span(9, rounds=6).slice(5, 14)  # a later piece of a request: no prompt rows
+    for s in spans + [tail]:
+        buf.add(s)
+    got = buf.heldout(10**9, generated=True, max_generated=3)
+    assert [s.request_id for s in got] == ["req-9", "req-3", "req-1", "req-0"]
+    assert got[0].num_rows == 4 and not bool(got[0].is_prefill.any()) and got[0].first_pos == tail.first_pos
+    for s in got[1:]:
+        full = spans[int(s.request_id.split("-")[1])]
+        assert full.num_rows > 4 + 3 and s.num_rows == 3 + 4  # prompt rows 0..3, anchors 3..5, row 6
+        assert_spans_equal(s, full.slice(0, 7))
+    whole = buf.heldout(10**9, generated=True)  # no cap: whole spans, still without the prompt-only one
+    assert [s.num_rows for s in whole] == [tail.num_rows] + [spans[i].num_rows for i in (3, 1, 0)]
+    assert [s.request_id for s in buf.heldout(10, generated=True, max_generated=3)] == ["req-9", "req-3"]
+
+
 def test_empty_buffer_samples_nothing(tmp_path: Path):
     buf = ReplayBuffer(small_cfg(tmp_path))
     assert buf.sample_train(100) == [] and buf.heldout(100) == [] and len(buf) == 0 and buf.num_tokens == 0

@@ -42,6 +42,16 @@ from trainer.loss import LossConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
+def served(record, prompt_rows: int = 8) -> CaptureSpan:
+    """A teacher-forced record of a greedy sequence as the server captures it: its first
+    `prompt_rows` rows are the prompt's (prefill), the rest generated (the gate scores only
+    drafts made from generated rows, where serving drafts)."""
+    span = CaptureSpan.from_records([record])
+    span.is_prefill = span.is_prefill.clone()
+    span.is_prefill[prompt_rows:] = False
+    return span
+
+
 class Load:
     """Streaming /v1/completions clients on loopback until stopped; counts failures."""
 
@@ -203,7 +213,7 @@ def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
                           DistillConfig(), LossConfig(ttt_steps=3), GateConfig(min_anchors=10), head=candidate)
         d.live_head = d._live_head_from(live)
         for r in recs:
-            d.on_span(CaptureSpan.from_records([r]))
+            d.on_span(served(r))
         return d
 
     refused = daemon_with(bad, good, "a").evaluate_and_publish()
@@ -212,6 +222,48 @@ def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
     accepted = d.evaluate_and_publish()
     assert accepted.publish and accepted.candidate > accepted.live + 0.5
     assert d.state["live_version"] == 1 and (tmp_path / "b" / "ckpt" / "v1" / "config.json").exists()
+
+
+def test_gate_scores_generated_rows_and_counts_the_live_head_once_per_version(tmp_path, monkeypatch):
+    """The gate's sample holds only held-out requests with generated rows (a prompt-only span is
+    skipped), each cut after eval_generated_rows of them; the live head's counts of a span are
+    computed once while it stays live (the candidate's every time), the scores equal a fresh
+    simulation of the same spans, and a new live head is counted afresh."""
+    import trainer.daemon as daemon_mod
+    from trainer.evaluate import simulate_acceptance
+
+    target = tiny8()
+    recs, _ = greedy_records(target, num=6, new_tokens=40)
+    d = TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / "d"), eval_max_steps=3, eval_tokens=10**6,
+                                   eval_generated_rows=20), target, None,
+                      SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                      ReplayConfig(root=str(tmp_path / "d" / "replay"), heldout_every=1),
+                      DistillConfig(), LossConfig(ttt_steps=3), GateConfig(min_anchors=10),
+                      head=new_head(target, 256, seed=1).float())
+    d.on_span(CaptureSpan.from_records([recs[0]]))  # all prompt: nothing was drafted on it
+    for r in recs[1:4]:
+        d.on_span(served(r))
+    sample = d._gate_sample()
+    assert [s.request_id for s in sample] == ["greedy-3", "greedy-2", "greedy-1"]
+    assert all(s.num_rows == 8 + 20 and int(s.is_prefill.sum()) == 8 for s in sample)  # 20 anchors: rows 7..26
+
+    counted = []
+    real = daemon_mod.record_counts
+    monkeypatch.setattr(daemon_mod, "record_counts", lambda head, t, spans, *a, **k:
+                        counted.append((head is d.live_head, len(spans))) or real(head, t, spans, *a, **k))
+    c, lv, anchors = d._gate_scores(sample, {3: 1})
+    ks = [1, 2, 3]
+    fresh = {name: simulate_acceptance(head, target, sample, 3, ks=ks, generated_only=True)
+             for name, head in (("cand", d.distiller.head), ("live", d.live_head))}
+    assert anchors == fresh["cand"]["anchors"] == 3 * 20
+    assert c == pytest.approx(fresh["cand"]["accept_length"]["3"]) and lv == pytest.approx(fresh["live"]["accept_length"]["3"])
+    for r in recs[4:]:
+        d.on_span(served(r))
+    c2, lv2, _ = d._gate_scores(d._gate_sample(), {3: 1})
+    assert counted == [(False, 3), (True, 3), (False, 5), (True, 2)]  # the live head: only the 2 new spans
+    d.live_head = d._live_head_from(d.distiller.head)  # a swap: the new live head is counted afresh
+    d._gate_scores(d._gate_sample(), {3: 1})
+    assert counted[-1] == (True, 5)
 
 
 def test_gate_refuses_a_head_that_learned_the_new_tag_and_forgot_the_old(tmp_path):
@@ -242,7 +294,7 @@ def test_gate_refuses_a_head_that_learned_the_new_tag_and_forgot_the_old(tmp_pat
                           LossConfig(ttt_steps=3), GateConfig(min_anchors=10, tag_regress=tag_regress), head=cand)
         d.live_head = d._live_head_from(live)
         for r in chat + code:  # code arrives last: the newest held-out traffic is code only
-            d.on_span(CaptureSpan.from_records([r]))
+            d.on_span(served(r))
         return d.evaluate_and_publish()
 
     refused = decide(0.05, "guard")

@@ -6,7 +6,8 @@ Out: versioned head checkpoints (SGLang layout) published into the server, W&B l
 Loop (one thread; the subscriber fills the replay buffer from its own thread):
   1. train: a batch of recent traffic from the replay buffer -> one distillation step (DeepSpeed)
   2. every `eval_every_steps` steps or `eval_every_s` seconds: simulate the candidate and the
-     live head on the newest held-out traffic at the live K mix, and on each traffic tag's own
+     live head on the newest held-out traffic at the live K mix (drafts from generated rows
+     only, where serving drafts; the live head's counts are cached per version), and on each traffic tag's own
      newest held-out traffic (a candidate that wins on the mix but regresses on a tag the buffer
      holds is refused: no forgetting of an earlier phase); the `SwapGate` decides; a
      winner is written as a new version (atomic directory, digest) and swapped in over the
@@ -42,11 +43,13 @@ from online_spec.config import check, doc
 from online_spec.head import EagleHead
 from trainer.batch import collate
 from trainer.distill import DistillConfig, Distiller
-from trainer.evaluate import simulate_acceptance
+from trainer.evaluate import acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
 
 log = logging.getLogger(__name__)
+
+LIVE_CACHE_SPANS = 4096  # live-head counts kept for the gate (one span's: 2 x eval_max_steps floats)
 
 
 class HeadPublisher(Protocol):
@@ -66,7 +69,12 @@ class DaemonConfig:
     min_buffer_tokens: int = doc("rows the buffer must hold before training starts", 256)
     eval_every_steps: int = doc("evaluate the candidate every N optimizer steps", 20)
     eval_every_s: float = doc("... or every T seconds, whichever comes first", 60.0)
-    eval_tokens: int = doc("newest held-out rows the gate evaluates on", 1024)
+    eval_tokens: int = doc("held-out rows the gate evaluates on: the newest held-out requests serving drafted on, "
+                           "each with its prompt (the head's context) and at most --eval-generated-rows "
+                           "generated rows, whose drafts alone are scored (what serving drafts on; prompt rows "
+                           "would count user text the engine never drafts)", 1024)
+    eval_generated_rows: int = doc("most generated rows one held-out request gives the gate sample, so that a "
+                                   "long generation does not fill it alone", 128)
     eval_max_steps: int = doc("draft steps simulated by the gate", 7)
     save_every_steps: int = doc("save the resumable state every N steps", 10)
     idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
@@ -76,6 +84,8 @@ class DaemonConfig:
         check(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
         check(self.eval_every_steps >= 1, "eval_every_steps", "must be >= 1")
         check(self.eval_every_s > 0, "eval_every_s", "must be > 0")
+        check(self.eval_tokens >= 1, "eval_tokens", "must be >= 1")
+        check(self.eval_generated_rows >= 1, "eval_generated_rows", "must be >= 1")
         check(self.save_every_steps >= 1, "save_every_steps", "must be >= 1")
 
 
@@ -174,7 +184,7 @@ class TrainerDaemon:
     def evaluate_and_publish(self):
         """Candidate vs live head on the newest held-out traffic; publish a winner."""
         self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
-        heldout = self.buffer.heldout(self.cfg.eval_tokens, newest=True)
+        heldout = self._gate_sample()
         if not heldout:
             return None
         k_counts = dict(self.live.k_counts)
@@ -186,7 +196,7 @@ class TrainerDaemon:
             mix_tags = {sp.tag for sp in heldout}
             for tag in self.buffer.heldout_tags():
                 per_tag[tag] = ((c, lv, anchors) if mix_tags == {tag} else
-                                self._gate_scores(self.buffer.heldout(self.cfg.eval_tokens, tag=tag), k_counts))
+                                self._gate_scores(self._gate_sample(tag), k_counts))
             decision = self.gate.decide(c, lv, anchors, per_tag)
         self.state["evals"] += 1
         self._log({"gate/candidate": c, "gate/live": lv, "gate/anchors": anchors,
@@ -198,13 +208,46 @@ class TrainerDaemon:
             self.publish()
         return decision
 
+    def _gate_sample(self, tag: str | None = None) -> list:
+        return self.buffer.heldout(self.cfg.eval_tokens, newest=True, tag=tag, generated=True,
+                                   max_generated=self.cfg.eval_generated_rows)
+
     def _gate_scores(self, heldout: list, k_counts: dict) -> tuple[float, float, int]:
-        """(candidate, live, anchors): simulated accept lengths on `heldout` at the live K mix."""
+        """(candidate, live, anchors): simulated accept lengths over the generated rows of
+        `heldout` at the live K mix. The live head's counts of a span are computed once per live
+        version (`_live_counts`), so an evaluation mostly costs the candidate's."""
         ks = list(range(1, self.cfg.eval_max_steps + 1))
-        cand = simulate_acceptance(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
-        live = simulate_acceptance(self.live_head, self.target, heldout, self.cfg.eval_max_steps, ks=ks)
+        hits, eligible = record_counts(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps,
+                                       generated_only=True)
+        cand = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
+        hits, eligible = self._live_counts(heldout)
+        live = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
         return (k_mix_score(cand["accept_length"], k_counts), k_mix_score(live["accept_length"], k_counts),
                 cand["anchors"])
+
+    @property
+    def live_head(self) -> EagleHead:
+        return self._live_head
+
+    @live_head.setter
+    def live_head(self, head: EagleHead) -> None:
+        self._live_head = head
+        self._live_cache: dict = {}  # (request id, first position, rows) -> the live head's (hits, eligible)
+
+    def _live_counts(self, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live head's per-span counts on `spans`, from the cache where it has them (spans
+        are immutable: a key names the same rows until the live head changes)."""
+        keys = [(s.request_id, s.first_pos, s.num_rows) for s in spans]
+        todo = [i for i, k in enumerate(keys) if k not in self._live_cache]
+        if todo:
+            hits, eligible = record_counts(self.live_head, self.target, [spans[i] for i in todo],
+                                           self.cfg.eval_max_steps, generated_only=True)
+            if len(self._live_cache) + len(todo) > LIVE_CACHE_SPANS:
+                self._live_cache.clear()
+            for j, i in enumerate(todo):
+                self._live_cache[keys[i]] = (hits[j], eligible[j])
+        return (torch.stack([self._live_cache[k][0] for k in keys]),
+                torch.stack([self._live_cache[k][1] for k in keys]))
 
     def publish(self) -> int | None:
         """Write the candidate as a new version and swap it into the server."""
