@@ -13,7 +13,7 @@ measures each resulting head two ways, neither on anything it trained on:
   what serving that trace sees, not new code;
 - `unseen`: drafts accepted per round on the engine (batch 1, greedy) for ShareGPT held-out
   prompts and HumanEval tasks that are not in the stream at all (a prompt is in the stream when
-  a stored span starts with its tokens). Until 2026-11-24 this probe drew the first held-out
+  a stored span starts with its tokens). Before 2026-11-23 (late) this probe drew the first held-out
   prompts, which the built-in trace contains: every one of them had been trained on.
 
     PYTHONPATH=$PWD python scripts/forgetting_probe.py --replay RUN/online_spec/trainer/replay \
