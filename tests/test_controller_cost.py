@@ -286,6 +286,43 @@ def test_plain_decoding_is_not_absorbing(probe_interval):
         assert set(ks) == {0}
 
 
+def engine_round(p, batch_size: int, accept: float, conf: float, rng: random.Random) -> tuple[int, int]:
+    """One round as serving.engine runs it: steps_for, drafting with the in-round early stop,
+    the padded verify-length cut, then update with what a truncated-geometric acceptance gives.
+    -> (K chosen, drafts verified)."""
+    k = p.steps_for(batch_size)
+    drafted = k
+    for j in range(1, k):
+        if not p.should_continue(j, np.full(batch_size, conf), batch_size):
+            drafted = j
+            break
+    n = max(p.verify_lengths(np.full((batch_size, drafted), conf), padded=True), default=0) if drafted else 0
+    accepted = []
+    for _ in range(batch_size):
+        a = 0
+        while a < n and rng.random() < accept:
+            a += 1
+        accepted.append(a)
+    p.update(batch_size, accepted, num_steps=n, confidences=[[conf] * n] * batch_size if n else None)
+    return k, n
+
+
+def test_probe_drafts_and_verifies_its_whole_k_so_a_stuck_estimate_recovers():
+    """Position 2's estimate pushed down by a few misses (as after a swap) makes K = 1 best; K = 1
+    never observes position 2, the probe must. It did not while the early stop and the verify cut,
+    reading that same estimate, cut each probe back to one draft: K stayed at 1 for good."""
+    rng = random.Random(0)
+    p = policy([1, 2, 3, 4], 0.8, draft=(0.05, 0, 0), verify=(0.5, 0, 0, 0.0005), probe_interval=8)
+    for _ in range(3):  # position 1 hit, position 2 missed by every request
+        p.update(4, [1] * 4, num_steps=2, confidences=[[0.8, 0.8]] * 4)
+    assert p.info()["slots"]["1"]["accept"][1] < 0.5 and p.steps_for(4) == 1
+    rounds = [engine_round(p, 4, 0.8, 0.8, rng) for _ in range(200)]  # the traffic: 0.8 at every position
+    probes = [(k, n) for k, n in rounds if k == 2]
+    assert probes and probes[0] == (2, 2)  # the first probe drafted and verified both drafts
+    assert p.info()["slots"]["1"]["accept"][1] > 0.6
+    assert [k for k, _ in rounds[-20:]].count(4) >= 15  # back at the deepest tier, as the traffic warrants
+
+
 def test_probe_runs_the_next_tier_once_per_interval():
     p = policy([1, 3, 7], 0.0, probe_interval=10)  # acceptance 0: K = 1 is best
     ks = [p.steps_for(4) for _ in range(30)]
@@ -479,7 +516,7 @@ def test_rewarm_forgets_acceptance_but_keeps_costs():
 def test_rewarm_keeps_the_old_heads_figures_as_a_weak_prior():
     """Default re-warm: right after a swap the estimates and the calibration are the old head's
     (not the 0.6 prior and the identity map, which made K dip after swaps), held by only
-    `rewarm_keep_trials` trials, so the new head's own rounds take over within a few rounds."""
+    `rewarm_keep_trials` (16) trials, so the new head's own rounds take over within a few dozen requests."""
     old = policy([1, 3, 7], 0.6)
     for _ in range(40):  # old head: every draft accepted, at confidence 0.3 (calibrated up to ~1)
         old.update(1, [7], num_steps=7, confidences=[[0.3] * 7])
@@ -488,13 +525,13 @@ def test_rewarm_keeps_the_old_heads_figures_as_a_weak_prior():
     assert before[0] > 0.95 and calib_before > 0.95
     old.rewarm()
     assert old.info()["slots"]["1"]["accept"] == before
-    assert 0.6 < old._calib(0.3) < calib_before  # the old map, at 4 observations against the 0.35 midpoint
+    assert 0.6 < old._calib(0.3) < calib_before  # the old map, at 16 observations against the 0.35 midpoint
     reset = policy([1, 3, 7], 0.6)  # the same new head seen from the 0.6 prior
     for p in (old, reset):
-        for _ in range(8):  # the new head: every first draft rejected
-            p.update(1, [0], num_steps=7, confidences=[[0.3] * 7])
+        for _ in range(16):  # the new head: every first draft rejected, 4 requests a round
+            p.update(4, [0] * 4, num_steps=7, confidences=[[0.3] * 7] * 4)
     a_old, a_reset = old.info()["slots"]["1"]["accept"][0], reset.info()["slots"]["1"]["accept"][0]
-    assert a_old < 0.4 and abs(a_old - a_reset) < 0.15  # 8 rounds of the new head decide in both
+    assert a_old < 0.2 and abs(a_old - a_reset) < 0.15  # 16 rounds (64 requests) of the new head decide in both
     with pytest.raises(ConfigError, match="rewarm_keep_trials"):
         CostPolicyConfig(rewarm_keep_trials=-1)
 
