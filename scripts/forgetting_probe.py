@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--gens", default="0-6", help="generations to replay, inclusive range")
     ap.add_argument("--steps", type=int, default=130)
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-3, 3e-4])
+    ap.add_argument("--anchor", type=float, default=0.0, help="DistillConfig.anchor (pull toward the shipped head)")
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--recent-fraction", type=float, default=0.5)
     ap.add_argument("--batch-tokens", type=int, default=512)
@@ -92,7 +93,8 @@ def main() -> None:
     out["runs"] = []
     for lr in args.lr:
         head, _ = load_head(shipped, target.info, dtype=torch.float32)
-        dist = Distiller(target, head, DistillConfig(lr=lr, schedule="constant", warmup_steps=args.warmup_steps),
+        dist = Distiller(target, head, DistillConfig(lr=lr, schedule="constant", warmup_steps=args.warmup_steps,
+                                                       anchor=args.anchor),
                          LossConfig())
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory() as root:
@@ -104,7 +106,7 @@ def main() -> None:
                 while dist.step < round(args.steps * (i + 1) / len(spans)):
                     dist.train_step(collate(buf.sample_train(args.batch_tokens)))
         train_s = time.monotonic() - t0
-        res = {"lr": lr, "steps": dist.step, "train_s": round(train_s, 1),
+        res = {"lr": lr, "anchor": args.anchor, "steps": dist.step, "train_s": round(train_s, 1),
                **measure(dist.head.to(dtype=target.dtype).eval())}
         print(res, flush=True)
         out["runs"].append(res)

@@ -150,3 +150,38 @@ def test_batch_without_anchors_trains_without_error():
     metrics = d.train_step(batch)
     assert metrics["loss"] == 0.0 and d.step == 1
     assert all(torch.equal(before[k], v) for k, v in d.head.state_dict().items())
+
+
+def test_anchor_pulls_the_weights_toward_the_starting_head(tmp_path):
+    """DistillConfig.anchor: lr * anchor >= 1 puts every weight back at the start after each step;
+    a moderate anchor keeps the head nearer the start than no anchor, while the loss still falls;
+    ZeRO stage 3 (partitioned weights) is refused with the reason."""
+    import json as _json
+
+    from tests.distill_helpers import greedy_records
+    from trainer.distill import DistillConfig, Distiller
+
+    target = tiny8()
+    recs, _ = greedy_records(target, num=3, new_tokens=24)
+    batch = collate(recs)
+    start = {k: v.clone() for k, v in new_head(target, 256, seed=0).float().state_dict().items()}
+
+    def run(anchor):
+        d = Distiller(target, new_head(target, 256, seed=0).float(),
+                      DistillConfig(lr=2e-3, warmup_steps=0, schedule="constant", anchor=anchor), LossConfig(ttt_steps=3))
+        losses = [d.train_step(batch)["loss"] for _ in range(12)]
+        dist = sum(float((v.float() - start[k].float()).pow(2).sum()) for k, v in d.head.state_dict().items()
+                   if v.is_floating_point()) ** 0.5
+        return dist, losses
+
+    frozen, _ = run(1 / 2e-3)
+    free, free_losses = run(0.0)
+    braked, braked_losses = run(20.0)
+    assert frozen == pytest.approx(0.0, abs=1e-6) and free > 0
+    assert 0 < braked < 0.8 * free
+    assert braked_losses[-1] < 0.9 * braked_losses[0]
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(_json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match="anchor"):
+        Distiller(target, new_head(target, 256, seed=0).float(),
+                  DistillConfig(anchor=1.0, deepspeed_config=str(zero3)), LossConfig(ttt_steps=3))

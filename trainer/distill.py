@@ -51,6 +51,10 @@ class DistillConfig:
     deepspeed_config: str = doc("DeepSpeed JSON (ZeRO stage, gradient clipping), relative to the repo",
                                 "configs/deepspeed/zero0.json")
     seed: int = doc("seed of the head's initialisation and the data order", 0)
+    anchor: float = doc("after each step pull every weight toward the head the Distiller was built with "
+                        "(the run's starting head): p <- p - lr_t * anchor * (p - p0), AdamW's decoupled "
+                        "decay aimed at the starting weights instead of 0; a brake on forgetting what the "
+                        "starting head knew (L2-SP); 0 = off; ZeRO stages 0-2", 0.0)
 
     def __post_init__(self):
         check(self.lr > 0, "lr", "must be > 0")
@@ -61,6 +65,7 @@ class DistillConfig:
         check(self.total_steps >= 1, "total_steps", "must be >= 1")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(0 < self.decay_fraction <= 1, "decay_fraction", "must be in (0, 1]")
+        check(self.anchor >= 0, "anchor", "must be >= 0")
 
 
 def lr_factor(step: int, cfg: DistillConfig) -> float:
@@ -160,6 +165,11 @@ class Distiller:
                                       weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
         ds_cfg = load_deepspeed_config(cfg.deepspeed_config)
+        stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
+        check(cfg.anchor == 0 or stage <= 2, "anchor",
+              f"needs whole parameters on every rank (ZeRO stage 0-2); {cfg.deepspeed_config} is stage {stage}")
+        # the starting weights the anchor pulls toward (a resumed run is built with its starting head too)
+        self._anchor = [p.detach().clone() for p in head.parameters()] if cfg.anchor > 0 else []
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -184,6 +194,11 @@ class Distiller:
         grads = [p.grad for p in self.head.parameters() if p.grad is not None]
         pre_clip = float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
         self.engine.step()
+        if self._anchor:  # every rank applies the same pull to the same weights: they stay in step
+            with torch.no_grad():
+                pull = min(1.0, lr * self.cfg.anchor)
+                for p, p0 in zip(self.head.parameters(), self._anchor):
+                    p.lerp_(p0, pull)
         n = torch.tensor([batch.num_rows], dtype=torch.long, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(n)
