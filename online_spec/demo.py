@@ -40,7 +40,11 @@ log = logging.getLogger(__name__)
 # lr 3e-4, not 1e-3: replaying the stream of a bench e2e run (chat -> code -> mix, 190 steps from the
 # shipped head; scripts/forgetting_probe.py, docs/results.md 2026-11-23 night) 1e-3 learned code as well
 # (HumanEval 1.41 -> 2.28 drafts a round at K = 3) but forgot chat (ShareGPT 1.07 -> 0.80); 3e-4
-# learned as much (2.26) and kept chat (1.04). Drift boost off: an alert still reaches the daemon (its
+# learned as much (2.26) and kept chat (1.04) [those engine prompts had been trained on; measured
+# on what no head trained on (2026-11-23 late), 3e-4 still forgets the stream's chat by 13 %, 1e-3
+# by 33 %]. Anchor 30 (a pull toward the starting head after each step, DistillConfig.anchor): the
+# stream's held-out chat -7 % instead of -13 %, its recurring code +24 % instead of +28 % (anchor
+# 100: -4 % / +16 %). Drift boost off: an alert still reaches the daemon (its
 # log says so), but evaluating after every step for 120 s from the shift alert halved the trainer's
 # steps (~2 s a step, ~1.7 s an evaluation on one core) right when adaptation counts; the demo
 # evaluates every 5 steps / 20 s anyway.
@@ -48,7 +52,7 @@ DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "512", "--e
                      "--eval-every-s", "20", "--eval-tokens", "1024", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
                      "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "3e-4",
-                     "--drift-boost-s", "0"]
+                     "--distill-anchor", "30", "--drift-boost-s", "0"]
 
 
 @dataclass
