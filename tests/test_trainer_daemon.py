@@ -355,3 +355,22 @@ def test_published_versions_continue_after_the_live_head(tmp_path):
     assert torch.equal(d2._load_version(12).fc.weight, d2._initial_head().fc.weight)
     d3 = daemon("unreachable", FakeServer(3, with_info=False))
     assert d3.state["live_version"] == 7
+
+
+def test_anchor_is_kept_for_a_starting_head_and_dropped_for_a_random_one(tmp_path):
+    """--distill-anchor pulls toward the head the daemon starts from: from a checkpoint it stays;
+    from a random day-0 head (no --init-head) it would pull toward noise, so it is turned off."""
+    from online_spec.checkpoint import save_head
+
+    target = tiny8()
+    start = tmp_path / "start"
+    save_head(new_head(target, 256, seed=3), start, version=0)
+
+    def daemon(sub, init_head):
+        return TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / sub), init_head=init_head), target, None,
+                             SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                             ReplayConfig(root=str(tmp_path / sub / "replay")), DistillConfig(anchor=30.0),
+                             LossConfig(ttt_steps=3))
+
+    assert daemon("from-ckpt", str(start)).distiller.cfg.anchor == 30.0
+    assert daemon("day0", "").distiller.cfg.anchor == 0.0

@@ -7,8 +7,8 @@ Loop (one thread; the subscriber fills the replay buffer from its own thread):
   1. train: a batch of recent traffic from the replay buffer -> one distillation step (DeepSpeed)
   2. every `eval_every_steps` steps or `eval_every_s` seconds: simulate the candidate and the
      live head on the newest held-out traffic at the live K mix (drafts from generated rows
-     only, where serving drafts; the live head's counts are cached per version), and on each traffic tag's own
-     newest held-out traffic (a candidate that wins on the mix but regresses on a tag the buffer
+     only, where serving drafts; the live head's counts are cached per version), and on each
+     traffic tag's own newest held-out traffic (a candidate that wins on the mix but regresses on a tag the buffer
      holds is refused: no forgetting of an earlier phase); the `SwapGate` decides; a
      winner is written as a new version (atomic directory, digest) and swapped in over the
      control endpoint
@@ -29,7 +29,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -105,6 +105,7 @@ class TrainerDaemon:
                       "initial_version": 0, "published": [], "rolled_back": [], "swaps": 0, "refused_swaps": 0,
                       "evals": 0}
         self._init_meta: dict = {}
+        day0 = head is None and not cfg.init_head  # a random head: nothing the anchor should keep
         if head is None:
             head = self._initial_head()
         if not self._load_state():
@@ -115,8 +116,11 @@ class TrainerDaemon:
         self.buffer = ReplayBuffer(replay_cfg or ReplayConfig(root=str(self.run_dir / "replay")))
         if self._saved_buffer:  # its spans reload from disk; its counters from the state file
             self.buffer.load_state_dict(self._saved_buffer)
-        self.distiller = Distiller(target, head, distill_cfg or DistillConfig(schedule="constant"),
-                                   loss_cfg or LossConfig())
+        distill_cfg = distill_cfg or DistillConfig(schedule="constant")
+        if day0 and distill_cfg.anchor:
+            log.warning("--distill-anchor %g ignored: the daemon starts from a random day-0 head", distill_cfg.anchor)
+            distill_cfg = replace(distill_cfg, anchor=0.0)
+        self.distiller = Distiller(target, head, distill_cfg, loss_cfg or LossConfig())
         if (self.run_dir / "distiller.pt").exists():
             self.distiller.load_state(self.run_dir / "distiller.pt")
             log.info("resumed at step %d", self.distiller.step)
