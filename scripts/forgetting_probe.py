@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--recent-fraction", type=float, default=0.5)
     ap.add_argument("--batch-tokens", type=int, default=512)
+    ap.add_argument("--whole-spans", action="store_true", help="ReplayConfig.whole_spans (no cut windows)")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--num-steps", type=int, default=3, help="K of the engine measurement")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -99,14 +100,16 @@ def main() -> None:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory() as root:
             cfg = dict(root=root, shard_bytes=8 << 30, budget_bytes=16 << 30, memory_bytes=256 << 20,
-                       flush_interval_s=1e9, heldout_every=4, recent_fraction=args.recent_fraction)
+                       flush_interval_s=1e9, heldout_every=4, recent_fraction=args.recent_fraction,
+                       whole_spans=args.whole_spans)
             buf = ReplayBuffer(ReplayConfig(**cfg))
             for i, span in enumerate(spans):
                 buf.add(span)
                 while dist.step < round(args.steps * (i + 1) / len(spans)):
                     dist.train_step(collate(buf.sample_train(args.batch_tokens)))
         train_s = time.monotonic() - t0
-        res = {"lr": lr, "anchor": args.anchor, "steps": dist.step, "train_s": round(train_s, 1),
+        res = {"lr": lr, "anchor": args.anchor, "whole_spans": args.whole_spans, "rows": dist.tokens,
+               "steps": dist.step, "train_s": round(train_s, 1),
                **measure(dist.head.to(dtype=target.dtype).eval())}
         print(res, flush=True)
         out["runs"].append(res)

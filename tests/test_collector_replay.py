@@ -81,6 +81,27 @@ def test_heldout_and_train_are_split_by_request(tmp_path: Path):
     assert sum(s.num_rows for s in cut) == 5 and cut[0].request_id == held[0].request_id
 
 
+def test_whole_spans_sampling_never_cuts_a_span(tmp_path: Path):
+    """whole_spans: every sampled span is a stored span entire (its prompt included: the context
+    serving gives the head), and a batch overshoots its budget by less than one span."""
+    buf = ReplayBuffer(small_cfg(tmp_path, whole_spans=True))
+    spans = [make_span(i, rounds=3 + i % 7) for i in range(30)]
+    for s in spans:
+        buf.add(s)
+    by_id = {s.request_id: s for s in spans}
+    longest = max(s.num_rows for s in spans)
+    for seed in range(5):
+        sample = buf.sample_train(max_tokens=60, rng=np.random.default_rng(seed))
+        rows = sum(s.num_rows for s in sample)
+        assert 60 <= rows < 60 + 2 * longest  # two pools (recent window, all), each overshoots < one span
+        for s in sample:
+            assert_spans_equal(s, by_id[s.request_id])
+    cut = ReplayBuffer(small_cfg(tmp_path / "cut"))
+    for s in spans:
+        cut.add(s)
+    assert sum(s.num_rows for s in cut.sample_train(max_tokens=60, rng=np.random.default_rng(0))) == 60
+
+
 def test_byte_budget_evicts_whole_generations_oldest_first(tmp_path: Path):
     cfg = small_cfg(tmp_path, heldout_every=0, budget_bytes=40 * SPAN_BYTES)
     buf = ReplayBuffer(cfg)
