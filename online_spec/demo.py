@@ -48,7 +48,12 @@ log = logging.getLogger(__name__)
 # log says so), but evaluating after every step for 120 s from the shift alert halved the trainer's
 # steps (~2 s a step, ~1.7 s an evaluation on one core) right when adaptation counts; the demo
 # evaluates every 5 steps / 20 s anyway.
-DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "512", "--eval-every-steps", "5",
+# Whole spans (--replay-whole-spans, 400-row budget: ~500 rows a step): a span cut to a window that
+# starts after its prompt trains the head without the context serving gives it; on the same replay
+# (anchor 30, 190 steps) whole spans gave held-out chat 1.31 / code 1.87 with 9 % fewer rows, cut
+# windows 1.28 / 1.73 (docs/results.md, 2026-11-23 late).
+DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "400", "--replay-whole-spans",
+                     "--eval-every-steps", "5",
                      "--eval-every-s", "20", "--eval-tokens", "1024", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
                      "--replay-heldout-every", "4", "--replay-flush-interval-s", "30", "--distill-lr", "3e-4",
