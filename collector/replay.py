@@ -45,7 +45,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -210,20 +210,7 @@ class ReplayBuffer:
         on, each cut after `max_generated` of them (`CaptureSpan.cut_generated`), so a long
         generation does not fill the sample alone."""
         with self._lock:
-            out: list[CaptureSpan] = []
-            left = max_tokens
-            for span in self._iter_split("heldout", newest, tag):
-                if left <= 0:
-                    break
-                if generated:
-                    span = span.cut_generated(max_generated)
-                    if span is None:
-                        continue
-                if span.num_rows > left:
-                    span = span.slice(0, left)
-                out.append(span)
-                left -= span.num_rows
-            return out
+            return fill_rows(self._iter_split("heldout", newest, tag), max_tokens, generated, max_generated)
 
     def stored_spans(self):
         """(generation index, span) of every span written to disk, both splits, oldest generation
@@ -355,6 +342,28 @@ class ReplayBuffer:
             size += span.nbytes
         for span in reversed(newest_first):
             self._remember(span)
+
+
+def fill_rows(spans: Iterable[CaptureSpan], max_tokens: int, generated: bool = False,
+              max_generated: int | None = None) -> list[CaptureSpan]:
+    """`spans` in their order up to `max_tokens` rows in all, the last one cut to fit; with
+    `generated`, only spans serving drafted on, each cut after `max_generated` of their generated
+    rows (`CaptureSpan.cut_generated`). What `ReplayBuffer.heldout` returns, for any span order
+    (scripts replaying a run as of a past moment use it too)."""
+    out: list[CaptureSpan] = []
+    left = max_tokens
+    for span in spans:
+        if left <= 0:
+            break
+        if generated:
+            span = span.cut_generated(max_generated)
+            if span is None:
+                continue
+        if span.num_rows > left:
+            span = span.slice(0, left)
+        out.append(span)
+        left -= span.num_rows
+    return out
 
 
 def _draw(out: list[CaptureSpan], budget: int, pools: list[_Pool], rng: np.random.Generator,

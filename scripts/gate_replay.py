@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from collector.replay import ReplayBuffer, ReplayConfig, is_heldout
+    from collector.replay import ReplayBuffer, ReplayConfig, fill_rows, is_heldout
     from online_spec.checkpoint import load_head
     from online_spec.heads import resolve_head
     from online_spec.target import load_target
@@ -65,28 +65,11 @@ def main() -> None:
             return float("nan")
         return simulate_acceptance(head, target, spans, K, ks=(K,), generated_only=generated)["accept_length"][str(K)]
 
-    def whole_rows(before: list) -> list:
-        out, left = [], args.old_rows
-        for sp in reversed(before):
-            if left <= 0:
-                break
-            sp = sp.slice(0, min(sp.num_rows, left))
-            out.append(sp)
-            left -= sp.num_rows
-        return out
+    def whole_rows(before: list) -> list:  # the gate's sample before 2026-11-23 (late)
+        return fill_rows(reversed(before), args.old_rows)
 
-    def generated(before: list) -> list:
-        out, left = [], args.new_rows
-        for sp in reversed(before):
-            if left <= 0:
-                break
-            sp = sp.cut_generated(args.max_generated)
-            if sp is None:
-                continue
-            sp = sp.slice(0, min(sp.num_rows, left))
-            out.append(sp)
-            left -= sp.num_rows
-        return out
+    def generated(before: list) -> list:  # the gate's sample now
+        return fill_rows(reversed(before), args.new_rows, generated=True, max_generated=args.max_generated)
 
     def wins(c: float, lv: float) -> bool:
         return c > lv * 1.02 and c > lv + 0.02
