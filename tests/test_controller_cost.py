@@ -94,6 +94,23 @@ def test_refit_waits_for_the_interval():
     assert model.verify_coef != [0.02, 0.0, 0.0, 0.0]
 
 
+def test_round_terms_follow_the_coefficients():
+    """The per-round memo of (draft step, verify base, verify per token) is dropped when the
+    coefficients change: a refit, a loaded state, or coefficients set directly."""
+    model = CostModel(CostModelConfig(refit_interval=1))
+    before = model.round_terms(4, 300)
+    assert before == (model.draft_step_s(4, 300), *model.verify_terms(4, 300))
+    model.observe(4, 3, 300, draft_s=0.03, verify_s=0.2)  # refits
+    after = model.round_terms(4, 300)
+    assert after != before and after == (model.draft_step_s(4, 300), *model.verify_terms(4, 300))
+    model.verify_coef = [1.0, 0.0, 0.0, 0.0]
+    assert model.round_terms(4, 300)[1] == 1.0
+    state = CostModel().state_dict()
+    model.load_state_dict(state)
+    assert model.round_terms(4, 300) == before
+    assert model.round_terms(8, 300) == (model.draft_step_s(8, 300), *model.verify_terms(8, 300))
+
+
 def test_cost_model_state_round_trip():
     a = CostModel().fit(grid(noise=0.05))
     b = CostModel()
@@ -130,15 +147,18 @@ def test_acceptance_per_request_lengths_match_the_uniform_case():
 
 
 def test_acceptance_counts_equal_a_per_position_tally():
-    """Ragged verify lengths, random: rates (window 1: hits / trials of this round) equal a
+    """Verify lengths ragged or uniform (one K for the batch, given as an int or a list: the
+    counting fast path), random: rates (window 1: hits / trials of this round) equal a
     position-by-position tally of who was judged and who passed."""
     rng = random.Random(3)
-    for _ in range(200):
+    for trial in range(600):
         depth = rng.randint(1, 7)
-        lens = [rng.randint(0, depth + 1) for _ in range(rng.randint(1, 9))]
+        size = rng.randint(1, 9) if trial % 2 else rng.randint(1, 70)
+        k = rng.randint(0, depth + 1)
+        lens = [rng.randint(0, depth + 1) for _ in range(size)] if trial % 3 == 0 else [k] * size
         accepted = [rng.randint(0, n) for n in lens]
         acc = AcceptanceEstimate(depth, 0.5, 1.0)
-        acc.observe(accepted, lens)
+        acc.observe(accepted, k if trial % 3 == 1 else lens)
         for i in range(min(max(lens), depth)):
             judged = [a for a, n in zip(accepted, lens) if n > i and a >= i]
             if judged:

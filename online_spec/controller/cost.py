@@ -164,9 +164,26 @@ class CostModel:
         self.config = cfg = config or CostModelConfig()
         self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
+        self._memo: tuple | None = None  # (batch_size, ctx_len, round_terms) of the last round asked
         self.draft_coef = list(self._draft.prior)
         self.verify_coef = list(self._verify.prior)
         self._pending = 0
+
+    @property
+    def draft_coef(self) -> list[float]:
+        return self._draft_coef
+
+    @draft_coef.setter
+    def draft_coef(self, coef: Sequence[float]) -> None:
+        self._draft_coef, self._memo = list(coef), None
+
+    @property
+    def verify_coef(self) -> list[float]:
+        return self._verify_coef
+
+    @verify_coef.setter
+    def verify_coef(self, coef: Sequence[float]) -> None:
+        self._verify_coef, self._memo = list(coef), None
 
     @classmethod
     def with_coefficients(cls, draft_coef: Sequence[float], verify_coef: Sequence[float],
@@ -225,6 +242,17 @@ class CostModel:
         policy's loops over K evaluate this line instead of the whole model per K."""
         c0, c1, c2, c3 = self.verify_coef
         return c0 + c1 * batch_size + c3 * batch_size * ctx_len / CTX_SCALE, c2 * batch_size
+
+    def round_terms(self, batch_size: float, ctx_len: float = 0) -> tuple[float, float, float]:
+        """(draft_step_s, verify base, verify per_token) for one round's batch size and context.
+        The policy asks for them up to K + 2 times a round with the same arguments: the last
+        answer is kept until the arguments or the coefficients change."""
+        memo = self._memo
+        if memo is not None and memo[0] == batch_size and memo[1] == ctx_len:
+            return memo[2]
+        terms = (self.draft_step_s(batch_size, ctx_len), *self.verify_terms(batch_size, ctx_len))
+        self._memo = (batch_size, ctx_len, terms)
+        return terms
 
     def verify_token_s(self) -> float:
         """Extra verify seconds for one more token in the batch."""
@@ -294,18 +322,31 @@ class AcceptanceEstimate:
         Position i was tried by every request whose first i drafts were accepted and that drafted
         more than i, and hit by every request that accepted more than i: counted in one pass
         over the requests (tried_to[t]: requests whose trials stop before position t), then suffix sums."""
-        steps = [num_steps] * len(accepted) if isinstance(num_steps, int) else num_steps
-        k = min(max(steps, default=0), self.depth)
-        if k <= 0:
-            return
-        tried_to, hit_to = [0] * (k + 1), [0] * (k + 1)
-        for a, kr in zip(accepted, steps):  # comparisons, not min(): this runs B times a round
-            if kr > k:
-                kr = k
-            if a > kr:
-                a = kr
-            tried_to[a + 1 if a < kr else kr] += 1
-            hit_to[a] += 1
+        uniform = isinstance(num_steps, int) or (len(num_steps) > 0 and num_steps.count(num_steps[0]) == len(num_steps))
+        if uniform:
+            n = num_steps if isinstance(num_steps, int) else num_steps[0]
+            k = min(n, self.depth)
+            if k <= 0 or not accepted:
+                return
+            # every request drafted k: hit_to[a] = requests that accepted a (a >= k counted at k),
+            # by list.count, which does in C what the loop below does per request (B up to 64+)
+            acc = accepted if isinstance(accepted, list) else list(accepted)
+            hit_to = [acc.count(a) for a in range(k)]
+            hit_to.append(len(acc) - sum(hit_to))
+            tried_to = [0] + hit_to[:k]
+            tried_to[k] += hit_to[k]
+        else:
+            k = min(max(num_steps), self.depth)
+            if k <= 0:
+                return
+            tried_to, hit_to = [0] * (k + 1), [0] * (k + 1)
+            for a, kr in zip(accepted, num_steps):  # comparisons, not min(): this runs B times a round
+                if kr > k:
+                    kr = k
+                if a > kr:
+                    a = kr
+                tried_to[a + 1 if a < kr else kr] += 1
+                hit_to[a] += 1
         trials, hits = [0] * k, [0] * k
         t = h = 0
         for i in range(k - 1, -1, -1):
@@ -500,8 +541,7 @@ class CostModelPolicy:
         i = self.adaptive.slot_index(batch_size)
         a = self._accept[i].estimates()
         slo = self.config.tpot_slo_s
-        step_s = self.cost.draft_step_s(batch_size, ctx_len)
-        base, per_token = self.cost.verify_terms(batch_size, ctx_len)  # this runs twice a round
+        step_s, base, per_token = self.cost.round_terms(batch_size, ctx_len)
         best_k, best_rate = None, -1.0
         expected, surv, pos = 1.0, 1.0, 0
         for k in self._slots[i].candidate_steps:
@@ -561,8 +601,7 @@ class CostModelPolicy:
         a = self._accept[i].estimates()
         if step_index >= len(a):
             return False
-        step_s = self.cost.draft_step_s(batch_size, ctx_len)
-        base, per_token = self.cost.verify_terms(batch_size, ctx_len)
+        step_s, base, per_token = self.cost.round_terms(batch_size, ctx_len)
         t_now = step_index * step_s + max(0.0, base + per_token * (step_index + 1))
         t_next = (step_index + 1) * step_s + max(0.0, base + per_token * (step_index + 2))
         if self.config.tpot_slo_s is not None and t_next > self.config.tpot_slo_s:
@@ -604,16 +643,16 @@ class CostModelPolicy:
         surv = np.cumprod(self._calib.calibrated(conf), axis=1)
         if lens is not None:
             surv[np.arange(k) >= lens[:, None]] = 0.0
-        draft_s = k * self.cost.draft_step_s(b, ctx_len)  # already spent, part of the round
+        step_s, base, per_token = self.cost.round_terms(b, ctx_len)
+        draft_s = k * step_s  # already spent, part of the round
         if padded:
-            return self._padded_cut(surv, full, draft_s, ctx_len)
+            return self._padded_cut(surv, full, draft_s, base, per_token)
         # S_rm never rises along a row, so every throughput threshold keeps a prefix of each
         # row, and the rows' kept drafts together are the largest survivals of the batch: sort
         # them once and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie
         # it keeps the equal drafts too).
         flat = np.sort(surv[surv > 0.0] if lens is not None else surv.ravel())[::-1].tolist()
         tok_s = self.cost.verify_token_s()
-        base, per_token = self.cost.verify_terms(b, ctx_len)
         v0 = base + per_token  # verify with no draft kept: one token per request
         best_m, best_rate, tokens = 0, b / max(draft_s + max(0.0, v0), 1e-12), float(b)
         for m, sv in enumerate(flat, 1):
@@ -629,13 +668,14 @@ class CostModelPolicy:
             return [0] * b
         return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
 
-    def _padded_cut(self, surv: np.ndarray, lens: list[int], draft_s: float, ctx_len: float) -> list[int]:
+    @staticmethod
+    def _padded_cut(surv: np.ndarray, lens: list[int], draft_s: float, base: float, per_token: float) -> list[int]:
         """One verify length L for every request (fewer where a row has fewer drafts): the L
         maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
-        the longer L. surv: the survivals [b, K], 0 past a row's last draft."""
+        the longer L. surv: the survivals [b, K], 0 past a row's last draft; base, per_token:
+        the verify line of `CostModel.verify_terms`."""
         b, k = surv.shape
         gain = surv.sum(axis=0).tolist()  # gain[m]: expected tokens the batch gains from verifying draft m+1
-        base, per_token = self.cost.verify_terms(b, ctx_len)
         best_n, best_rate, tokens = 0, -1.0, float(b)
         for n in range(k + 1):
             if n:
@@ -644,6 +684,8 @@ class CostModelPolicy:
             rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
             if rate >= best_rate:
                 best_n, best_rate = n, rate
+        if best_n <= min(lens):  # the usual case: every row drafted at least L
+            return [best_n] * b
         return [min(best_n, m) for m in lens]
 
     # -- after verify ------------------------------------------------------------------------
@@ -671,7 +713,7 @@ class CostModelPolicy:
                 self.cost.observe(batch_size, num_steps, ctx_len, draft_s, verify_s)
             else:
                 self.cost.observe(batch_size, max(num_steps, default=0), ctx_len, draft_s, verify_s,
-                                  verify_tokens=sum(k + 1 for k in num_steps))
+                                  verify_tokens=sum(num_steps) + len(num_steps))
         return self.choose_steps(batch_size, ctx_len)
 
     def rewarm(self) -> None:
