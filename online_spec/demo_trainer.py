@@ -20,11 +20,9 @@ import threading
 import urllib.request
 from pathlib import Path
 
-import torch
-
 from trainer.daemon import install_signal_handlers
 from trainer.train_cli import add_arguments as add_train_arguments
-from trainer.train_cli import build_daemon
+from trainer.train_cli import build_daemon, share_machine
 
 log = logging.getLogger("online_spec.demo_trainer")
 
@@ -59,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alerts-every-s", type=float, default=2.0, help="alert polling period")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    torch.set_num_threads(args.threads)
+    share_machine(args)
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
     (Path(daemon.cfg.run_dir) / READY_FILE).write_text("ready")  # the session waits for this before traffic

@@ -25,6 +25,7 @@ import torch
 from collector.replay import ReplayConfig
 from collector.span import CaptureSpan
 from collector.subscriber import SubscriberConfig
+from online_spec.config import ConfigError
 from online_spec.data import sharegpt_conversations
 from online_spec.head import new_head
 from serving.control import ControlClient, ControlConfig
@@ -374,3 +375,41 @@ def test_anchor_is_kept_for_a_starting_head_and_dropped_for_a_random_one(tmp_pat
 
     assert daemon("from-ckpt", str(start)).distiller.cfg.anchor == 30.0
     assert daemon("day0", "").distiller.cfg.anchor == 0.0
+
+
+def test_max_duty_rests_in_proportion_to_the_work(tmp_path, monkeypatch):
+    """--max-duty 0.25: after each step of busy seconds the daemon rests 3x as long, so training
+    and evaluation take at most a quarter of its wall time; a step-less loop only idles."""
+    target = tiny8()
+    d = TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / "d"), max_duty=0.25), target, None,
+                      SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                      ReplayConfig(root=str(tmp_path / "d" / "replay")), DistillConfig(), LossConfig(ttt_steps=3))
+    busy = []
+
+    def step():
+        t0 = time.monotonic()
+        time.sleep(0.02)
+        busy.append(time.monotonic() - t0)
+        return True
+
+    monkeypatch.setattr(d, "train_once", step)
+    t0 = time.monotonic()
+    summary = d.run(max_seconds=0.8)
+    wall = time.monotonic() - t0
+    assert len(busy) >= 2
+    assert summary["rested_s"] >= 3 * sum(busy)  # each rest is 3x its step's time, loop overhead included
+    assert sum(busy) <= 0.3 * wall
+    with pytest.raises(ConfigError, match="max_duty"):
+        DaemonConfig(max_duty=0.0)
+
+
+def test_nice_lowers_the_trainer_process_priority():
+    """`--nice N` raises the trainer process's niceness (in a child process: niceness cannot be
+    lowered again); out of 0..19 it is refused with the flag's name."""
+    code = ("import argparse, os; from trainer.train_cli import add_arguments, share_machine; "
+            "p = argparse.ArgumentParser(); add_arguments(p); before = os.nice(0); "
+            "share_machine(p.parse_args(['--nice', '{n}'])); print(os.nice(0) - before)")
+    ok = subprocess.run([sys.executable, "-c", code.format(n=7)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() == "7", ok.stderr
+    bad = subprocess.run([sys.executable, "-c", code.format(n=25)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--nice" in bad.stderr

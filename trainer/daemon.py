@@ -78,6 +78,9 @@ class DaemonConfig:
     eval_max_steps: int = doc("draft steps simulated by the gate", 7)
     save_every_steps: int = doc("save the resumable state every N steps", 10)
     idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
+    max_duty: float = doc("most of the wall time the daemon spends training and evaluating (1 = back to back): "
+                          "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
+                          "core or GPU time to the server it shares the machine with", 1.0)
     drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
 
     def __post_init__(self):
@@ -87,6 +90,7 @@ class DaemonConfig:
         check(self.eval_tokens >= 1, "eval_tokens", "must be >= 1")
         check(self.eval_generated_rows >= 1, "eval_generated_rows", "must be >= 1")
         check(self.save_every_steps >= 1, "save_every_steps", "must be >= 1")
+        check(0.0 < self.max_duty <= 1.0, "max_duty", f"must be in (0, 1], got {self.max_duty!r}")
 
 
 class TrainerDaemon:
@@ -132,6 +136,7 @@ class TrainerDaemon:
         self._last_eval_t = time.monotonic()
         self._last_eval_step = self.distiller.step
         self._drift_until = 0.0
+        self._rested_s = 0.0  # seconds rested under max_duty
 
     # -- inputs ---------------------------------------------------------------------------
     def on_span(self, span: CaptureSpan) -> None:
@@ -158,8 +163,12 @@ class TrainerDaemon:
                     break
                 if t_end is not None and time.monotonic() > t_end:
                     break
+                t0 = time.monotonic()
                 if not self.train_once():
                     self._stop.wait(self.cfg.idle_sleep_s)
+                elif self.cfg.max_duty < 1.0:
+                    self._rested_s += (rest := (time.monotonic() - t0) * (1.0 / self.cfg.max_duty - 1.0))
+                    self._stop.wait(rest)
                 self.watch_rollback()
         finally:
             self.save_state()
@@ -374,7 +383,7 @@ class TrainerDaemon:
     def summary(self) -> dict:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
-                "buffer": self.buffer.stats(), "stream": self._stream_stats(), "live": self.live.summary()}
+                "rested_s": round(self._rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(), "live": self.live.summary()}
 
 
 def install_signal_handlers(daemon: TrainerDaemon) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="torch device of the target and the trainer ('cuda': DeepSpeed on that GPU, NCCL)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the trainer (share the CPU politely)")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="raise the trainer process's niceness by this much (0-19): when server and trainer "
+                             "both want a core, the server's threads get it first")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
     parser.add_argument("--wandb-mode", default="offline", help="offline (default), online or disabled")
@@ -67,9 +71,18 @@ def build_daemon(args: argparse.Namespace) -> TrainerDaemon:
                          config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run)
 
 
+def share_machine(args: argparse.Namespace) -> None:
+    """The trainer process's share of the machine: its torch threads and its niceness."""
+    if not 0 <= args.nice <= 19:
+        raise SystemExit(f"--nice: must be in 0..19, got {args.nice}")
+    torch.set_num_threads(args.threads)
+    if args.nice:
+        log.info("niceness %d", os.nice(args.nice))
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    torch.set_num_threads(args.threads)
+    share_machine(args)
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
     try:
