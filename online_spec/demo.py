@@ -52,7 +52,10 @@ log = logging.getLogger(__name__)
 # starts after its prompt trains the head without the context serving gives it; on the same replay
 # (anchor 30, 190 steps) whole spans gave held-out chat 1.31 / code 1.87 with 9 % fewer rows, cut
 # windows 1.28 / 1.73 (docs/results.md, 2026-11-23 late).
-DEMO_TRAINER_ARGS = ["--min-buffer-tokens", "128", "--batch-tokens", "400", "--replay-whole-spans",
+# Niceness 19: the server process (engine, HTTP, the replaying clients) sometimes wants both cores;
+# at equal priority the trainer took them and cost the server ~10 % of its tokens/s, at nice 19 ~2 %
+# with the same optimizer steps per second (scripts/colocate_probe.py, docs/results.md 2026-11-24).
+DEMO_TRAINER_ARGS = ["--nice", "19", "--min-buffer-tokens", "128", "--batch-tokens", "400", "--replay-whole-spans",
                      "--eval-every-steps", "5",
                      "--eval-every-s", "20", "--eval-tokens", "1024", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
