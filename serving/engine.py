@@ -118,6 +118,20 @@ class RoundStats:
     ctx_len: int
     swapped: bool = False
     swap_fill_rows: int = 0  # rows of a staged head's cache rebuilt this round (before it went live)
+    catchup_s: float = 0.0  # of draft_s: long draft-cache catch-ups (a new prompt, rows served at K = 0, a swap)
+    draft_captures: int = 0  # CUDA graphs captured in the draft phase (a new shape, a new head)
+    verify_captures: int = 0  # CUDA graphs captured in the verify phase
+
+    @property
+    def steady_draft_s(self) -> float | None:
+        """The draft seconds a round at this K costs in steady serving: draft_s without the
+        one-off catch-ups; None when a graph capture (milliseconds, once per shape) is inside."""
+        return None if self.draft_captures else max(0.0, self.draft_s - self.catchup_s)
+
+    @property
+    def steady_verify_s(self) -> float | None:
+        """verify_s, or None when a graph capture is inside it."""
+        return None if self.verify_captures else self.verify_s
 
 
 class Engine:
@@ -144,6 +158,7 @@ class Engine:
         self._staged: _StagedHead | None = None
         self._spare_cache = None
         self._filled = 0
+        self._catchup_s = 0.0  # this round's long catch-ups (RoundStats.catchup_s)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
@@ -240,6 +255,8 @@ class Engine:
         # 1) draft: catch the draft cache up on committed features, then up to K chained steps
         #    (fewer when the policy predicts the next step does not pay).
         t1 = time.perf_counter()
+        captures = [self._captures()]
+        self._catchup_s = 0.0
         q_full: list[torch.Tensor] | None = None
         if K > 0:
             drafts, draft_probs, q_full = self._draft(reqs, tlen, K, ctx)
@@ -257,6 +274,7 @@ class Engine:
             drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
             confidences = confidences[:, :K]
         t2 = time.perf_counter()
+        captures.append(self._captures())
 
         # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
         #    target forward over the KV cache. tokens [B, K+1] -> logits [B, K+1, V].
@@ -295,23 +313,30 @@ class Engine:
                     num_steps=n, batch_size=B, draft_version=self.head_version, tag=r.tag))
             round_outs.append(self._commit_output(r, new, a, n))
         t3 = time.perf_counter()
-        # every round counts, K=0 too: SGLang's policy probes up from plain decode
-        if self.head is not None:
-            self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=t2 - t1, verify_s=t3 - t2,
-                               confidences=confidences)
-        if self.publisher is not None and records:
-            self.publisher.submit(records)
+        captures.append(self._captures())
         stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,
                            committed=sum(len(o.new_token_ids) for o in round_outs),
                            draft_s=t2 - t1, verify_s=t3 - t2, total_s=t3 - t0,
                            head_version=self.head_version, ctx_len=ctx, swapped=swapped,
-                           swap_fill_rows=self._filled)
+                           swap_fill_rows=self._filled, catchup_s=self._catchup_s,
+                           draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1])
+        # every round counts, K=0 too: SGLang's policy probes up from plain decode. The cost policy
+        # learns steady round times: one-off work (long catch-ups, graph captures) would read as
+        # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
+        if self.head is not None:
+            self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=stats.steady_draft_s,
+                               verify_s=stats.steady_verify_s, confidences=confidences)
+        if self.publisher is not None and records:
+            self.publisher.submit(records)
         for hook in self.on_round:
             hook(stats, round_outs)
         self.last_round = stats
         return outs + round_outs
 
     # -- pieces of a round ------------------------------------------------------------------
+    def _captures(self) -> int:
+        return 0 if self.graphs is None else self.graphs.captures
+
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
         full-vocab draft distributions per request (sampling requests only))."""
@@ -368,14 +393,21 @@ class Engine:
         out_logits = torch.empty(B, head.cfg.draft_vocab_size, dtype=self.target.dtype, device=dev)
         out_hidden = torch.empty(B, head.cfg.hidden_size, dtype=self.target.dtype, device=dev)
         short = [b for b in range(B) if need[b] <= self.cfg.max_steps + 1]
-        # Long catch-ups (a fresh prompt, or every row after a swap) run alone so padding never
-        # writes past a slot's room; the per-round ones (<= K+1 rows) run as one batch.
+        # Long catch-ups (a fresh prompt, rows served at K = 0, or every row after a swap) run
+        # alone so padding never writes past a slot's room; the per-round ones (<= K+1 rows) run
+        # as one batch. The long ones are timed apart (RoundStats.catchup_s): a one-off cost, not
+        # the price of this round's K.
+        t0 = time.perf_counter()
         for b in range(B):
             if b not in short:
                 # every row but the last only contributes K/V: fill those, run the last one fully
                 self._fill_rows(head, self.dcache, b, dlen[b], need[b] - 1)
                 lg, hd = self._head_rows([b], [tlen[b] - 1], 1)
                 out_logits[b], out_hidden[b] = lg[0, 0], hd[0, 0]
+        if len(short) < B:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # rare (long catch-ups only): the clock must see the GPU work
+            self._catchup_s = time.perf_counter() - t0
         if short:
             if short == list(range(B)):
                 T = max(need)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from online_spec.controller.replay import attach_trace_recorder
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, Request
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +216,80 @@ def test_bench_is_registered():
     with pytest.raises(SystemExit) as e:
         main(["bench", "controller", "--help"])
     assert e.value.code == 0
+
+
+class _RecordingPolicy:
+    """Runs a fixed K schedule and keeps what the engine feeds `update` (a step policy)."""
+
+    def __init__(self, schedule):
+        self.schedule, self.fed = list(schedule), []
+
+    def steps_for(self, batch_size, ctx_len=0):
+        return self.schedule[min(len(self.fed), len(self.schedule) - 1)]
+
+    def update(self, batch_size, accepted, **kw):
+        self.fed.append(kw)
+        return self.steps_for(batch_size)
+
+    def rewarm(self):
+        pass
+
+    def info(self):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_policy_learns_steady_round_times_without_one_off_catch_ups(tiny8, monkeypatch):
+    """A round that catches the draft cache up on many rows (the prompt, or the rows served at
+    K = 0 before a probe) reports that work as `catchup_s`, and the policy is fed the draft time
+    without it: on the GPU the probes after K = 0 streaks, each paying a long catch-up, made the
+    cost policy read drafting as 3x dearer than it was and hold K at 0 (e2e run of 2026-11-24).
+    The catch-up is slowed by 30 ms here so that it dominates its round's draft phase."""
+    target, head = tiny8
+    schedule = [2, 2, 0, 0, 0, 0, 0, 0, 2, 2, 2]
+    policy = _RecordingPolicy(schedule)
+    engine = Engine(target, head, EngineConfig(max_batch=1, max_len=128, max_steps=3), policy=policy)
+    fill = engine._fill_rows
+
+    def slow_fill(*args):
+        time.sleep(0.03)
+        return fill(*args)
+
+    monkeypatch.setattr(engine, "_fill_rows", slow_fill)
+    rounds = []
+    engine.on_round.append(lambda stats, outs: rounds.append(stats))
+    engine.add_request(Request(random_prompts(1, 12, seed=5)[0], SamplingParams(max_tokens=60, ignore_eos=True)))
+    while len(rounds) < len(schedule):
+        engine.step()
+    assert [s.num_steps for s in rounds] == schedule
+    for i, (s, fed) in enumerate(zip(rounds, policy.fed)):
+        assert fed["draft_s"] == pytest.approx(s.draft_s - s.catchup_s, abs=1e-9), i
+        assert fed["verify_s"] == s.verify_s
+    long_catch_ups = [0, 8]  # the prompt's 12 rows, then 7 rows served at K = 0 (> max_steps + 1)
+    for i in long_catch_ups:
+        assert rounds[i].catchup_s >= 0.03 and policy.fed[i]["draft_s"] < rounds[i].draft_s - 0.029, i
+    for i in (1, 9, 10):  # per-round catch-ups of <= K + 1 rows: all of the draft phase counts
+        assert rounds[i].catchup_s == 0.0 and policy.fed[i]["draft_s"] == rounds[i].draft_s, i
+
+
+def test_a_round_with_a_graph_capture_teaches_no_time():
+    """A CUDA graph captured inside a phase (a new shape, a new head's first round) makes that
+    phase's time a one-off: neither the policy nor a calibration learns from it."""
+    from online_spec.controller.calibrate import RoundTiming
+    from serving.engine import RoundStats
+
+    base = dict(batch_size=1, num_steps=3, accepted=[1], committed=2, draft_s=0.012, verify_s=0.004, total_s=0.017,
+                head_version=1, ctx_len=100)
+    clean = RoundStats(**base, catchup_s=0.002)
+    assert (clean.steady_draft_s, clean.steady_verify_s) == (pytest.approx(0.010), 0.004)
+    assert RoundTiming.of_round(clean) == RoundTiming(1, 3, 100, pytest.approx(0.010), 0.004)
+    drafted = RoundStats(**base, draft_captures=2)
+    assert drafted.steady_draft_s is None and drafted.steady_verify_s == 0.004
+    verified = RoundStats(**base, verify_captures=1)
+    assert verified.steady_verify_s is None and verified.steady_draft_s == pytest.approx(0.012)
+    assert RoundTiming.of_round(drafted) is None and RoundTiming.of_round(verified) is None

@@ -194,7 +194,7 @@ class RoundLog:
         return sum(s.committed for s in spec) / max(1, sum(s.batch_size for s in spec)) if spec else 1.0
 
     def timings(self) -> list[RoundTiming]:
-        return [RoundTiming(s.batch_size, s.num_steps, s.ctx_len, s.draft_s, s.verify_s) for s in self.rounds]
+        return [t for t in map(RoundTiming.of_round, self.rounds) if t is not None]
 
 
 def new_engine(target, head, policy, max_batch: int, max_len: int, max_steps: int):

@@ -14,7 +14,8 @@ Per (batch size, context length) one engine is filled with `batch_size` requests
 every engine runs one round at each K of `ks` in turn, so drift in machine load (a shared
 CPU) hits every point of the grid alike instead of whichever point was measured during a busy
 spell. The first cycle is discarded: it holds the draft cache's catch-up over the whole prompt,
-a one-off cost of a new request.
+a one-off cost of a new request. Later rounds count as the engine feeds its policy (steady
+timings: a round with a CUDA graph capture inside is left out, a long catch-up subtracted).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class RoundTiming(NamedTuple):
     draft_s: float
     verify_s: float
 
+    @classmethod
+    def of_round(cls, stats) -> "RoundTiming | None":
+        """A round's steady timing (`RoundStats.steady_draft_s` / `steady_verify_s`: no long
+        catch-up, no graph capture), or None when a capture is inside it."""
+        d, v = stats.steady_draft_s, stats.steady_verify_s
+        return None if d is None or v is None else cls(stats.batch_size, stats.num_steps, stats.ctx_len, d, v)
+
 
 def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence[int], ctx_lens: Sequence[int],
                           rounds: int = 4, seed: int = 0) -> list[RoundTiming]:
@@ -79,8 +87,9 @@ def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence
                 engine.policy = StaticSteps(k)
                 engine.step()
                 s = engine.last_round
-                if cycle > 0 and s.batch_size == b:
-                    out.append(RoundTiming(s.batch_size, s.num_steps, s.ctx_len, s.draft_s, s.verify_s))
+                timing = RoundTiming.of_round(s)
+                if cycle > 0 and s.batch_size == b and timing is not None:
+                    out.append(timing)
     return out
 
 

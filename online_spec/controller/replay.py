@@ -113,7 +113,8 @@ def attach_trace_recorder(engine, path: str | Path) -> TraceRecorder:
     """Record every verify round of `engine` as a trace line (close the recorder when done).
 
     Each line has batch_size, accepted (bonus excluded), num_steps (the K drafted), ctx_len and
-    the round's draft/verify seconds. Rounds without a head are skipped, as the engine does
+    the round's draft/verify seconds as the policy saw them (steady: without long catch-ups;
+    absent where a CUDA graph capture was inside). Rounds without a head are skipped, as the engine does
     not feed them to its policy; a round that began with a head swap is marked "rewarm": true
     (the live policy was rewarmed there; `replay` does not rewarm, so a trace with swaps
     replays exactly only up to the first one).
@@ -124,7 +125,8 @@ def attach_trace_recorder(engine, path: str | Path) -> TraceRecorder:
         if engine.head is None:
             return
         rec.record(stats.batch_size, stats.accepted, num_steps=stats.num_steps, ctx_len=stats.ctx_len,
-                   draft_s=stats.draft_s, verify_s=stats.verify_s, rewarm=True if stats.swapped else None)
+                   draft_s=stats.steady_draft_s, verify_s=stats.steady_verify_s,
+                   rewarm=True if stats.swapped else None)
 
     engine.on_round.append(on_round)
     return rec
