@@ -1,12 +1,16 @@
 #!/bin/bash
 # The device side of `online-spec bench e2e --device cuda` (docs/engine.md, "GPU figures"): server
-# and trainer daemon colocated on one GPU. Calls, back to back (the machine stays warm 30 s):
-#   1. carry .gpu/gw_p1: GGUF part 00 to /tmp/g                     (bash ... part .gpu/gw_p1/gguf.part.00)
-#   2. carry .gpu/gw_p2 (part 01 + wheels in whl/): part 01, wheels into /tmp/site, import check
-#                                                                    (bash ... wheels .gpu/gw_p2)
-#   3. carry .gpu/gw_p3 (part 02, code.tar, trace.jsonl): join the GGUF, lay the branch's code over a
-#      copy of the tree in /tmp/code, convert the model once, start the bench in its own session
-#      (setsid: it outlives the call) and follow it        (bash ... start .gpu/gw_p3 [bench flags])
+# and trainer daemon colocated on one GPU. The GGUF travels in parts (`split -b 25000000 -d`: a
+# call carries at most 64 MiB, the ~28 MB tree included). Calls, back to back (the machine stays
+# warm 30 s):
+#   1. carry a folder with one part: copy it to /tmp/g       (bash ... part .gpu/gw_p1/gguf.part.00)
+#      (as many such calls as parts remain for the calls below)
+#   2. carry a folder with the next part(s) + wheels in whl/: parts to /tmp/g, wheels into
+#      /tmp/site, import check                                       (bash ... wheels .gpu/gw_p3)
+#   3. carry a folder with the last part(s), code.tar, trace.jsonl: join every part in /tmp/g, lay
+#      the branch's code over a copy of the tree in /tmp/code, convert the model once, start the
+#      bench in its own session (setsid: it outlives the call), follow it
+#                                                            (bash ... start .gpu/gw_p4 [bench flags])
 #   4. ... as many as needed: follow it, then copy the JSON and log to $OUT       (bash ... follow)
 # The bench runs from /tmp/code so that a later call's fresh tree cannot change the code its
 # trainer children import. `start --tiny-cpu FLAGS` starts the bench from an existing $CODE (the
@@ -55,7 +59,7 @@ part)
     python3 -m pip show pyarrow fsspec huggingface_hub pydantic deepspeed datasets pyzmq 2>/dev/null | grep -E '^(Name|Version)'
     ;;
 wheels)
-    mkdir -p /tmp/g && cp "$1"/gguf.part.01 /tmp/g/ || exit 3
+    mkdir -p /tmp/g && cp "$1"/gguf.part.* /tmp/g/ || exit 3
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/whl/*.whl || exit 5
     code $1 && smoke
     DS_ACCELERATOR=cuda python3 -c "
@@ -67,8 +71,7 @@ print('deepspeed', deepspeed.__version__, get_accelerator()._name, 'datasets', d
 start)
     P=$1; shift
     if [ "$P" != --tiny-cpu ]; then
-        cp $P/gguf.part.02 /tmp/g/ && cat /tmp/g/gguf.part.00 /tmp/g/gguf.part.01 /tmp/g/gguf.part.02 \
-            > /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf || exit 3
+        cp $P/gguf.part.* /tmp/g/ && cat /tmp/g/gguf.part.* > /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf || exit 3
         md5sum /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
         code $P && cp $P/trace.jsonl $CODE/trace.jsonl || exit 4
         python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \

@@ -1,0 +1,113 @@
+"""Where a speculative round's time goes on this device, per policy: the engine alone (no HTTP
+server), batch 1, the shipped head, real chat/code prompts from a trace file.
+
+For static K = 0..--max-k and the cost-model policy (calibrated here, as the server does), serve
+the same prompts and report per policy: tokens/s, tokens per round, the K histogram, and the
+medians of the round's phases as the engine measures them (draft_s, verify_s, total_s = the
+engine's step) and of the wall time between steps outside it. For the cost policy also its
+predicted round seconds at each K against the measured median of its rounds at that K: the
+controller can only choose well if these agree.
+
+    python scripts/gpu_round_costs.py --trace trace.jsonl --device cuda --json round_costs.json
+
+Written for the GPU e2e run of 2026-11-24 (docs/engine.md), where the cost policy chose K = 1 and
+served slower than static K = 2; runs on CPU too (slowly) with --device cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def load_prompts(path: str, n: int, target) -> list[list[int]]:
+    from online_spec.trace import load_trace
+
+    out = [target.encode_chat(it.messages) if it.messages else target.tokenizer(it.prompt)["input_ids"]
+           for it in load_trace(path)]
+    step = max(1, len(out) // n)
+    return out[::step][:n]  # spread over the trace's phases
+
+
+def serve(target, head, policy, prompts, new_tokens: int) -> dict:
+    from online_spec.sampling import SamplingParams
+    from serving.engine import Engine, EngineConfig, Request
+
+    engine = Engine(target, head, EngineConfig(max_batch=1, max_len=1024, max_steps=7), policy=policy)
+    rounds, outside = [], []
+    engine.on_round.append(lambda s, outs: rounds.append(s))
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    t_start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(Request(p, params))
+        last = None
+        while engine.has_work():
+            t0 = time.perf_counter()
+            n = len(rounds)
+            engine.step()
+            t1 = time.perf_counter()
+            if last is not None and len(rounds) > n:
+                outside.append(t1 - last - rounds[-1].total_s)
+            last = t1
+    wall = time.perf_counter() - t_start
+    tokens = sum(s.committed for s in rounds)
+    by_k: dict[int, list] = {}
+    for s in rounds:
+        by_k.setdefault(s.num_steps, []).append(s)
+
+    def med(xs):
+        return round(statistics.median(xs) * 1e3, 3) if xs else None
+
+    return {"tokens_per_s": tokens / wall, "tokens_per_round": tokens / max(1, len(rounds)), "rounds": len(rounds),
+            "k_histogram": {k: len(v) for k, v in sorted(by_k.items())},
+            "outside_ms_p50": med(outside),
+            "per_k": {k: {"rounds": len(v), "total_ms_p50": med([s.total_s for s in v]),
+                          "draft_ms_p50": med([s.draft_s for s in v]),
+                          "steady_draft_ms_p50": med([s.steady_draft_s for s in v if s.steady_draft_s is not None]),
+                          "verify_ms_p50": med([s.verify_s for s in v]),
+                          "tokens_per_round": sum(s.committed for s in v) / len(v)} for k, v in sorted(by_k.items())}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", required=True, help="JSONL trace ({'messages': ...} or {'prompt': ...} lines)")
+    ap.add_argument("--device", default="cuda", help="cuda or cpu")
+    ap.add_argument("--prompts", type=int, default=12, help="prompts served per policy")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    ap.add_argument("--max-k", type=int, default=4, help="static K baselines 0..max-k")
+    ap.add_argument("--json", default="", help="write the figures here")
+    args = ap.parse_args()
+
+    from online_spec.checkpoint import load_head
+    from online_spec.controller.calibrate import engine_cost_policy
+    from online_spec.controller.static import StaticSteps
+    from online_spec.heads import SHIPPED_HEAD
+    from online_spec.target import load_target
+
+    target = load_target(device=args.device)
+    head, _ = load_head(SHIPPED_HEAD, target.info, dtype=target.dtype, device=args.device)
+    prompts = load_prompts(args.trace, args.prompts, target)
+    serve(target, head, StaticSteps(2), prompts[:2], 16)  # warm-up: graphs, allocator
+    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "static": {}}
+    for k in range(args.max_k + 1):
+        out["static"][k] = serve(target, head, StaticSteps(k), prompts, args.new_tokens)
+        print(f"static K={k}: {out['static'][k]['tokens_per_s']:.1f} tok/s", flush=True)
+    policy, report = engine_cost_policy(target, head, max_batch=1, max_steps=7)
+    cost = serve(target, head, policy, prompts, args.new_tokens)
+    model = policy.cost
+    cost["predicted_round_ms"] = {k: round(model.predict_round_s(1, k, 0.3 * 1000) * 1e3, 3) for k in range(8)}
+    cost["calibration"] = report
+    cost["policy"] = policy.info()
+    out["cost_policy"] = cost
+    print(f"cost policy: {cost['tokens_per_s']:.1f} tok/s, K {cost['k_histogram']}", flush=True)
+    print(json.dumps({k: {kk: v for kk, v in r.items() if kk != "per_k"} for k, r in out["static"].items()}, indent=1))
+    print(json.dumps({k: v for k, v in cost.items() if k not in ("calibration", "policy")}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
