@@ -33,19 +33,20 @@ def load_prompts(path: str, n: int, target) -> list[list[int]]:
 
 
 def serve(target, head, policy, prompts, new_tokens: int) -> dict:
+    from online_spec.controller.bench import RoundLog, new_engine
     from online_spec.sampling import SamplingParams
-    from serving.engine import Engine, EngineConfig, Request
+    from serving.engine import Request
 
-    engine = Engine(target, head, EngineConfig(max_batch=1, max_len=1024, max_steps=7), policy=policy)
-    rounds, outside = [], []
-    engine.on_round.append(lambda s, outs: rounds.append(s))
+    engine = new_engine(target, head, policy, max_batch=1, max_len=1024, max_steps=7)
+    log, outside = RoundLog(), []
+    engine.on_round.append(log)
+    rounds = log.rounds
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t_start = time.perf_counter()
     for p in prompts:
         engine.add_request(Request(p, params))
         last = None
         while engine.has_work():
-            t0 = time.perf_counter()
             n = len(rounds)
             engine.step()
             t1 = time.perf_counter()
