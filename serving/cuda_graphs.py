@@ -18,7 +18,16 @@ forward's kernels once and replays them with one launch. What a replay needs, an
   device indices, and the mask is computed inside the graph from the positions.
 
 A graph is captured lazily per (bucket, tokens, input width, model, cache) at its first use,
-after two warm-up runs on a side stream with that call's inputs; the head's graphs are dropped when another head (a swap) goes live.
+after two warm-up runs on a side stream with that call's inputs.
+
+Swaps keep the head's graphs. The head graphs are captured against one module the runner owns
+(`GraphHead`), never against a version's module: when a head goes live (`bind_head`, called by
+the engine at the switch between rounds) its weights are copied into that module in place, one
+device copy of a few MB, and every captured graph stays valid. Capturing a new head's graphs in
+its first round, as before, stalled that round ~12-19 ms on an H100 (docs/engine.md). The head
+graphs are also keyed by the draft cache they write, and the engine rotates two caches (the live
+one and the one a staged swap fills): graphs of at most `HEAD_CACHES` caches are kept, the least
+recently used dropped beyond that.
 Used only on CUDA (`CudaGraphs.for_engine` returns None elsewhere); the CPU path is the eager one.
 Greedy output equals eager output token for token in fp32 (scripts/gpu_bench.py checks it): the
 same weights and operations, only the attention's masked-out keys differ, and those weigh zero.
@@ -26,6 +35,7 @@ same weights and operations, only the attention's masked-out keys differ, and th
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 
@@ -35,6 +45,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+HEAD_CACHES = 2  # draft caches whose head graphs are kept: the live one and a staged swap's
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -66,6 +77,45 @@ class StaticBatch:
         return out.transpose(1, 2).reshape(self.B, self.T, -1)
 
 
+class GraphHead:
+    """The head module the head graphs are captured with; a live head's weights are copied into
+    it, so its tensors (the addresses a graph replays) never change across swaps.
+
+        gh = GraphHead()
+        gh.load(head_v1)   # -> True: a module was built (graphs of the old one, if any, are stale)
+        gh.load(head_v2)   # -> False: v2's weights copied in place, graphs stay valid
+    """
+
+    def __init__(self):
+        self.module = None
+        self.source = None  # the head whose weights the module holds
+
+    def load(self, head) -> bool:
+        """Hold `head`'s weights; returns True when the module had to be rebuilt (first use, or
+        a head of another config, dtype or device), False when they were copied in place."""
+        self.source = head
+        # normal tensors, even when called under inference mode (a later in-place copy made
+        # outside it must be allowed), and never part of an autograd graph
+        with torch.inference_mode(False), torch.no_grad():
+            if self.module is None or not self._fits(head):
+                self.module = copy.deepcopy(head).eval().requires_grad_(False)
+                return True
+            own = dict(self.module.named_parameters())
+            own.update(self.module.named_buffers())
+            for name, t in (*head.named_parameters(), *head.named_buffers()):
+                own[name].copy_(t)
+        return False
+
+    def _fits(self, head) -> bool:
+        mine = dict(self.module.named_parameters())
+        mine.update(self.module.named_buffers())
+        theirs = dict(head.named_parameters())
+        theirs.update(head.named_buffers())
+        return head.cfg == self.module.cfg and mine.keys() == theirs.keys() and all(
+            mine[n].shape == t.shape and mine[n].dtype == t.dtype and mine[n].device == t.device
+            for n, t in theirs.items())
+
+
 class _Graph:
     def __init__(self, graph, inputs: dict, outputs: tuple, batch: StaticBatch, owners: tuple):
         self.graph, self.inputs, self.outputs, self.batch, self.owners = graph, inputs, outputs, batch, owners
@@ -83,6 +133,8 @@ class CudaGraphs:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._stream = None  # one side stream for every warm-up and capture
+        self.head = GraphHead()  # the module every head graph replays (the live head's weights)
+        self._head_caches: list = []  # draft caches with head graphs, least recently used first
         self.captures = 0  # graphs captured so far (tests, benches)
         self.capture_failures = 0  # failed captures (after one, every new shape runs eagerly)
         self.disabled = False
@@ -115,10 +167,12 @@ class CudaGraphs:
         """The head over rows starts[b]..starts[b]+T-1 of slots 0..B-1 (embeds [B,T,H], hidden
         [B,T,3H|H]) -> (draft logits [B,T,Vd], output hidden [B,T,H]), as `head.step`."""
         B, T, W = hidden.shape
-        if any(k[0] == "head" and g.owners[0] is not head for k, g in self._graphs.items()):
-            self.drop_head_graphs()  # a new head is live: the old head's graphs point at its weights
+        if head is not self.head.source:
+            self.bind_head(head)  # a caller that did not bind at its switch
+        self._use_cache(cache)
         key = ("head", self.bucket(B), T, W)
         rope = self.target.rope
+        head = self.head.module
 
         def make(Bp):
             return {"embeds": torch.zeros(Bp, T, embeds.shape[-1], dtype=embeds.dtype, device=self.device),
@@ -130,9 +184,26 @@ class CudaGraphs:
         g.inputs["hidden"][:B].copy_(hidden)
         return self._replay(g, B, starts)
 
-    def drop_head_graphs(self) -> None:
-        for k in [k for k in self._graphs if k[0] == "head"]:
+    def bind_head(self, head) -> None:
+        """`head` goes live: its weights into the graphs' module (in place: the captured graphs
+        stay valid), or a new module when it does not fit, whose graphs are then captured anew.
+        Called between rounds, on the serving stream, so no replay reads half-copied weights."""
+        if self.head.load(head):
+            self.drop_head_graphs()
+
+    def drop_head_graphs(self, cache=None) -> None:
+        """Drop the head graphs (of one draft cache only, when given)."""
+        for k in [k for k, g in self._graphs.items() if k[0] == "head" and (cache is None or g.owners[1] is cache)]:
             del self._graphs[k]
+        self._head_caches = [] if cache is None else [c for c in self._head_caches if c is not cache]
+
+    def _use_cache(self, cache) -> None:
+        """Mark `cache` most recently used; beyond HEAD_CACHES caches the oldest one's graphs go."""
+        if self._head_caches and self._head_caches[-1] is cache:
+            return
+        self._head_caches = [c for c in self._head_caches if c is not cache] + [cache]
+        while len(self._head_caches) > HEAD_CACHES:
+            self.drop_head_graphs(self._head_caches[0])
 
     # -- capture / replay -------------------------------------------------------------------
     def _positions(self, Bp: int, T: int, starts: list[int]) -> torch.Tensor:

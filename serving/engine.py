@@ -121,6 +121,7 @@ class RoundStats:
     catchup_s: float = 0.0  # of draft_s: long draft-cache catch-ups (a new prompt, rows served at K = 0, a swap)
     draft_captures: int = 0  # CUDA graphs captured in the draft phase (a new shape, a new head)
     verify_captures: int = 0  # CUDA graphs captured in the verify phase
+    drafted_steps: int = 0  # drafts made per request before the verify-length cut (>= num_steps)
 
     @property
     def steady_draft_s(self) -> float | None:
@@ -267,6 +268,7 @@ class Engine:
         # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
         # length for the batch: a request cut shorter than the rest would save nothing.
         lens = [K] * B
+        drafted = K
         confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
         if K > 0 and hasattr(self.policy, "verify_lengths"):
             lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
@@ -319,7 +321,8 @@ class Engine:
                            draft_s=t2 - t1, verify_s=t3 - t2, total_s=t3 - t0,
                            head_version=self.head_version, ctx_len=ctx, swapped=swapped,
                            swap_fill_rows=self._filled, catchup_s=self._catchup_s,
-                           draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1])
+                           draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1],
+                           drafted_steps=drafted)
         # every round counts, K=0 too: SGLang's policy probes up from plain decode. The cost policy
         # learns steady round times: one-off work (long catch-ups, graph captures) would read as
         # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
@@ -626,6 +629,8 @@ class Engine:
         self._staged = None
         old = self.dcache
         self.head, self.head_version, self.dcache = st.head, st.version, st.cache
+        if self.graphs is not None:
+            self.graphs.bind_head(st.head)  # weights into the captured graphs' module, in place
         self._recycle_cache(old)
         self.policy.rewarm()
         return True
@@ -656,6 +661,8 @@ class Engine:
             if self.dcache is None or self.head is None or self.head.cfg != head.cfg:
                 self.dcache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
             self.dcache.lengths = [0] * self.cfg.max_batch
+            if self.graphs is not None:
+                self.graphs.bind_head(head)
         self.head, self.head_version = head, version
 
 

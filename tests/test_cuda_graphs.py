@@ -5,6 +5,11 @@ positions in a buffer) computes what the eager AttentionBatch forward does, for 
 the head, and padding rows touch only free slots. On a GPU (skipped here): the graphed engine's
 greedy output equals the eager engine's token for token (scripts/gpu_bench.py does the same
 with the real model and the shipped head).
+
+Swaps keep the head graphs (`GraphHead`): on CPU the runner's bookkeeping is exercised with its
+captures switched off (`disabled`: each shape then runs its capturable forward eagerly), which
+is how it routes a live head's weights into the one module the graphs would replay; that a
+replayed graph reads copied weights is checked on a GPU.
 """
 
 import pytest
@@ -14,8 +19,8 @@ from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
-from serving.cuda_graphs import CudaGraphs, StaticBatch, buckets_for
-from serving.engine import Engine, EngineConfig
+from serving.cuda_graphs import CudaGraphs, GraphHead, StaticBatch, buckets_for
+from serving.engine import Engine, EngineConfig, Request
 
 MAX_LEN = 64
 
@@ -121,3 +126,96 @@ def test_graphed_engine_equals_eager_on_gpu():
             outs.append(eng.generate(prompts, sp))
             assert (eng.graphs is not None) == graphs and (not graphs or eng.graphs.captures > 0)
         assert outs[0] == outs[1]
+
+
+def test_graph_head_copies_a_live_head_into_one_module():
+    target = tiny_target()
+    a, b = new_head(target, draft_vocab_size=256, seed=1), new_head(target, draft_vocab_size=256, seed=2)
+    gh = GraphHead()
+    assert gh.load(a) is True and gh.module is not a
+    ptrs = {n: p.data_ptr() for n, p in gh.module.named_parameters()}
+    assert gh.load(b) is False  # same config: copied in place
+    assert {n: p.data_ptr() for n, p in gh.module.named_parameters()} == ptrs
+    for (n, mine), (_, theirs) in zip(gh.module.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(mine, theirs), n
+    assert not torch.equal(gh.module.fc.weight, a.fc.weight)
+    with torch.no_grad():
+        b.fc.weight.add_(1.0)  # the source changing later does not reach the module
+    assert not torch.equal(gh.module.fc.weight, b.fc.weight)
+    other = new_head(target, draft_vocab_size=128, seed=3)
+    assert gh.load(other) is True and gh.module.lm_head.weight.shape[0] == 128
+
+
+class _Drafts:
+    """Capture sink keeping each round's drafts (what the live head proposed)."""
+
+    def __init__(self):
+        self.rounds = []
+
+    def should_capture(self, request_id):
+        return True
+
+    def submit(self, records):
+        self.rounds += [(r.draft_version, r.request_id, r.first_pos, r.draft_tokens.tolist())
+                        for r in records if not r.is_prefill]
+
+    def end_request(self, request_id):
+        pass
+
+
+def _swap_sequence(graphs: bool, device: str = "cpu"):
+    """Serve prompts while heads swap: staged under load (v1), idle (v2), and back to a module
+    whose weights were replaced in place while it was not live (v3, as HeadSwapper reuses its
+    spare). Returns the drafts of every round, the runner (or None) and its head graphs seen
+    before each swap."""
+    target = tiny_target().to(device)
+    h0, h1 = new_head(target, draft_vocab_size=256, seed=1), new_head(target, draft_vocab_size=256, seed=2)
+    sink = _Drafts()
+    eng = Engine(target, h0, EngineConfig(max_batch=4, max_len=MAX_LEN, num_steps=3, swap_fill_rows=32,
+                                          cuda_graphs=graphs), publisher=sink)
+    if graphs and device == "cpu":  # the GPU path's bookkeeping, each shape's forward run eagerly
+        eng.graphs = CudaGraphs(target, 4, MAX_LEN)
+        eng.graphs.disabled = True
+    seen = []
+
+    def head_graphs():
+        return set() if eng.graphs is None else {id(g) for k, g in eng.graphs._graphs.items() if k[0] == "head"}
+
+    sp = SamplingParams(max_tokens=14, ignore_eos=True)
+    for i, p in enumerate([[5, 9, 33, 7], [1, 2, 3, 4, 5, 6], [100, 200], [42] * 5]):
+        eng.add_request(Request(p, sp, request_id=f"a{i}"))
+    for rnd in range(40):
+        if rnd == 3:
+            seen.append(head_graphs())
+            eng.swap_head(h1, 1)  # staged: requests are running
+        eng.step()
+    assert not eng.has_work() and eng.head is h1
+    seen.append(head_graphs())
+    eng.swap_head(h0, 2)
+    eng.step()  # idle: installed at once, nothing drafted with it
+    with torch.no_grad():  # h1 is not live now: load other weights into it, then swap it back
+        h1.load_state_dict(new_head(target, draft_vocab_size=256, seed=3).state_dict())
+    seen.append(head_graphs())
+    eng.swap_head(h1, 3)
+    eng.generate([[7, 7, 8], [60, 61, 62, 63]], sp)
+    seen.append(head_graphs())
+    return sink.rounds, eng.graphs, seen
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_swaps_keep_the_head_graphs_and_draft_with_the_live_head(device):
+    eager, _, _ = _swap_sequence(graphs=False, device=device)
+    graphed, runner, seen = _swap_sequence(graphs=True, device=device)
+    if device == "cuda":  # real graphs: the swaps to v2 and v3 reused every one of them
+        assert runner.captures > 0 and runner.capture_failures == 0
+    assert {v for v, *_ in eager} == {0, 1, 3}  # v1 went live under load and drafted, v2 drafted nothing
+    assert graphed == eager  # every round drafted by the head that was live, its current weights
+    module = runner.head.module
+    assert module is not None and all(a <= b for a, b in zip(seen, seen[1:]))  # no head graph dropped
+    assert seen[0] and len(runner._head_caches) <= 2
+    # a head of another config gets its own module, and the old module's graphs go
+    other = new_head(runner.target, draft_vocab_size=128, seed=4)
+    runner.bind_head(other)
+    assert runner.head.module is not module
+    assert not [k for k in runner._graphs if k[0] == "head"]
