@@ -12,6 +12,8 @@
 #      bench in its own session (setsid: it outlives the call), follow it
 #                                                            (bash ... start .gpu/gw_p4 [bench flags])
 #   4. ... as many as needed: follow it, then copy the JSON and log to $OUT       (bash ... follow)
+# `job P 'CMD'` instead of `start P FLAGS` runs any command the same way (P may also carry
+# *.json inputs and a whl/ folder); the command writes its JSON files under $W.
 # The bench runs from /tmp/code so that a later call's fresh tree cannot change the code its
 # trainer children import. `start --tiny-cpu FLAGS` starts the bench from an existing $CODE (the
 # CPU check here: CODE, E2E_DIR elsewhere, a small trace).
@@ -68,19 +70,26 @@ from deepspeed.accelerator import get_accelerator
 print('deepspeed', deepspeed.__version__, get_accelerator()._name, 'datasets', datasets.__version__,
       'pyarrow', pyarrow.__version__, 'zmq', zmq.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
     ;;
-start)
+start|job)
     P=$1; shift
     if [ "$P" != --tiny-cpu ]; then
         cp $P/gguf.part.* /tmp/g/ && cat /tmp/g/gguf.part.* > /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf || exit 3
         md5sum /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
         code $P && cp $P/trace.jsonl $CODE/trace.jsonl || exit 4
+        cp $P/*.json $CODE/ 2>/dev/null  # inputs a job reads (prompts)
+        [ -d $P/whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site $P/whl/*.whl || exit 5; }
         python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
 print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     fi
     rm -rf $W && mkdir -p $W
     cd $CODE || exit 4
-    cmd="python3 -m online_spec.cli bench e2e $(printf '%q ' "$@")--json $W/gpu_e2e.json --out $W/run"
+    if [ $stage = job ]; then  # any command, run in $CODE; it writes its JSON under \$W
+        cmd="export W=$W; { $*; }"  # braces: the log gets every command's output, not the last one's
+    else
+        cmd="python3 -m online_spec.cli bench e2e $(printf '%q ' "$@")--json $W/gpu_e2e.json --out $W/run"
+    fi
     echo "$cmd" > $W/cmd.txt
     setsid bash -c "$cmd > $W/log.txt 2>&1; echo \$? > $W/done" < /dev/null > /dev/null 2>&1 &
     sleep 2; cat $W/cmd.txt

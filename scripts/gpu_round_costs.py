@@ -6,9 +6,14 @@ the same prompts and report per policy: tokens/s, tokens per round, the K histog
 medians of the round's phases as the engine measures them (draft_s, verify_s, total_s = the
 engine's step) and of the wall time between steps outside it. For the cost policy also its
 predicted round seconds at each K against the measured median of its rounds at that K: the
-controller can only choose well if these agree.
+controller can only choose well if these agree. Per K (verified), `drafted` counts the rounds by
+the drafts made before the verify-length cut: drafts made and not verified are drafting time
+spent for nothing. `cost_policy_choice_only` is the same calibrated policy without its in-round
+decisions (no early stop, no verify cut): K per round only. The policies run interleaved,
+--repeats times, the order rotated each repeat; tokens/s are medians (a single pass of each, minutes
+apart, read static K = 2 at 310 and 247 tok/s on two lent H100s the same day).
 
-    python scripts/gpu_round_costs.py --trace trace.jsonl --device cuda --json round_costs.json
+    python scripts/gpu_round_costs.py --trace trace.jsonl --device cuda --repeats 3 --json round_costs.json
 
 Written for the GPU e2e run of 2026-11-24 (docs/engine.md), where the cost policy chose K = 1 and
 served slower than static K = 2; runs on CPU too (slowly) with --device cpu.
@@ -17,9 +22,11 @@ served slower than static K = 2; runs on CPU too (slowly) with --device cpu.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 
@@ -69,7 +76,23 @@ def serve(target, head, policy, prompts, new_tokens: int) -> dict:
                           "draft_ms_p50": med([s.draft_s for s in v]),
                           "steady_draft_ms_p50": med([s.steady_draft_s for s in v if s.steady_draft_s is not None]),
                           "verify_ms_p50": med([s.verify_s for s in v]),
+                          "drafted": dict(sorted(Counter(s.drafted_steps for s in v).items())),
                           "tokens_per_round": sum(s.committed for s in v) / len(v)} for k, v in sorted(by_k.items())}}
+
+
+class ChoiceOnly:
+    """A policy's K per round without its in-round calls (`should_continue`, `verify_lengths`):
+    the engine looks those up with hasattr, so they are hidden, everything else delegated."""
+
+    IN_ROUND = ("should_continue", "verify_lengths")
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def __getattr__(self, name):
+        if name in self.IN_ROUND or name == "_policy":  # _policy: before __init__ (copies)
+            raise AttributeError(name)
+        return getattr(self._policy, name)
 
 
 def main() -> None:
@@ -79,6 +102,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12, help="prompts served per policy")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--max-k", type=int, default=4, help="static K baselines 0..max-k")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians reported)")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
 
@@ -92,20 +116,35 @@ def main() -> None:
     head, _ = load_head(SHIPPED_HEAD, target.info, dtype=target.dtype, device=args.device)
     prompts = load_prompts(args.trace, args.prompts, target)
     serve(target, head, StaticSteps(2), prompts[:2], 16)  # warm-up: graphs, allocator
-    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "static": {}}
-    for k in range(args.max_k + 1):
-        out["static"][k] = serve(target, head, StaticSteps(k), prompts, args.new_tokens)
-        print(f"static K={k}: {out['static'][k]['tokens_per_s']:.1f} tok/s", flush=True)
-    policy, report = engine_cost_policy(target, head, max_batch=1, max_steps=7)
-    cost = serve(target, head, policy, prompts, args.new_tokens)
-    model = policy.cost
-    cost["predicted_round_ms"] = {k: round(model.predict_round_s(1, k, 0.3 * 1000) * 1e3, 3) for k in range(8)}
-    cost["calibration"] = report
-    cost["policy"] = policy.info()
-    out["cost_policy"] = cost
-    print(f"cost policy: {cost['tokens_per_s']:.1f} tok/s, K {cost['k_histogram']}", flush=True)
-    print(json.dumps({k: {kk: v for kk, v in r.items() if kk != "per_k"} for k, r in out["static"].items()}, indent=1))
-    print(json.dumps({k: v for k, v in cost.items() if k not in ("calibration", "policy")}, indent=1))
+    calibrated, report = engine_cost_policy(target, head, max_batch=1, max_steps=7)
+    policies = {f"static_{k}": lambda k=k: StaticSteps(k) for k in range(args.max_k + 1)}
+    policies["cost_policy"] = lambda: copy.deepcopy(calibrated)  # each repeat starts from the calibration
+    policies["cost_policy_choice_only"] = lambda: ChoiceOnly(copy.deepcopy(calibrated))
+    runs: dict[str, list[dict]] = {name: [] for name in policies}
+    names = list(policies)
+    for rep in range(args.repeats):  # interleaved, the order rotated each repeat: runs compared are seconds apart
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            policy = policies[name]()
+            r = serve(target, head, policy, prompts, args.new_tokens)
+            if name.startswith("cost"):
+                r["policy"] = (policy._policy if isinstance(policy, ChoiceOnly) else policy).info()
+            runs[name].append(r)
+            print(f"repeat {rep} {name}: {r['tokens_per_s']:.1f} tok/s, K {r['k_histogram']}", flush=True)
+    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats,
+           "calibration": report, "policies": {}}
+    for name, rs in runs.items():
+        med = statistics.median(r["tokens_per_s"] for r in rs)
+        out["policies"][name] = {"tokens_per_s": med, "repeat_tokens_per_s": [r["tokens_per_s"] for r in rs],
+                                 "last_repeat": rs[-1]}
+    best = max((n for n in runs if n.startswith("static")), key=lambda n: out["policies"][n]["tokens_per_s"])
+    out["best_static"] = best
+    for name in ("cost_policy", "cost_policy_choice_only"):
+        out[f"{name}_vs_best_static"] = out["policies"][name]["tokens_per_s"] / out["policies"][best]["tokens_per_s"]
+    model = calibrated.cost
+    out["predicted_round_ms"] = {k: round(model.predict_round_s(1, k, 0.3 * 1000) * 1e3, 3) for k in range(8)}
+    print(json.dumps({n: round(v["tokens_per_s"], 1) for n, v in out["policies"].items()}, indent=1))
+    print(f"best static {best}; cost policy {out['cost_policy_vs_best_static']:.3f}x, choice only "
+          f"{out['cost_policy_choice_only_vs_best_static']:.3f}x", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
