@@ -55,6 +55,7 @@ class CollectorBenchConfig:
     serving_tokens: int = doc("tokens per request in the engine-overhead run", 48)
     serving_steps: int = doc("K of the engine-overhead run", 3)
     serving_repeats: int = doc("alternating repeats of the engine-overhead run (median reported)", 3)
+    serving_device: str = doc("device of the engine-overhead run (cpu, cuda)", "cpu")
 
     def __post_init__(self) -> None:
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
@@ -199,19 +200,22 @@ def measure_stalled(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
     }
 
 
-def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
+def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
+                            prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """The real engine (SmolLM2 bf16, random head, K=cfg.serving_steps) with capture at 100%
-    sampling and a live subscriber in another process, against capture off; per batch size."""
+    sampling and a live subscriber in another process, against capture off; per batch size.
+    prompts: token ids (default: 16 ShareGPT first turns; a GPU machine has no ShareGPT package)."""
     from online_spec.data import sharegpt_conversations
     from online_spec.head import new_head
     from online_spec.sampling import SamplingParams
     from online_spec.target import load_target
     from serving.engine import Engine, EngineConfig
 
-    target = load_target()
+    target = load_target(device=cfg.serving_device)
     head = new_head(target)
-    convs = sharegpt_conversations(limit=16, seed=2, max_prompt_tokens=120, tokenizer=target.tokenizer)
-    prompts = [target.encode_chat(c[:1]) for c in convs]
+    if prompts is None:
+        convs = sharegpt_conversations(limit=16, seed=2, max_prompt_tokens=120, tokenizer=target.tokenizer)
+        prompts = [target.encode_chat(c[:1]) for c in convs]
     sp = SamplingParams(max_tokens=cfg.serving_tokens, ignore_eos=True)
     pub_cfg = PublisherConfig(endpoint=endpoint, sample_fraction=1.0, queue_size=4096, send_hwm=4096,
                               wire_dtype=cfg.wire_dtype)

@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--max-k", type=int, default=4, help="static K baselines 0..max-k")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians reported)")
+    ap.add_argument("--capture-overhead", action="store_true",
+                    help="also the capture stream's serving overhead on this device (collector.bench's engine run: "
+                         "random head, K = 3, capture at 100 %% to a live subscriber process vs off, batch 1 and 16)")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
 
@@ -145,6 +148,18 @@ def main() -> None:
     print(json.dumps({n: round(v["tokens_per_s"], 1) for n, v in out["policies"].items()}, indent=1))
     print(f"best static {best}; cost policy {out['cost_policy_vs_best_static']:.3f}x, choice only "
           f"{out['cost_policy_choice_only_vs_best_static']:.3f}x", flush=True)
+    if args.json:  # written now and again after the capture run: a failure there keeps these
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    if args.capture_overhead:
+        import tempfile
+
+        from collector.bench import CollectorBenchConfig, measure_engine_overhead
+
+        with tempfile.TemporaryDirectory() as tmp:
+            cap = measure_engine_overhead(CollectorBenchConfig(serving_device=args.device), f"ipc://{tmp}/serve.sock",
+                                          prompts=prompts)
+        out["capture_overhead"] = cap
+        print("capture overhead %:", {b: round(r["overhead_pct"], 1) for b, r in cap.items()}, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
