@@ -8,11 +8,14 @@ The engine calls, from its round loop:
     pub.end_request(request_id)                  # when the request finishes
     pub.stats(); pub.close()
 
-`submit` only appends to a bounded in-process queue (`put_nowait`; when the queue is full the
-record is dropped and counted). A sender thread copies each record's tensors into fresh CPU
-buffers in the wire dtype (the engine may pass views of its own tensors; it promises not to
-mutate them after submitting), encodes them (`collector.wire`) and sends the frames with
-`zmq.NOBLOCK` and `copy=False`.
+`submit` only appends the round's records, as one item, to an in-process queue bounded in
+records (`queue_size`; records beyond it are dropped and counted). A sender thread copies the
+round's tensors into fresh CPU buffers in the wire dtype, a few tensor operations for the whole
+round (`collector.wire.encode_round`; the engine may pass views of its own tensors and promises
+not to mutate them after submitting), and sends each record's frames with `zmq.NOBLOCK` and
+`copy=False`. Whole rounds, because every torch call of the sender thread releases and retakes
+the GIL, and each hand-over stalls the engine's thread: per-record encoding cost an H100 engine
+18 % of its tokens/s at batch 1 and 31 % at batch 16 (docs/collector.md).
 
 Why XPUB with `XPUB_NODROP`, bound by the publisher:
 - a plain PUB socket never blocks but also drops silently at its high-water mark, so drops
@@ -51,7 +54,7 @@ from online_spec.capture import CaptureRecord
 from online_spec.config import check, doc
 
 from collector.endpoint import check_endpoint, prepare_endpoint, resolve_endpoint
-from collector.wire import FLOAT_DTYPES, EndOfRequest, WireError, encode, encode_end, frames_nbytes
+from collector.wire import FLOAT_DTYPES, EndOfRequest, WireError, encode_end, encode_round, frames_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,9 @@ class CapturePublisher:
             self._ctx.term()
             raise
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._queue: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
+        self._queue: queue.Queue = queue.Queue()  # items: a round's records, or an end marker
+        self._records_in = 0  # records and end markers queued (caller's thread)
+        self._records_out = 0  # ... and taken by the sender thread: the depth is the difference
         self._topics: set[bytes] = set()
         self._closed = False
         self._last_warn: dict[str, float] = {}
@@ -142,28 +147,30 @@ class CapturePublisher:
         if self._closed:
             self.dropped_closed += len(records)
             return
-        for i, record in enumerate(records):
-            try:
-                self._queue.put_nowait(record)
-            except queue.Full:
-                self.dropped_queue_full += len(records) - i
-                return
+        room = self.cfg.queue_size - self._depth()
+        if room < len(records):
+            self.dropped_queue_full += len(records) - max(room, 0)
+            records = records[:max(room, 0)]
+        if records:
+            self._records_in += len(records)
+            self._queue.put_nowait(list(records))
 
     def end_request(self, request_id: str) -> None:
         """The request finished; queue an end-of-request marker if it was sampled."""
         if self._closed or not self._sampled(request_id):
             return
-        try:
-            self._queue.put_nowait(EndOfRequest(request_id, time.time()))
-        except queue.Full:
+        if self._depth() >= self.cfg.queue_size:
             self.end_markers_dropped += 1
+            return
+        self._records_in += 1
+        self._queue.put_nowait(EndOfRequest(request_id, time.time()))
 
     def stats(self) -> dict[str, Any]:
         names = ("requests_seen", "requests_captured", "submitted", "sent", "dropped_queue_full", "dropped_hwm",
                  "dropped_no_subscriber", "dropped_invalid", "dropped_closed", "bytes_sent",
                  "end_markers_sent", "end_markers_dropped", "send_errors")
         out: dict[str, Any] = {name: getattr(self, name) for name in names}
-        out["queue_depth"] = self._queue.qsize()
+        out["queue_depth"] = self._depth()
         out["subscribed"] = bool(self._topics)
         out["endpoint"] = self.endpoint
         return out
@@ -181,6 +188,10 @@ class CapturePublisher:
         while self._accounted() < self.submitted and time.monotonic() < deadline:
             time.sleep(0.001)
         return self._accounted() >= self.submitted
+
+    def _depth(self) -> int:
+        """Records and end markers queued and not yet taken by the sender thread."""
+        return self._records_in - self._records_out
 
     def _accounted(self) -> int:
         return (self.sent + self.dropped_queue_full + self.dropped_hwm + self.dropped_no_subscriber
@@ -220,6 +231,7 @@ class CapturePublisher:
                     continue
                 if item is _STOP:
                     break
+                self._records_out += len(item) if isinstance(item, list) else 1
                 try:
                     self._send_item(item)
                 except Exception:  # keep serving: one bad record must not stop the stream
@@ -228,33 +240,29 @@ class CapturePublisher:
         finally:
             self._sock.close()
 
-    def _send_item(self, item: CaptureRecord | EndOfRequest) -> None:
+    def _send_item(self, item: list[CaptureRecord] | EndOfRequest) -> None:
         self._read_subscriptions()
-        is_end = isinstance(item, EndOfRequest)
+        if isinstance(item, EndOfRequest):
+            frames = encode_end(item.request_id, item.timestamp)
+            if self._topics and self._send(frames):
+                self.end_markers_sent += 1
+                self.bytes_sent += frames_nbytes(frames)
+            else:
+                self.end_markers_dropped += 1
+            return
         if not self._topics:
-            if is_end:
-                self.end_markers_dropped += 1
-            else:
-                self.dropped_no_subscriber += 1
+            self.dropped_no_subscriber += len(item)
             return
-        try:
-            frames = encode_end(item.request_id, item.timestamp) if is_end else encode(item, self.cfg.wire_dtype)
-        except WireError as e:
-            self.dropped_invalid += 1
-            self._warn("invalid", f"capture publisher: dropping an invalid record: {e}")
-            return
-        if not self._send(frames):
-            if is_end:
-                self.end_markers_dropped += 1
-            else:
+        for frames in encode_round(item, self.cfg.wire_dtype):
+            if isinstance(frames, WireError):
+                self.dropped_invalid += 1
+                self._warn("invalid", f"capture publisher: dropping an invalid record: {frames}")
+            elif not self._send(frames):
                 self.dropped_hwm += 1
                 self._warn("hwm", "capture publisher: subscriber is slow, dropping records (send HWM reached)")
-            return
-        if is_end:
-            self.end_markers_sent += 1
-        else:
-            self.sent += 1
-        self.bytes_sent += frames_nbytes(frames)
+            else:
+                self.sent += 1
+                self.bytes_sent += frames_nbytes(frames)
 
     def _send(self, frames: list) -> bool:
         """False if ZMQ refused the message (HWM). Only the first frame can be refused: the HWM

@@ -9,7 +9,10 @@ predicted round seconds at each K against the measured median of its rounds at t
 controller can only choose well if these agree. Per K (verified), `drafted` counts the rounds by
 the drafts made before the verify-length cut: drafts made and not verified are drafting time
 spent for nothing. `cost_policy_choice_only` is the same calibrated policy without its in-round
-decisions (no early stop, no verify cut): K per round only. The policies run interleaved,
+decisions (no early stop, no verify cut): K per round only. Every policy serves on one engine
+(`set_policy`), warmed up at every K first, so no CUDA graph is captured inside a timed run
+(`graph_captures` says so; a fresh engine per run, as before, timed each run's captures, the
+more of them the more K a policy tried). The policies run interleaved,
 --repeats times, the order rotated each repeat; tokens/s are medians (a single pass of each, minutes
 apart, read static K = 2 at 310 and 247 tok/s on two lent H100s the same day).
 
@@ -39,27 +42,32 @@ def load_prompts(path: str, n: int, target) -> list[list[int]]:
     return out[::step][:n]  # spread over the trace's phases
 
 
-def serve(target, head, policy, prompts, new_tokens: int) -> dict:
-    from online_spec.controller.bench import RoundLog, new_engine
+def serve(engine, policy, prompts, new_tokens: int) -> dict:
+    """Serve `prompts` one at a time with `policy` on the long-lived `engine` (its CUDA graphs
+    captured by the warm-up: a fresh engine per run would capture them inside the timed run)."""
+    from online_spec.controller.bench import RoundLog
     from online_spec.sampling import SamplingParams
     from serving.engine import Request
 
-    engine = new_engine(target, head, policy, max_batch=1, max_len=1024, max_steps=7)
+    engine.set_policy(policy)
     log, outside = RoundLog(), []
     engine.on_round.append(log)
     rounds = log.rounds
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t_start = time.perf_counter()
-    for p in prompts:
-        engine.add_request(Request(p, params))
-        last = None
-        while engine.has_work():
-            n = len(rounds)
-            engine.step()
-            t1 = time.perf_counter()
-            if last is not None and len(rounds) > n:
-                outside.append(t1 - last - rounds[-1].total_s)
-            last = t1
+    try:
+        for p in prompts:
+            engine.add_request(Request(p, params))
+            last = None
+            while engine.has_work():
+                n = len(rounds)
+                engine.step()
+                t1 = time.perf_counter()
+                if last is not None and len(rounds) > n:
+                    outside.append(t1 - last - rounds[-1].total_s)
+                last = t1
+    finally:
+        engine.on_round.remove(log)
     wall = time.perf_counter() - t_start
     tokens = sum(s.committed for s in rounds)
     by_k: dict[int, list] = {}
@@ -70,6 +78,7 @@ def serve(target, head, policy, prompts, new_tokens: int) -> dict:
         return round(statistics.median(xs) * 1e3, 3) if xs else None
 
     return {"tokens_per_s": tokens / wall, "tokens_per_round": tokens / max(1, len(rounds)), "rounds": len(rounds),
+            "graph_captures": sum(s.draft_captures + s.verify_captures for s in rounds),
             "k_histogram": {k: len(v) for k, v in sorted(by_k.items())},
             "outside_ms_p50": med(outside),
             "per_k": {k: {"rounds": len(v), "total_ms_p50": med([s.total_s for s in v]),
@@ -95,31 +104,17 @@ class ChoiceOnly:
         return getattr(self._policy, name)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", required=True, help="JSONL trace ({'messages': ...} or {'prompt': ...} lines)")
-    ap.add_argument("--device", default="cuda", help="cuda or cpu")
-    ap.add_argument("--prompts", type=int, default=12, help="prompts served per policy")
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
-    ap.add_argument("--max-k", type=int, default=4, help="static K baselines 0..max-k")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians reported)")
-    ap.add_argument("--capture-overhead", action="store_true",
-                    help="also the capture stream's serving overhead on this device (collector.bench's engine run: "
-                         "random head, K = 3, capture at 100 %% to a live subscriber process vs off, batch 1 and 16)")
-    ap.add_argument("--json", default="", help="write the figures here")
-    args = ap.parse_args()
-
-    from online_spec.checkpoint import load_head
+def compare_policies(target, head, prompts, args) -> dict:
+    """Static K = 0..max_k, the calibrated cost policy and its choice-only variant, interleaved."""
     from online_spec.controller.calibrate import engine_cost_policy
     from online_spec.controller.static import StaticSteps
-    from online_spec.heads import SHIPPED_HEAD
-    from online_spec.target import load_target
 
-    target = load_target(device=args.device)
-    head, _ = load_head(SHIPPED_HEAD, target.info, dtype=target.dtype, device=args.device)
-    prompts = load_prompts(args.trace, args.prompts, target)
-    serve(target, head, StaticSteps(2), prompts[:2], 16)  # warm-up: graphs, allocator
+    from online_spec.controller.bench import new_engine
+
     calibrated, report = engine_cost_policy(target, head, max_batch=1, max_steps=7)
+    engine = new_engine(target, head, StaticSteps(0), max_batch=1, max_len=1024, max_steps=7)
+    for k in range(8):  # warm-up: every K's graphs (verify, draft step, catch-ups) and the allocator
+        serve(engine, StaticSteps(k), prompts[:2], 24)
     policies = {f"static_{k}": lambda k=k: StaticSteps(k) for k in range(args.max_k + 1)}
     policies["cost_policy"] = lambda: copy.deepcopy(calibrated)  # each repeat starts from the calibration
     policies["cost_policy_choice_only"] = lambda: ChoiceOnly(copy.deepcopy(calibrated))
@@ -128,13 +123,12 @@ def main() -> None:
     for rep in range(args.repeats):  # interleaved, the order rotated each repeat: runs compared are seconds apart
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             policy = policies[name]()
-            r = serve(target, head, policy, prompts, args.new_tokens)
+            r = serve(engine, policy, prompts, args.new_tokens)
             if name.startswith("cost"):
                 r["policy"] = (policy._policy if isinstance(policy, ChoiceOnly) else policy).info()
             runs[name].append(r)
             print(f"repeat {rep} {name}: {r['tokens_per_s']:.1f} tok/s, K {r['k_histogram']}", flush=True)
-    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats,
-           "calibration": report, "policies": {}}
+    out = {"calibration": report, "policies": {}}
     for name, rs in runs.items():
         med = statistics.median(r["tokens_per_s"] for r in rs)
         out["policies"][name] = {"tokens_per_s": med, "repeat_tokens_per_s": [r["tokens_per_s"] for r in rs],
@@ -148,6 +142,34 @@ def main() -> None:
     print(json.dumps({n: round(v["tokens_per_s"], 1) for n, v in out["policies"].items()}, indent=1))
     print(f"best static {best}; cost policy {out['cost_policy_vs_best_static']:.3f}x, choice only "
           f"{out['cost_policy_choice_only_vs_best_static']:.3f}x", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", required=True, help="JSONL trace ({'messages': ...} or {'prompt': ...} lines)")
+    ap.add_argument("--device", default="cuda", help="cuda or cpu")
+    ap.add_argument("--prompts", type=int, default=12, help="prompts served per policy")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    ap.add_argument("--max-k", type=int, default=4, help="static K baselines 0..max-k")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians reported)")
+    ap.add_argument("--capture-overhead", action="store_true",
+                    help="also the capture stream's serving overhead on this device (collector.bench's engine run: "
+                         "random head, K = 3, capture at 100 %% to a live subscriber process vs off, batch 1 and 16)")
+    ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
+    ap.add_argument("--json", default="", help="write the figures here")
+    args = ap.parse_args()
+
+    from online_spec.checkpoint import load_head
+    from online_spec.heads import SHIPPED_HEAD
+    from online_spec.target import load_target
+
+    target = load_target(device=args.device)
+    head, _ = load_head(SHIPPED_HEAD, target.info, dtype=target.dtype, device=args.device)
+    prompts = load_prompts(args.trace, args.prompts, target)
+    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats}
+    if not args.no_policies:
+        out.update(compare_policies(target, head, prompts, args))
     if args.json:  # written now and again after the capture run: a failure there keeps these
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     if args.capture_overhead:

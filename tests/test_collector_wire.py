@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collector.wire import (HEADER, MAGIC, VERSION, EndOfRequest, WireError, decode, encode, encode_end,
-                            frames_nbytes)
+                            encode_round, frames_nbytes)
 from collector_records import assert_records_equal, request_records
 from online_spec.capture import CaptureRecord
 
@@ -38,6 +38,32 @@ def test_round_trip_is_bit_exact_for_the_wire_dtype(dtype_name, dtype):
     for record in request_records("req-a", num_rounds=4, hidden=H):
         got = decode(_bytes(encode(record, dtype_name)))
         assert_records_equal(record, got, dtype)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_a_round_encodes_as_its_records_do_one_by_one(dtype_name):
+    # one round of the engine: a record per request, of varying rows, plus a prefill
+    recs = [request_records(f"req-{i}", num_rounds=3, hidden=H, seed=i, dtype=torch.bfloat16)[1 + i % 3]
+            for i in range(6)] + [request_records("req-p", num_rounds=0, hidden=H)[0]]
+    assert len({r.num_rows for r in recs}) > 1
+    got = encode_round(recs, dtype_name)
+    assert [_bytes(f) for f in got] == [_bytes(encode(r, dtype_name)) for r in recs]
+
+
+def test_a_round_refuses_only_its_bad_records():
+    recs = [request_records(f"req-{i}", num_rounds=1, hidden=H, seed=i)[1] for i in range(5)]
+    recs[1].features = recs[1].features.clone()
+    recs[1].features[0, 2] = float("nan")
+    recs[3].tokens = recs[3].tokens.clone()
+    recs[3].tokens[0] = -4
+    recs[4].accept_len = recs[4].num_steps + 1  # inconsistent
+    got = encode_round(recs)
+    assert isinstance(got[1], WireError) and "non-finite" in str(got[1])
+    assert isinstance(got[3], WireError) and "negative token id" in str(got[3])
+    assert isinstance(got[4], WireError) and "accept_len" in str(got[4])
+    for i in (0, 2):
+        assert_records_equal(recs[i], decode(_bytes(got[i])), torch.bfloat16)
+    assert encode_round([]) == []
 
 
 def test_views_of_larger_tensors_are_copied_and_strides_ignored():
