@@ -224,13 +224,17 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
     for batch in cfg.serving_batches:
         ps = (prompts * (batch // len(prompts) + 1))[:batch]
 
+        # one engine for both arms, warmed up first: a fresh engine per run would time its own
+        # CUDA graph captures (tens of ms each on a GPU) in both arms and drown the difference
+        eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=cfg.serving_steps))
+
         def run_decode(pub: CapturePublisher | None) -> float:
-            eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=cfg.serving_steps),
-                         publisher=pub)
+            eng.publisher = pub
             t0 = time.perf_counter()
             n = sum(len(o) for o in eng.generate(ps, sp))
             if pub is not None:
                 pub.drain(60)
+            eng.publisher = None
             return n / (time.perf_counter() - t0)
 
         run_decode(None)  # warm-up

@@ -178,7 +178,8 @@ def main() -> None:
         from collector.bench import CollectorBenchConfig, measure_engine_overhead
 
         with tempfile.TemporaryDirectory() as tmp:
-            cap = measure_engine_overhead(CollectorBenchConfig(serving_device=args.device), f"ipc://{tmp}/serve.sock",
+            cap = measure_engine_overhead(CollectorBenchConfig(serving_device=args.device, serving_repeats=5),
+                                          f"ipc://{tmp}/serve.sock",
                                           prompts=prompts)
         out["capture_overhead"] = cap
         print("capture overhead %:", {b: round(r["overhead_pct"], 1) for b, r in cap.items()}, flush=True)

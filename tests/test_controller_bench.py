@@ -52,7 +52,7 @@ def test_bench_runs_end_to_end_and_writes_every_key(tiny8, tmp_path):
     json.dumps(out)  # JSON-safe, as write_report stores it
 
     cal = out["calibration"]
-    assert len(cal["draft_coef"]) == 3 and len(cal["verify_coef"]) == 4 and cal["calibration_points"] > 0
+    assert len(cal["draft_coef"]) == 5 and len(cal["verify_coef"]) == 5 and cal["calibration_points"] > 0
     assert cal["median_rel_error_on_calibration"] >= 0 and cal["median_rel_error_on_stationary_rounds"] >= 0
     names = {"K=0", "K=1", "K=3", "ema", "cost_model"}
     for b in ("1", "4"):

@@ -16,15 +16,17 @@ from online_spec.controller import (AdaptiveConfig, CostModel, CostModelConfig, 
                                     StepPolicy, measure_decision_cost_us)
 from online_spec.controller.cost import AcceptanceEstimate, ConfidenceCalibrator
 
-# Synthetic costs of the model's own form (seconds): draft step and verify.
-TRUE_DRAFT = (0.002, 0.0001, 0.00005)  # 1, b, b*ctx/1000
-TRUE_VERIFY = (0.010, 0.0002, 0.00003, 0.0001)  # 1, b, b*n, b*ctx/1000
+# Synthetic costs of the model's own form (seconds): draft phase and verify.
+TRUE_DRAFT = (0.002, 0.0001, 0.00005, 0.0015, 0.00002)  # per step: 1, b, b*ctx/1000; once if K > 0: 1, b
+TRUE_VERIFY = (0.010, 0.0002, 0.00003, 0.0001, 0.0003)  # 1, b, b*n, b*ctx/1000, b*[n > 1]
 
 
-def true_times(b, k, ctx):
-    step = TRUE_DRAFT[0] + TRUE_DRAFT[1] * b + TRUE_DRAFT[2] * b * ctx / 1000
-    verify = TRUE_VERIFY[0] + TRUE_VERIFY[1] * b + TRUE_VERIFY[2] * b * (k + 1) + TRUE_VERIFY[3] * b * ctx / 1000
-    return k * step, verify
+def true_times(b, k, ctx, draft=TRUE_DRAFT, verify=TRUE_VERIFY):
+    step = draft[0] + draft[1] * b + draft[2] * b * ctx / 1000
+    v = verify[0] + verify[1] * b + verify[2] * b * (k + 1) + verify[3] * b * ctx / 1000
+    if k == 0:
+        return 0.0, v
+    return k * step + draft[3] + draft[4] * b, v + verify[4] * b
 
 
 def grid(noise=0.0, seed=0):
@@ -89,26 +91,48 @@ def test_refit_waits_for_the_interval():
     rows = list(grid())
     for row in rows[:2]:
         model.observe(*row)
-    assert model.verify_coef == [0.02, 0.0, 0.0, 0.0]
+    assert model.verify_coef == [0.02, 0.0, 0.0, 0.0, 0.0]
     model.observe(*rows[2])
-    assert model.verify_coef != [0.02, 0.0, 0.0, 0.0]
+    assert model.verify_coef != [0.02, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_round_terms_follow_the_coefficients():
-    """The per-round memo of (draft step, verify base, verify per token) is dropped when the
-    coefficients change: a refit, a loaded state, or coefficients set directly."""
+    """The per-round memo of (draft step, verify base, verify per token, draft extra, verify
+    extra) is dropped when the coefficients change: a refit, a loaded state, or coefficients set
+    directly."""
+    def terms(model, b, ctx):
+        return (model.draft_step_s(b, ctx), *model.verify_terms(b, ctx), model.draft_extra_s(b), model.verify_extra_s(b))
+
     model = CostModel(CostModelConfig(refit_interval=1))
     before = model.round_terms(4, 300)
-    assert before == (model.draft_step_s(4, 300), *model.verify_terms(4, 300))
+    assert before == terms(model, 4, 300)
     model.observe(4, 3, 300, draft_s=0.03, verify_s=0.2)  # refits
     after = model.round_terms(4, 300)
-    assert after != before and after == (model.draft_step_s(4, 300), *model.verify_terms(4, 300))
-    model.verify_coef = [1.0, 0.0, 0.0, 0.0]
+    assert after != before and after == terms(model, 4, 300)
+    model.verify_coef = [1.0, 0.0, 0.0, 0.0, 0.0]
     assert model.round_terms(4, 300)[1] == 1.0
     state = CostModel().state_dict()
     model.load_state_dict(state)
     assert model.round_terms(4, 300) == before
-    assert model.round_terms(8, 300) == (model.draft_step_s(8, 300), *model.verify_terms(8, 300))
+    assert model.round_terms(8, 300) == terms(model, 8, 300)
+
+
+def test_entering_speculation_is_priced_apart_from_each_step():
+    """An H100 at batch 1 (2026-11-24): catch-up + first draft 0.72 ms, each later step 0.35 ms,
+    a plain decode step 3.2 ms, a verify of drafts 3.9 ms + 0.05 ms a token. Calibrated at K
+    0/1/3/7 and one batch size, as a server of max_batch 1 does, the model predicts the K it
+    did not measure within 2 %, and the K it picks is the best by the true costs."""
+    draft, verify = (0.00035, 0.0, 0.0, 0.00037, 0.0), (0.00315, 0.0, 0.00005, 0.0, 0.00065)
+    model = CostModel().fit([(1, k, 300, *true_times(1, k, 300, draft, verify)) for k in (0, 1, 3, 7)])
+    for k in (2, 4, 5, 6):
+        assert model.predict_round_s(1, k, 300) == pytest.approx(sum(true_times(1, k, 300, draft, verify)), rel=0.02)
+    a = [0.62, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35]
+    p = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(8))}}),
+                        CostPolicyConfig(prior_accept=0.6), model)
+    rate = {k: p.expected_tokens(1, k, a) / sum(true_times(1, k, 300, draft, verify)) for k in range(8)}
+    best = max(rate, key=rate.get)
+    p._accept[0].rates, p._accept[0].seen, p._accept[0]._filled = a[:], [100] * 7, None  # the estimates as given
+    assert p.choose_steps(1, 300) == best and best >= 2
 
 
 def test_cost_model_state_round_trip():
@@ -233,7 +257,10 @@ def test_policy_reads_the_engines_array_like_lists():
 # -- choose_steps ----------------------------------------------------------------------------
 
 def policy(steps, accept, draft=(0.25, 0, 0), verify=(0.5, 0, 0, 0), **cfg) -> CostModelPolicy:
+    """A cost policy with given per-step draft and verify-line coefficients (no [K > 0] extras
+    unless given as the 4th/5th values)."""
     adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": steps}})
+    draft, verify = tuple(draft) + (0.0,) * (5 - len(draft)), tuple(verify) + (0.0,) * (5 - len(verify))
     return CostModelPolicy(adaptive, CostPolicyConfig(prior_accept=accept, **cfg),
                            CostModel.with_coefficients(draft, verify))
 
@@ -432,7 +459,7 @@ def test_continue_refuses_step_zero():
 def best_ratio_brute(policy_, rows, ctx=0):
     """Max tokens/second over every choice of per-request prefix lengths (naive reference)."""
     cal, cost, b = policy_._calib, policy_.cost, len(rows)
-    draft_s = max(len(r) for r in rows) * cost.draft_step_s(b, ctx)
+    draft_s = cost.draft_s(b, max(len(r) for r in rows), ctx)
     best = 0.0
     for lengths in itertools.product(*[range(len(r) + 1) for r in rows]):
         tokens = sum(1 + sum(math.prod(cal(c) for c in r[: m + 1]) for m in range(n)) for r, n in zip(rows, lengths))
@@ -443,7 +470,7 @@ def best_ratio_brute(policy_, rows, ctx=0):
 def ratio_of(policy_, rows, lengths, ctx=0):
     cal, cost, b = policy_._calib, policy_.cost, len(rows)
     tokens = sum(1 + sum(math.prod(cal(c) for c in r[: m + 1]) for m in range(n)) for r, n in zip(rows, lengths))
-    return tokens / (max(len(r) for r in rows) * cost.draft_step_s(b, ctx) + cost.verify_s(b, sum(lengths) / b, ctx))
+    return tokens / (cost.draft_s(b, max(len(r) for r in rows), ctx) + cost.verify_s(b, sum(lengths) / b, ctx))
 
 
 def test_free_verify_tokens_keep_every_draft():
@@ -485,7 +512,7 @@ def padded_rate(policy_, rows, n, ctx=0):
     runs every row at n (naive reference)."""
     cal, cost, b = policy_._calib, policy_.cost, len(rows)
     tokens = sum(1 + sum(math.prod(cal(c) for c in r[: m + 1]) for m in range(min(n, len(r)))) for r in rows)
-    return tokens / (max(len(r) for r in rows) * cost.draft_step_s(b, ctx) + cost.verify_s(b, n, ctx))
+    return tokens / (cost.draft_s(b, max(len(r) for r in rows), ctx) + cost.verify_s(b, n, ctx))
 
 
 def test_padded_cut_is_the_best_common_length():

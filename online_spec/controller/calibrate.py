@@ -37,7 +37,7 @@ from online_spec.controller.static import StaticSteps
 
 
 CTX_BUCKET = 128  # rounds whose context lengths fall in one bucket share a median
-STORE_VERSION = 2  # 2: the calibration points are stored (1 had the coefficients only)
+STORE_VERSION = 3  # 3: the [K > 0] terms (2: points stored, 1: coefficients only); older stores are re-measured
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,10 @@ def median_relative_error(model: CostModel, timings: Sequence[RoundTiming]) -> f
 
 def cost_model_report(model: CostModel) -> dict:
     """The coefficients, named, as stored with a run."""
-    return {"draft_step_s": dict(zip(("const", "per_request", "per_request_per_kctx"), model.draft_coef)),
-            "verify_s": dict(zip(("const", "per_request", "per_token", "per_request_per_kctx"), model.verify_coef)),
+    return {"draft_s": dict(zip(("per_step", "per_step_per_request", "per_step_per_request_per_kctx",
+                                 "first_draft_extra", "first_draft_extra_per_request"), model.draft_coef)),
+            "verify_s": dict(zip(("const", "per_request", "per_token", "per_request_per_kctx",
+                                  "drafts_extra_per_request"), model.verify_coef)),
             "draft_coef": list(model.draft_coef), "verify_coef": list(model.verify_coef),
             "observations": model.observations, "calibration_points": model.calibration_points}
 

@@ -6,10 +6,17 @@ seconds and the head's confidence in each draft. Out: K for the next round, an e
 verdict inside a round, and per-request verify lengths. Pure arithmetic: no torch, no I/O.
 
 Three parts:
-  - `CostModel`: least-squares fit of the draft-step time, (1, b, b*ctx), and of the verify
-    time, (1, b, b*n, b*ctx) with n = K + 1 tokens verified per request and ctx in thousands
-    of tokens; the calibration (`fit`) is an anchor that never decays, the rounds served refine
-    it with exponential forgetting, and a prior holds where neither says anything.
+  - `CostModel`: least-squares fit of the draft phase, K * (1, b, b*ctx) + [K > 0] * (1, b),
+    and of the verify, (1, b, b*n, b*ctx, b*[n > 1]) with n = K + 1 tokens verified per request
+    and ctx in thousands of tokens. The [K > 0] terms are what entering speculation costs once
+    a round whatever K: the first draft comes out of the draft cache's catch-up, a forward
+    dearer than a later step, and a verify of n > 1 tokens is dearer than a plain decode step
+    (on an H100 at batch 1: catch-up + first draft 0.72 ms, each later step 0.35 ms; verify
+    3.2 ms at n = 1, 3.9-4.1 ms at n = 2-5). A model linear in K through 0 put K = 1 0.9 ms
+    below its measured round and every further step at 0.47 ms against 0.37 measured, so it
+    chose K and stopped drafting below the best static K. The calibration (`fit`) is an anchor
+    that never decays, the rounds served refine it with exponential forgetting, and a prior
+    holds where neither says anything.
   - `AcceptanceEstimate` (one per batch-size slot): a_i = P(draft i accepted | drafts < i
     accepted), hits over trials with exponential forgetting per trial (a window of
     `accept_window` request-drafts, so one request at batch 1 moves it as little as one of 16
@@ -47,9 +54,17 @@ def draft_features(batch_size: float, ctx_len: float) -> tuple[float, float, flo
     return (1.0, batch_size, batch_size * ctx_len / CTX_SCALE)
 
 
+def draft_row(batch_size: float, num_steps: int, ctx_len: float) -> list[float]:
+    """Features of a round's draft phase: K steps, plus the once-a-round extra of K > 0."""
+    on = 1.0 if num_steps > 0 else 0.0
+    return [num_steps * f for f in draft_features(batch_size, ctx_len)] + [on, on * batch_size]
+
+
 def verify_features(batch_size: float, tokens_per_request: float, ctx_len: float) -> tuple[float, ...]:
-    """Features of one verify forward's time (tokens_per_request = K + 1)."""
-    return (1.0, batch_size, batch_size * tokens_per_request, batch_size * ctx_len / CTX_SCALE)
+    """Features of one verify forward's time (tokens_per_request = K + 1; more than one: the
+    forward verifies drafts, its extra over a plain decode step is the last feature)."""
+    return (1.0, batch_size, batch_size * tokens_per_request, batch_size * ctx_len / CTX_SCALE,
+            batch_size if tokens_per_request > 1 else 0.0)
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
@@ -162,8 +177,8 @@ class CostModel:
 
     def __init__(self, config: CostModelConfig | None = None):
         self.config = cfg = config or CostModelConfig()
-        self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0), cfg.ridge, cfg.decay)
-        self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
+        self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
+        self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._memo: tuple | None = None  # (batch_size, ctx_len, round_terms) of the last round asked
         self.draft_coef = list(self._draft.prior)
         self.verify_coef = list(self._verify.prior)
@@ -188,12 +203,14 @@ class CostModel:
     @classmethod
     def with_coefficients(cls, draft_coef: Sequence[float], verify_coef: Sequence[float],
                           config: CostModelConfig | None = None) -> "CostModel":
-        """A model with known coefficients (e.g. from a benchmark), in `draft_features`/`verify_features` order.
+        """A model with known coefficients (e.g. from a benchmark), in `draft_row`/`verify_features` order.
         They hold until the first online refit (`refit_interval` observations), which has only the
         online rounds to go by: a model that should keep a calibration is built with `fit`."""
         model = cls(config)
-        check(len(draft_coef) == 3, "draft_coef", f"needs 3 values (1, b, b*ctx), got {len(draft_coef)}")
-        check(len(verify_coef) == 4, "verify_coef", f"needs 4 values (1, b, b*n, b*ctx), got {len(verify_coef)}")
+        check(len(draft_coef) == 5, "draft_coef",
+              f"needs 5 values (K, K*b, K*b*ctx, [K>0], [K>0]*b), got {len(draft_coef)}")
+        check(len(verify_coef) == 5, "verify_coef",
+              f"needs 5 values (1, b, b*n, b*ctx, b*[n>1]), got {len(verify_coef)}")
         model.draft_coef, model.verify_coef = [float(c) for c in draft_coef], [float(c) for c in verify_coef]
         return model
 
@@ -203,7 +220,7 @@ class CostModel:
         if batch_size <= 0:
             return
         if draft_s is not None and num_steps > 0:
-            self._draft.add([num_steps * f for f in draft_features(batch_size, ctx_len)], draft_s)
+            self._draft.add(draft_row(batch_size, num_steps, ctx_len), draft_s)
         if verify_s is not None:
             per_req = (verify_tokens / batch_size) if verify_tokens is not None else num_steps + 1
             self._verify.add(verify_features(batch_size, per_req, ctx_len), verify_s)
@@ -219,7 +236,7 @@ class CostModel:
             if b <= 0:
                 continue
             if k > 0:
-                self._draft.add_anchor([k * f for f in draft_features(b, ctx)], d, w)
+                self._draft.add_anchor(draft_row(b, k, ctx), d, w)
             self._verify.add_anchor(verify_features(b, k + 1, ctx), v, w)
         self.refit()
         return self
@@ -230,27 +247,48 @@ class CostModel:
         self._pending = 0
 
     def draft_step_s(self, batch_size: float, ctx_len: float = 0) -> float:
-        return max(0.0, _dot(self.draft_coef, draft_features(batch_size, ctx_len)))
+        """Seconds of one more draft step (the marginal step; the first costs `draft_extra_s` more)."""
+        return max(0.0, _dot(self.draft_coef[:3], draft_features(batch_size, ctx_len)))
+
+    def draft_extra_s(self, batch_size: float) -> float:
+        """What a round with K > 0 spends drafting beyond K steps (the catch-up's share of the first)."""
+        c = self.draft_coef
+        return c[3] + c[4] * batch_size
+
+    def draft_s(self, batch_size: float, num_steps: float, ctx_len: float = 0) -> float:
+        """Draft-phase seconds of a round with num_steps drafts (0 at K = 0)."""
+        if num_steps <= 0:
+            return 0.0
+        return max(0.0, num_steps * self.draft_step_s(batch_size, ctx_len) + self.draft_extra_s(batch_size))
 
     def verify_s(self, batch_size: float, num_steps: float, ctx_len: float = 0) -> float:
         """Verify seconds with num_steps drafts (+ 1) per request; num_steps may be a mean."""
         base, per_token = self.verify_terms(batch_size, ctx_len)
-        return max(0.0, base + per_token * (num_steps + 1))
+        extra = self.verify_extra_s(batch_size) if num_steps > 0 else 0.0
+        return max(0.0, base + per_token * (num_steps + 1) + extra)
 
     def verify_terms(self, batch_size: float, ctx_len: float = 0) -> tuple[float, float]:
-        """(base, per_token) with verify_s(b, k, ctx) = max(0, base + per_token * (k + 1)): the
-        policy's loops over K evaluate this line instead of the whole model per K."""
-        c0, c1, c2, c3 = self.verify_coef
+        """(base, per_token) with verify_s(b, k, ctx) = max(0, base + per_token * (k + 1) +
+        [k > 0] * verify_extra_s(b)): the policy's loops over K evaluate this line instead of
+        the whole model per K."""
+        c0, c1, c2, c3, _ = self.verify_coef
         return c0 + c1 * batch_size + c3 * batch_size * ctx_len / CTX_SCALE, c2 * batch_size
 
-    def round_terms(self, batch_size: float, ctx_len: float = 0) -> tuple[float, float, float]:
-        """(draft_step_s, verify base, verify per_token) for one round's batch size and context.
-        The policy asks for them up to K + 2 times a round with the same arguments: the last
-        answer is kept until the arguments or the coefficients change."""
+    def verify_extra_s(self, batch_size: float) -> float:
+        """What a verify of drafts costs beyond a plain decode step's line."""
+        return self.verify_coef[4] * batch_size
+
+    def round_terms(self, batch_size: float, ctx_len: float = 0) -> tuple[float, float, float, float, float]:
+        """(draft step, verify base, verify per token, draft extra, verify extra) for one round's
+        batch size and context: a round of K > 0 takes K * step + draft extra + max(0, base +
+        per_token * (K + 1) + verify extra), one of K = 0 max(0, base + per_token). The policy
+        asks for them up to K + 2 times a round with the same arguments: the last answer is kept
+        until the arguments or the coefficients change."""
         memo = self._memo
         if memo is not None and memo[0] == batch_size and memo[1] == ctx_len:
             return memo[2]
-        terms = (self.draft_step_s(batch_size, ctx_len), *self.verify_terms(batch_size, ctx_len))
+        terms = (self.draft_step_s(batch_size, ctx_len), *self.verify_terms(batch_size, ctx_len),
+                 self.draft_extra_s(batch_size), self.verify_extra_s(batch_size))
         self._memo = (batch_size, ctx_len, terms)
         return terms
 
@@ -260,7 +298,7 @@ class CostModel:
 
     def predict_round_s(self, batch_size: float, k: float, ctx_len: float = 0) -> float:
         """Draft K steps then verify K + 1 tokens per request."""
-        return k * self.draft_step_s(batch_size, ctx_len) + self.verify_s(batch_size, k, ctx_len)
+        return self.draft_s(batch_size, k, ctx_len) + self.verify_s(batch_size, k, ctx_len)
 
     @property
     def observations(self) -> int:
@@ -541,7 +579,7 @@ class CostModelPolicy:
         i = self.adaptive.slot_index(batch_size)
         a = self._accept[i].estimates()
         slo = self.config.tpot_slo_s
-        step_s, base, per_token = self.cost.round_terms(batch_size, ctx_len)
+        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(batch_size, ctx_len)
         best_k, best_rate = None, -1.0
         expected, surv, pos = 1.0, 1.0, 0
         for k in self._slots[i].candidate_steps:
@@ -549,8 +587,12 @@ class CostModelPolicy:
                 surv *= a[pos]
                 expected += surv
                 pos += 1
-            v = base + per_token * (k + 1)
-            t = k * step_s + (v if v > 0.0 else 0.0)
+            if k:
+                v = base + per_token * (k + 1) + v_extra
+                t = max(0.0, k * step_s + d_extra) + (v if v > 0.0 else 0.0)
+            else:
+                v = base + per_token
+                t = v if v > 0.0 else 0.0
             if slo is not None and t > slo:
                 continue
             rate = expected / max(t, 1e-12)
@@ -601,9 +643,9 @@ class CostModelPolicy:
         a = self._accept[i].estimates()
         if step_index >= len(a):
             return False
-        step_s, base, per_token = self.cost.round_terms(batch_size, ctx_len)
-        t_now = step_index * step_s + max(0.0, base + per_token * (step_index + 1))
-        t_next = (step_index + 1) * step_s + max(0.0, base + per_token * (step_index + 2))
+        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(batch_size, ctx_len)
+        t_now = max(0.0, step_index * step_s + d_extra) + max(0.0, base + v_extra + per_token * (step_index + 1))
+        t_next = max(0.0, (step_index + 1) * step_s + d_extra) + max(0.0, base + v_extra + per_token * (step_index + 2))
         if self.config.tpot_slo_s is not None and t_next > self.config.tpot_slo_s:
             return False
         if isinstance(draft_confidence, (int, float)):
@@ -643,10 +685,10 @@ class CostModelPolicy:
         surv = np.cumprod(self._calib.calibrated(conf), axis=1)
         if lens is not None:
             surv[np.arange(k) >= lens[:, None]] = 0.0
-        step_s, base, per_token = self.cost.round_terms(b, ctx_len)
-        draft_s = k * step_s  # already spent, part of the round
+        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(b, ctx_len)
+        draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
         if padded:
-            return self._padded_cut(surv, full, draft_s, base, per_token)
+            return self._padded_cut(surv, full, draft_s, base, per_token, v_extra)
         # S_rm never rises along a row, so every throughput threshold keeps a prefix of each
         # row, and the rows' kept drafts together are the largest survivals of the batch: sort
         # them once and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie
@@ -659,7 +701,7 @@ class CostModelPolicy:
             tokens += sv
             if m < len(flat) and flat[m] == sv:
                 continue  # a cut between equal survivals keeps them all
-            rate = tokens / max(draft_s + max(0.0, v0 + tok_s * m), 1e-12)
+            rate = tokens / max(draft_s + max(0.0, v0 + v_extra + tok_s * m), 1e-12)
             if rate >= best_rate:
                 best_m, best_rate = m, rate
         if best_m == len(flat):
@@ -669,18 +711,20 @@ class CostModelPolicy:
         return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
 
     @staticmethod
-    def _padded_cut(surv: np.ndarray, lens: list[int], draft_s: float, base: float, per_token: float) -> list[int]:
+    def _padded_cut(surv: np.ndarray, lens: list[int], draft_s: float, base: float, per_token: float,
+                    v_extra: float = 0.0) -> list[int]:
         """One verify length L for every request (fewer where a row has fewer drafts): the L
         maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
         the longer L. surv: the survivals [b, K], 0 past a row's last draft; base, per_token:
-        the verify line of `CostModel.verify_terms`."""
+        the verify line of `CostModel.verify_terms`; v_extra: a verify of drafts (L > 0) costs
+        that much more than the line."""
         b, k = surv.shape
         gain = surv.sum(axis=0).tolist()  # gain[m]: expected tokens the batch gains from verifying draft m+1
         best_n, best_rate, tokens = 0, -1.0, float(b)
         for n in range(k + 1):
             if n:
                 tokens += gain[n - 1]
-            v = base + per_token * (n + 1)
+            v = base + per_token * (n + 1) + (v_extra if n else 0.0)
             rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
             if rate >= best_rate:
                 best_n, best_rate = n, rate
