@@ -124,7 +124,7 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
         tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
         return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
     return engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
-                              store=run_dir / "cost_model.json")[0]
+                              store=run_dir / "cost_model.json", max_len=engine_cfg.max_len)[0]
 
 
 def _control_available() -> bool:

@@ -111,7 +111,7 @@ def compare_policies(target, head, prompts, args) -> dict:
 
     from online_spec.controller.bench import new_engine
 
-    calibrated, report = engine_cost_policy(target, head, max_batch=1, max_steps=7)
+    calibrated, report = engine_cost_policy(target, head, max_batch=1, max_steps=7, max_len=1024)  # the engine's
     engine = new_engine(target, head, StaticSteps(0), max_batch=1, max_len=1024, max_steps=7)
     for k in range(8):  # warm-up: every K's graphs (verify, draft step, catch-ups) and the allocator
         serve(engine, StaticSteps(k), prompts[:2], 24)

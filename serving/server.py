@@ -228,7 +228,8 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
 
     check(target is not None and head is not None, "policy", "cost needs the target and head to calibrate on")
     cost_policy, report = engine_cost_policy(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
-                                             store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive)
+                                             store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive,
+                                             max_len=cfg.engine.max_len)
     log.info("cost-model policy: tiers %s, round-time model from %s", cost_policy.candidate_steps, report["source"])
     return cost_policy
 

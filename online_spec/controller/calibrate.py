@@ -60,8 +60,14 @@ class RoundTiming(NamedTuple):
 
 
 def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence[int], ctx_lens: Sequence[int],
-                          rounds: int = 4, seed: int = 0) -> list[RoundTiming]:
-    """`rounds` measured rounds per (batch size, K, context length) on the real engine."""
+                          rounds: int = 4, seed: int = 0, max_len: int = 0) -> list[RoundTiming]:
+    """`rounds` measured rounds per (batch size, K, context length) on the real engine.
+
+    max_len: the serving engine's. On a GPU it sizes the engines measured here: a CUDA graph
+    attends over the whole cache (serving/cuda_graphs.py), so a round's time grows with max_len,
+    and engines sized to the calibration's few hundred tokens measured H100 rounds 20-25 %
+    below those of a 1,024-token server (scripts/gpu_round_costs.py, 2026-11-24). On a CPU the
+    eager attention reads the keys in use only, and a cache of max_len would only cost memory."""
     from serving.engine import Engine, EngineConfig, Request  # serving depends on the controller, not back
     from online_spec.sampling import SamplingParams
 
@@ -73,9 +79,10 @@ def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence
     engines = []
     for ctx in ctx_lens:
         for b in batch_sizes:
-            max_len = ctx + cycles * sum(k + 1 for k in ks) + max(ks) + 32
-            engine = Engine(target, head, EngineConfig(max_batch=b, max_len=max_len, max_steps=max(ks), num_steps=0))
-            params = SamplingParams(max_tokens=max_len, ignore_eos=True)
+            need = ctx + cycles * sum(k + 1 for k in ks) + max(ks) + 32
+            engine_len = max(need, max_len) if target.device.type == "cuda" else need
+            engine = Engine(target, head, EngineConfig(max_batch=b, max_len=engine_len, max_steps=max(ks), num_steps=0))
+            params = SamplingParams(max_tokens=need, ignore_eos=True)
             for _ in range(b):
                 ids = torch.randint(1, vocab - 1, (ctx,), generator=gen).tolist()
                 engine.add_request(Request(ids, params))
@@ -149,24 +156,28 @@ def cost_model_report(model: CostModel) -> dict:
             "observations": model.observations, "calibration_points": model.calibration_points}
 
 
-def calibration_key(target) -> dict:
-    """What a stored calibration is valid for: the model, dtype, device, CPU and thread count."""
+def calibration_key(target, max_len: int = 0) -> dict:
+    """What a stored calibration is valid for: the model, dtype, device, CPU and thread count,
+    and on a GPU the engine's max_len (its graphs attend over the whole cache)."""
     from online_spec.benchutil import machine_info
 
     info = machine_info()
-    return {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-            "cpu": info.get("gpu") or info["cpu"], "threads": torch.get_num_threads()}
+    key = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+           "cpu": info.get("gpu") or info["cpu"], "threads": torch.get_num_threads()}
+    if target.device.type == "cuda":
+        key["max_len"] = max_len
+    return key
 
 
 def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str | Path | None = None,
-                      rounds: int = 2, ctx_len: int = 256) -> tuple[CostModel, dict]:
+                      rounds: int = 2, ctx_len: int = 256, max_len: int = 0) -> tuple[CostModel, dict]:
     """The cost model of this engine, stored with the run: loaded from `store` when it holds a
     calibration of the same target, dtype, device, CPU and thread count; else measured now
     (batch sizes 1/4/16/64 below max_batch and max_batch itself, K 0/1/3/7 up to max_steps; a few seconds to a
     minute on a CPU) and written to `store` atomically. A store that is unreadable, of another
     machine or malformed is measured over, with the reason logged. Returns (model, report):
     the report says where the model came from (`source`: "store" or "calibrated")."""
-    key = calibration_key(target)
+    key = calibration_key(target, max_len)
     path = Path(store) if store else None
     if path is not None and path.exists():
         try:
@@ -190,7 +201,7 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
     batch_sizes = [b for b in (1, 4, 16, 64) if b < max_batch] + [max_batch]  # the largest batch measured, not extrapolated
     ks = [k for k in (0, 1, 3, 7) if k <= max_steps]
     t0 = time.perf_counter()
-    timings = measure_round_timings(target, head, batch_sizes, ks, [ctx_len], rounds)
+    timings = measure_round_timings(target, head, batch_sizes, ks, [ctx_len], rounds, max_len=max_len)
     points = calibration_points(timings)
     model = CostModel().fit(points)
     report = {**cost_model_report(model), "source": "calibrated", "seconds": time.perf_counter() - t0,
@@ -210,7 +221,7 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
 
 
 def engine_cost_policy(target, head, max_batch: int, max_steps: int, store: str | Path | None = None,
-                       adaptive=None) -> tuple["CostModelPolicy", dict]:
+                       adaptive=None, max_len: int = 0) -> tuple["CostModelPolicy", dict]:
     """The cost-model policy an engine serves with: its round-time model from
     `engine_cost_model` (stored with the run), its tiers those of `adaptive` or, by default,
     every K from 0 to max_steps in one slot (the policy weighs every K by its predicted tokens
@@ -220,5 +231,5 @@ def engine_cost_policy(target, head, max_batch: int, max_steps: int, store: str 
 
     if adaptive is None:
         adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(max_steps + 1))}})
-    model, report = engine_cost_model(target, head, max_batch, max_steps, store=store)
+    model, report = engine_cost_model(target, head, max_batch, max_steps, store=store, max_len=max_len)
     return CostModelPolicy(adaptive, cost_model=model), report
