@@ -269,8 +269,10 @@ def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _fresh_rows(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The rows of every part, concatenated into one fresh contiguous CPU tensor of `dtype`."""
-    t = parts[0].detach() if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-    return _fresh(t, dtype)
+    if len(parts) == 1:
+        return _fresh(parts[0], dtype)
+    t = torch.cat([p.detach() for p in parts])  # a fresh contiguous tensor already
+    return t if t.device.type == "cpu" and t.dtype == dtype else _fresh(t, dtype)
 
 
 def _row_bytes(t: torch.Tensor) -> np.ndarray:
