@@ -225,12 +225,17 @@ def decode_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int, log_r
     return (sum(len(r.output_ids) for r in reqs) - done0) / dt
 
 
+def stationary_max_len(traffic: Traffic, cfg: ControllerBenchConfig) -> int:
+    """max_len of the stationary runs' engines (the calibration measures engines of it on a GPU)."""
+    return traffic.longest() + cfg.new_tokens + 2 * cfg.max_steps + 8
+
+
 def run_stationary(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
                    factories: dict[str, PolicyFactory]) -> tuple[dict, list[RoundTiming]]:
     """Per batch size: tokens/s of every policy, best static K, each policy's ratio to it."""
     out: dict = {}
     static_timings: list[RoundTiming] = []
-    max_len = traffic.longest() + cfg.new_tokens + 2 * cfg.max_steps + 8
+    max_len = stationary_max_len(traffic, cfg)
     for b in cfg.batch_sizes:
         n = max(b, cfg.requests_per_run)
         policies = {name: make() for name, make in factories.items()}
@@ -391,7 +396,7 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
     log.info("calibrating the cost model on the engine")
     t0 = time.perf_counter()
     calib = measure_round_timings(target, head, cfg.calib_batch_sizes, cfg.calib_steps, cfg.calib_ctx_lens,
-                                  cfg.calib_rounds)
+                                  cfg.calib_rounds, max_len=stationary_max_len(traffic, cfg))
     model = calibrate_cost_model(target, head, timings=calib)
     out["calibration"] = {**cost_model_report(model), "seconds": time.perf_counter() - t0,
                           "median_rel_error_on_calibration": median_relative_error(model, calib)}
