@@ -145,6 +145,63 @@ def compare_policies(target, head, prompts, args) -> dict:
     return out
 
 
+def verify_probe(engine, target, prompts, tokens=(1, 2, 3, 4, 6), ctx: int = 300, reps: int = 50) -> dict:
+    """The graphed target forward alone per T tokens (CUDA events: GPU time; wall with a sync) and
+    the argmax read-back: where a verify of drafts costs more than a decode step. Writes K/V at
+    positions ctx.. of slot 0, which the next request's prefill rewrites. Needs CUDA graphs."""
+    import torch
+
+    for k in range(6):  # every T's graph captured before timing
+        serve(engine, _static(k), prompts[:2], 24)
+    engine.tcache.lengths[0] = ctx
+    out = {}
+    for T in tokens:
+        tok = torch.randint(1, 1000, (1, T))
+        gpu, wall, readback = [], [], []
+        for i in range(reps + 10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            logits, _, _ = engine.graphs.target_forward(tok, [ctx], engine.tcache)
+            end.record()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            logits.argmax(-1).cpu()
+            if i >= 10:
+                gpu.append(start.elapsed_time(end) / 1e3)
+                wall.append(t1 - t0)
+                readback.append(time.perf_counter() - t1)
+        out[T] = {name: round(statistics.median(v) * 1e3, 3) for name, v in
+                  (("forward_gpu_ms", gpu), ("forward_wall_ms", wall), ("argmax_readback_ms", readback))}
+        print(f"T={T}: {out[T]}", flush=True)
+    return out
+
+
+def profile_policies(engine, policies: dict, prompts, new_tokens: int, top: int = 22) -> dict:
+    """cProfile of serving `prompts` under each policy: the functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    out = {}
+    for name, make in policies.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        r = serve(engine, make(), prompts, new_tokens)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        out[name] = {"rounds": r["rounds"], "tokens_per_s": r["tokens_per_s"], "top": text.getvalue()}
+        print(f"=== {name}: {r['rounds']} rounds\n{text.getvalue()}", flush=True)
+    return out
+
+
+def _static(k: int):
+    from online_spec.controller.static import StaticSteps
+    return StaticSteps(k)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, help="JSONL trace ({'messages': ...} or {'prompt': ...} lines)")
@@ -157,6 +214,10 @@ def main() -> None:
                     help="also the capture stream's serving overhead on this device (collector.bench's engine run: "
                          "random head, K = 3, capture at 100 %% to a live subscriber process vs off, batch 1 and 16)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
+    ap.add_argument("--verify-probe", action="store_true",
+                    help="also time the graphed target forward alone per tokens verified (CUDA only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile 6 prompts under static K = 2 and the calibrated cost policy")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
 
@@ -170,6 +231,22 @@ def main() -> None:
     out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats}
     if not args.no_policies:
         out.update(compare_policies(target, head, prompts, args))
+    if args.verify_probe or args.profile:
+        from online_spec.controller.bench import new_engine
+        from online_spec.controller.calibrate import engine_cost_policy
+
+        engine = new_engine(target, head, _static(0), max_batch=1, max_len=1024, max_steps=7)
+        if args.verify_probe and engine.graphs is None:
+            print("verify probe skipped: it times the CUDA graphs, and this engine has none", flush=True)
+        elif args.verify_probe:
+            out["verify_probe"] = verify_probe(engine, target, prompts)
+        if args.profile:
+            calibrated, _ = engine_cost_policy(target, head, max_batch=1, max_steps=7, max_len=1024)
+            for k in range(8):  # warm-up, as compare_policies does
+                serve(engine, _static(k), prompts[:2], 24)
+            out["profile"] = profile_policies(engine, {"static_2": lambda: _static(2),
+                                                       "cost_policy": lambda: copy.deepcopy(calibrated)},
+                                              prompts[:6], args.new_tokens)
     if args.json:  # written now and again after the capture run: a failure there keeps these
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     if args.capture_overhead:
