@@ -104,17 +104,25 @@ class ChoiceOnly:
         return getattr(self._policy, name)
 
 
-def compare_policies(target, head, prompts, args) -> dict:
-    """Static K = 0..max_k, the calibrated cost policy and its choice-only variant, interleaved."""
-    from online_spec.controller.calibrate import engine_cost_policy
+MAX_LEN, MAX_STEPS = 1024, 7  # the engine every part serves on (batch 1)
+
+
+def warm_engine(target, head, prompts):
+    """The one engine every part serves on, warmed at every K: its CUDA graphs (verify, draft
+    step, catch-ups) captured and the allocator grown before anything is timed."""
+    from online_spec.controller.bench import new_engine
     from online_spec.controller.static import StaticSteps
 
-    from online_spec.controller.bench import new_engine
-
-    calibrated, report = engine_cost_policy(target, head, max_batch=1, max_steps=7, max_len=1024)  # the engine's
-    engine = new_engine(target, head, StaticSteps(0), max_batch=1, max_len=1024, max_steps=7)
-    for k in range(8):  # warm-up: every K's graphs (verify, draft step, catch-ups) and the allocator
+    engine = new_engine(target, head, StaticSteps(0), max_batch=1, max_len=MAX_LEN, max_steps=MAX_STEPS)
+    for k in range(MAX_STEPS + 1):
         serve(engine, StaticSteps(k), prompts[:2], 24)
+    return engine
+
+
+def compare_policies(engine, calibrated, prompts, args) -> dict:
+    """Static K = 0..max_k, the calibrated cost policy and its choice-only variant, interleaved."""
+    from online_spec.controller.static import StaticSteps
+
     policies = {f"static_{k}": lambda k=k: StaticSteps(k) for k in range(args.max_k + 1)}
     policies["cost_policy"] = lambda: copy.deepcopy(calibrated)  # each repeat starts from the calibration
     policies["cost_policy_choice_only"] = lambda: ChoiceOnly(copy.deepcopy(calibrated))
@@ -128,7 +136,7 @@ def compare_policies(target, head, prompts, args) -> dict:
                 r["policy"] = (policy._policy if isinstance(policy, ChoiceOnly) else policy).info()
             runs[name].append(r)
             print(f"repeat {rep} {name}: {r['tokens_per_s']:.1f} tok/s, K {r['k_histogram']}", flush=True)
-    out = {"calibration": report, "policies": {}}
+    out = {"policies": {}}
     for name, rs in runs.items():
         med = statistics.median(r["tokens_per_s"] for r in rs)
         out["policies"][name] = {"tokens_per_s": med, "repeat_tokens_per_s": [r["tokens_per_s"] for r in rs],
@@ -138,21 +146,20 @@ def compare_policies(target, head, prompts, args) -> dict:
     for name in ("cost_policy", "cost_policy_choice_only"):
         out[f"{name}_vs_best_static"] = out["policies"][name]["tokens_per_s"] / out["policies"][best]["tokens_per_s"]
     model = calibrated.cost
-    out["predicted_round_ms"] = {k: round(model.predict_round_s(1, k, 0.3 * 1000) * 1e3, 3) for k in range(8)}
+    out["predicted_round_ms"] = {k: round(model.predict_round_s(1, k, 0.3 * 1000) * 1e3, 3) for k in range(MAX_STEPS + 1)}
     print(json.dumps({n: round(v["tokens_per_s"], 1) for n, v in out["policies"].items()}, indent=1))
     print(f"best static {best}; cost policy {out['cost_policy_vs_best_static']:.3f}x, choice only "
           f"{out['cost_policy_choice_only_vs_best_static']:.3f}x", flush=True)
     return out
 
 
-def verify_probe(engine, target, prompts, tokens=(1, 2, 3, 4, 6), ctx: int = 300, reps: int = 50) -> dict:
+def verify_probe(engine, tokens=(1, 2, 3, 4, 6), ctx: int = 300, reps: int = 50) -> dict:
     """The graphed target forward alone per T tokens (CUDA events: GPU time; wall with a sync) and
     the argmax read-back: where a verify of drafts costs more than a decode step. Writes K/V at
-    positions ctx.. of slot 0, which the next request's prefill rewrites. Needs CUDA graphs."""
+    positions ctx.. of slot 0, which the next request's prefill rewrites. Needs the engine's CUDA
+    graphs, captured for every T by `warm_engine`."""
     import torch
 
-    for k in range(6):  # every T's graph captured before timing
-        serve(engine, _static(k), prompts[:2], 24)
     engine.tcache.lengths[0] = ctx
     out = {}
     for T in tokens:
@@ -197,11 +204,6 @@ def profile_policies(engine, policies: dict, prompts, new_tokens: int, top: int 
     return out
 
 
-def _static(k: int):
-    from online_spec.controller.static import StaticSteps
-    return StaticSteps(k)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, help="JSONL trace ({'messages': ...} or {'prompt': ...} lines)")
@@ -222,6 +224,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from online_spec.checkpoint import load_head
+    from online_spec.controller.calibrate import engine_cost_policy
+    from online_spec.controller.static import StaticSteps
     from online_spec.heads import SHIPPED_HEAD
     from online_spec.target import load_target
 
@@ -229,22 +233,18 @@ def main() -> None:
     head, _ = load_head(SHIPPED_HEAD, target.info, dtype=target.dtype, device=args.device)
     prompts = load_prompts(args.trace, args.prompts, target)
     out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats}
-    if not args.no_policies:
-        out.update(compare_policies(target, head, prompts, args))
-    if args.verify_probe or args.profile:
-        from online_spec.controller.bench import new_engine
-        from online_spec.controller.calibrate import engine_cost_policy
-
-        engine = new_engine(target, head, _static(0), max_batch=1, max_len=1024, max_steps=7)
+    if not args.no_policies or args.verify_probe or args.profile:
+        engine = warm_engine(target, head, prompts)
+        calibrated, out["calibration"] = engine_cost_policy(target, head, max_batch=1, max_steps=MAX_STEPS,
+                                                            max_len=MAX_LEN)
+        if not args.no_policies:
+            out.update(compare_policies(engine, calibrated, prompts, args))
         if args.verify_probe and engine.graphs is None:
             print("verify probe skipped: it times the CUDA graphs, and this engine has none", flush=True)
         elif args.verify_probe:
-            out["verify_probe"] = verify_probe(engine, target, prompts)
+            out["verify_probe"] = verify_probe(engine)
         if args.profile:
-            calibrated, _ = engine_cost_policy(target, head, max_batch=1, max_steps=7, max_len=1024)
-            for k in range(8):  # warm-up, as compare_policies does
-                serve(engine, _static(k), prompts[:2], 24)
-            out["profile"] = profile_policies(engine, {"static_2": lambda: _static(2),
+            out["profile"] = profile_policies(engine, {"static_2": lambda: StaticSteps(2),
                                                        "cost_policy": lambda: copy.deepcopy(calibrated)},
                                               prompts[:6], args.new_tokens)
     if args.json:  # written now and again after the capture run: a failure there keeps these
