@@ -3,6 +3,7 @@ verify-length rules on named boundary cases, each checked against a naive refere
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -14,7 +15,8 @@ import pytest
 from online_spec.config import ConfigError
 from online_spec.controller import (AdaptiveConfig, CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig,
                                     StepPolicy, measure_decision_cost_us)
-from online_spec.controller.cost import AcceptanceEstimate, ConfidenceCalibrator
+from online_spec.controller.cost import (AcceptanceEstimate, ConfidenceCalibrator, _RidgeLeastSquares, draft_row,
+                                        verify_features)
 
 # Synthetic costs of the model's own form (seconds): draft phase and verify.
 TRUE_DRAFT = (0.002, 0.0001, 0.00005, 0.0015, 0.00002)  # per step: 1, b, b*ctx/1000; once if K > 0: 1, b
@@ -145,6 +147,67 @@ def test_cost_model_state_round_trip():
     assert b.predict_round_s(5, 3, 900) == a.predict_round_s(5, 3, 900)
 
 
+def lstsq_of_the_decayed_system(rows, anchors, prior, ridge, decay, anchor_weight):
+    """Naive reference of the online fit: numpy's lstsq of every row scaled by the square root of
+    its weight (online row i of n: decay^(n-1-i); anchor rows: anchor_weight; one ridge row per
+    coefficient pulling it toward the prior)."""
+    n, d = len(rows), len(prior)
+    x = np.array([r for r, _ in rows] + [r for r, _ in anchors] + np.eye(d).tolist())
+    y = np.array([t for _, t in rows] + [t for _, t in anchors] + list(prior))
+    w = np.concatenate([decay ** np.arange(n - 1, -1, -1.0), np.full(len(anchors), anchor_weight), np.full(d, ridge)])
+    return np.linalg.lstsq(x * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0]
+
+
+@pytest.mark.parametrize("features", ["draft", "verify"])
+def test_online_fit_equals_the_lstsq_of_the_decayed_system(features):
+    """The online rows wait and are folded into the Gram matrix at the next solve (one numpy
+    product, not a decay of every entry per row): folds of 1 to 5000 rows, over 12 000 rows in
+    all (decay^12000 ~ 6e-6: the first rows' weight), agree with the reference to 1e-9."""
+    rng = random.Random(7 if features == "draft" else 8)
+    prior, ridge, decay, anchor_weight = (0.02, 0.0, 0.0, 0.0, 0.0), 1e-6, 0.999, 4.0
+
+    def row(b, k, ctx):  # K = 0 rounds have no draft phase; their verify is a plain decode step
+        if features == "draft":
+            return draft_row(b, k, ctx), true_times(b, k, ctx)[0] * (1 + rng.uniform(-0.05, 0.05))
+        return list(verify_features(b, k + 1, ctx)), true_times(b, k, ctx)[1] * (1 + rng.uniform(-0.05, 0.05))
+
+    fit = _RidgeLeastSquares(prior, ridge, decay)
+    ks = [1, 3, 5, 7] if features == "draft" else [0, 1, 3, 5, 7]
+    anchors = [row(b, k, 256) for b in (1, 4, 16) for k in ks]
+    for x, y in anchors:
+        fit.add_anchor(x, y, anchor_weight)
+    rows = []
+    for gap in (1, 1, 2, 16, 16, 100, 3000, 5000, 7, 16, 16, 3825):
+        for _ in range(gap):
+            rows.append(row(rng.choice([1, 2, 4, 8, 16, 32, 64]), rng.choice(ks), rng.uniform(100, 4000)))
+            fit.add(*rows[-1])
+        ref = lstsq_of_the_decayed_system(rows, anchors, prior, ridge, decay, anchor_weight)
+        assert np.max(np.abs(np.array(fit.solve()) - ref)) <= 1e-9 * np.max(np.abs(ref)), len(rows)
+    assert fit.count == len(rows) == 12000
+
+
+def test_cost_model_state_between_refits_resumes_bit_for_bit():
+    """Rows not folded yet travel in the state as rows: a resumed model folds them with the same
+    grouping as one that never stopped. States stored before the rows existed load as folded."""
+    a = CostModel().fit(grid(noise=0.05))
+    rows = list(grid(noise=0.05, seed=9))
+    for row in rows[:21]:  # refit_interval 16: five rows pending
+        a.observe(*row)
+    b = CostModel()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert len(a.state_dict()["verify"]["rows"]) == 5
+    for row in rows[21:60]:
+        a.observe(*row)
+        b.observe(*row)
+    assert b.state_dict() == a.state_dict()
+    a.refit()  # folds the pending rows: the state now holds none
+    old = json.loads(json.dumps(a.state_dict()))
+    del old["draft"]["rows"], old["verify"]["rows"]
+    c = CostModel()
+    c.load_state_dict(old)
+    assert c.state_dict() == a.state_dict()
+
+
 @pytest.mark.parametrize("field, kw", [("prior_verify_s", {"prior_verify_s": 0}), ("decay", {"decay": 1.5}),
                                        ("refit_interval", {"refit_interval": 0}), ("ridge", {"ridge": -1})])
 def test_cost_config_errors_name_the_field(field, kw):
@@ -233,6 +296,31 @@ def test_calibrator_counts_judged_drafts_only():
                 trials[min(9, int(c * 10))] += 1
                 hits[min(9, int(c * 10))] += i < a
         assert cal.hits.tolist() == hits and cal.trials.tolist() == trials
+
+
+def test_calibrator_engine_arrays_match_a_per_draft_tally():
+    """The engine's case, every row K drafts in one float32 array, is counted in one bincount of
+    verdict-offset bins: it equals a per-draft tally (bins taken in float32 as the array holds
+    them), with confidences at and beyond the ends of [0, 1] and accepted counts above K."""
+    rng = np.random.default_rng(4)
+    for k in range(1, 8):
+        b = int(rng.integers(1, 65))
+        conf = rng.random((b, k)).astype(np.float32)
+        ends = rng.random((b, k)) < 0.3  # 0.7 * 10 is 7.0 in float32, 6.99... in float64
+        conf[ends] = rng.choice(np.array([0.0, 0.7, 1.0, -0.3, 1.7], dtype=np.float32), size=int(ends.sum()))
+        accepted = rng.integers(0, k + 2, size=b).tolist()  # k + 1: more than drafted, all accepted
+        cal = ConfidenceCalibrator(bins=10, prior_weight=4.0)
+        cal.trials += 0.37  # fractional counts, as soften leaves them
+        cal.observe(conf, accepted)
+        hits, trials = [0] * 10, [0] * 10
+        for row, a in zip(conf, accepted):
+            for i, c in enumerate(row[: a + 1]):
+                j = min(9, max(0, int(c * np.float32(10))))
+                trials[j] += 1
+                hits[j] += i < a
+        assert cal.hits.tolist() == hits and cal.trials.tolist() == [0.37 + t for t in trials]
+        assert cal.bin_of(conf).tolist() == [[min(9, max(0, int(c * np.float32(10)))) for c in r] for r in conf]
+        assert cal.calibrated(conf).tolist() == [[cal._values()[j] for j in r] for r in cal.bin_of(conf).tolist()]
 
 
 def test_policy_reads_the_engines_array_like_lists():
@@ -368,6 +456,32 @@ def test_probe_drafts_and_verifies_its_whole_k_so_a_stuck_estimate_recovers():
     assert probes and probes[0] == (2, 2)  # the first probe drafted and verified both drafts
     assert p.info()["slots"]["1"]["accept"][1] > 0.6
     assert [k for k, _ in rounds[-20:]].count(4) >= 15  # back at the deepest tier, as the traffic warrants
+
+
+def test_remembered_choice_is_the_choice_asked_anew():
+    """steps_for after update asks choose_steps the same question, and gets update's answer back
+    while the slot's cached estimates and the round terms are the same objects; a batch size of
+    the same slot, another context, new estimates or a refit ask anew. Every answer equals that
+    of a copy that remembers nothing."""
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 3, 7]}, "16": {"candidate_steps": [0, 1, 3]}})
+    p = CostModelPolicy(adaptive, cost_model=CostModel(CostModelConfig(refit_interval=4)).fit(grid(noise=0.05)))
+    rng = random.Random(12)
+    seen = set()
+    for r in range(400):
+        b, ctx = rng.choice([(1, 128), (3, 4096), (16, 128), (32, 4096)])
+        other = (b * 2 + 1, 4224 - ctx)  # same slot, the other context
+        for question in ((b, ctx), other, (b, ctx)):
+            fresh = copy.deepcopy(p)
+            fresh._choice = None
+            k = p.choose_steps(*question)
+            assert k == fresh.choose_steps(*question), (r, question)
+            seen.add(k)
+        k = p.steps_for(b, ctx)
+        good = r // 30 % 2  # acceptance flips every 30 rounds, the draft cost every 70
+        accepted = [k if good else rng.randint(0, min(k, 1)) for _ in range(b)]
+        d, v = true_times(b, k, ctx)
+        p.update(b, accepted, num_steps=k, ctx_len=ctx, draft_s=d * (1 + 4 * (r // 70 % 2)), verify_s=v)
+    assert seen == {0, 1, 3, 7}
 
 
 def test_probe_runs_the_next_tier_once_per_interval():

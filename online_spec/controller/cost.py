@@ -93,37 +93,53 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float]:
 class _RidgeLeastSquares:
     """Exponentially weighted least squares, ridge-pulled toward `prior` (sufficient statistics),
     plus an anchor: observations that never decay (a calibration), so the directions that online
-    data stop spanning (the K the policy no longer runs) keep what the calibration measured."""
+    data stop spanning (the K the policy no longer runs) keep what the calibration measured.
+
+    Online observations wait as rows until the next `solve` folds them into the Gram matrix and
+    moment in one numpy product (row i of n weighs decay^(n-1-i), the earlier sums decay^n: what
+    decaying and adding them one at a time gives, up to rounding). Decaying the 5x5 sums entry by
+    entry in Python on every observation cost ~3.5 us each, two a round: 2026-11-24, docs/controller.md.
+    """
 
     def __init__(self, prior: Sequence[float], ridge: float, decay: float):
         self.prior, self.ridge, self.decay = list(prior), ridge, decay
         d = len(prior)
-        self.gram = [[0.0] * d for _ in range(d)]
+        self.gram = [[0.0] * d for _ in range(d)]  # online rows up to the last fold
         self.moment = [0.0] * d
         self.anchor_gram = [[0.0] * d for _ in range(d)]
         self.anchor_moment = [0.0] * d
         self.count = 0  # online observations
         self.anchors = 0  # anchor observations
-
-    @staticmethod
-    def _accumulate(gram: list[list[float]], moment: list[float], x: Sequence[float], y: float,
-                    keep: float, weight: float) -> None:
-        """gram = keep * gram + weight * x x^T, moment = keep * moment + weight * x y, in place."""
-        for i, xi in enumerate(x):
-            row = gram[i]
-            for j, xj in enumerate(x):
-                row[j] = keep * row[j] + weight * xi * xj
-            moment[i] = keep * moment[i] + weight * xi * y
+        self._rows: list[tuple[float, ...]] = []  # (*x, y) of online observations not folded yet
 
     def add(self, x: Sequence[float], y: float) -> None:
-        self._accumulate(self.gram, self.moment, x, y, self.decay, 1.0)
+        self._rows.append((*x, y))  # one append: a reader on another thread sees whole rows
         self.count += 1
 
     def add_anchor(self, x: Sequence[float], y: float, weight: float) -> None:
-        self._accumulate(self.anchor_gram, self.anchor_moment, x, y, 1.0, weight)
+        """anchor_gram += weight * x x^T, anchor_moment += weight * x y (never decayed)."""
+        for i, xi in enumerate(x):
+            row = self.anchor_gram[i]
+            for j, xj in enumerate(x):
+                row[j] += weight * xi * xj
+            self.anchor_moment[i] += weight * xi * y
         self.anchors += 1
 
+    def _fold(self) -> None:
+        """Decay the pending rows (the oldest first) into gram and moment, after the current sums."""
+        rows, self._rows = self._rows, []
+        if not rows:
+            return
+        d, n = len(self.prior), len(rows)
+        xy = np.array(rows, dtype=np.float64)  # [n, d + 1]
+        xw = xy[:, :d].T * self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64)  # [d, n]
+        sums = xw @ xy  # [d, d + 1]: the rows' weighted x x^T beside their weighted x y
+        keep = self.decay ** n
+        self.gram = (keep * np.array(self.gram) + sums[:, :d]).tolist()
+        self.moment = (keep * np.array(self.moment) + sums[:, d]).tolist()
+
     def solve(self) -> list[float]:
+        self._fold()
         d = len(self.prior)
         m = [[self.gram[i][j] + self.anchor_gram[i][j] + (self.ridge if i == j else 0.0) for j in range(d)]
              for i in range(d)]
@@ -134,7 +150,10 @@ class _RidgeLeastSquares:
         return [z[i] * s[i] for i in range(d)]
 
     def state_dict(self) -> dict:
+        # the pending rows as they are: folding them here would group the next fold's sums
+        # differently from a run that never stopped, and a resumed run would differ by rounding
         return {"gram": [r[:] for r in self.gram], "moment": self.moment[:], "count": self.count,
+                "rows": [list(r) for r in self._rows[:]],
                 "anchor_gram": [r[:] for r in self.anchor_gram], "anchor_moment": self.anchor_moment[:],
                 "anchors": self.anchors}
 
@@ -143,6 +162,7 @@ class _RidgeLeastSquares:
         self.gram = [[float(x) for x in r] for r in state["gram"]]
         self.moment = [float(x) for x in state["moment"]]
         self.count = int(state["count"])
+        self._rows = [tuple(float(x) for x in r) for r in state.get("rows", [])]  # states before 2026-11-24: folded
         # states stored before the anchor existed have none
         self.anchor_gram = [[float(x) for x in r] for r in state.get("anchor_gram", [[0.0] * d] * d)]
         self.anchor_moment = [float(x) for x in state.get("anchor_moment", [0.0] * d)]
@@ -456,6 +476,8 @@ class ConfidenceCalibrator:
 
     def __init__(self, bins: int, prior_weight: float):
         self.bins, self.prior_weight = bins, prior_weight
+        self._bin_ids = np.arange(bins)
+        self._verdict_tables: dict[int, np.ndarray] = {}
         self.load(None, None)
 
     def _values(self) -> np.ndarray:
@@ -466,16 +488,28 @@ class ConfidenceCalibrator:
         return self._table
 
     def bin_of(self, confidences: np.ndarray) -> np.ndarray:
-        """Bin index of each confidence of an array (a probability; 1.0 falls in the top bin)."""
-        bins = (np.asarray(confidences) * self.bins).astype(np.int64)
-        return np.maximum(np.minimum(bins, self.bins - 1, out=bins), 0, out=bins)  # ufuncs: np.clip costs more
+        """Bin index of each confidence of an array (a probability; 1.0 falls in the top bin,
+        anything outside [0, 1] the nearest end bin)."""
+        # take(mode="clip") clamps the index as it gathers: one numpy call where np.minimum and
+        # np.maximum were two (~0.5 us each; numpy's per-call cost is most of the policy's round)
+        return self._bin_ids.take((np.asarray(confidences) * self.bins).astype(np.int64), mode="clip")
 
     def __call__(self, confidence: float) -> float:
         return float(self.calibrated(np.array([confidence]))[0])
 
     def calibrated(self, confidences: np.ndarray) -> np.ndarray:
         """`self(c)` for every element of an array of confidences."""
-        return self._values()[self.bin_of(confidences)]
+        # _values()[bin_of(c)], clamping and gathering in one take
+        return self._values().take((np.asarray(confidences) * self.bins).astype(np.int64), mode="clip")
+
+    def _verdicts(self, k: int) -> np.ndarray:
+        """[k + 1, k]: row a holds, per draft position, 0 where a request that accepted a drafts
+        had it accepted, `bins` where it was rejected, 2 * `bins` where it was never judged."""
+        table = self._verdict_tables.get(k)
+        if table is None:
+            pos, a, n = np.arange(k), np.arange(k + 1)[:, None], self.bins
+            table = self._verdict_tables[k] = np.where(pos < a, 0, np.where(pos == a, n, 2 * n))
+        return table
 
     def observe(self, confidences, accepted: Sequence[int]) -> None:
         """One round: request r's drafts had `confidences[r]` and the first accepted[r] were
@@ -483,12 +517,21 @@ class ConfidenceCalibrator:
         conf, lens = confidence_array(confidences)
         if conf.size == 0:
             return
-        pos = np.arange(conf.shape[1])
-        a = np.asarray(accepted)[:, None]
-        judged = pos <= a if lens is None else (pos <= a) & (pos < lens[:, None])
-        bins = self.bin_of(conf)
-        self.trials += np.bincount(bins[judged], minlength=self.bins)
-        self.hits += np.bincount(bins[pos < a], minlength=self.bins)  # accepted drafts exist, so never padding
+        n, bins = self.bins, self.bin_of(conf)
+        if lens is None:
+            # every request drafted K (the engine's case): one bincount of each draft's bin offset
+            # by its verdict, the offsets a row of `_verdicts` per request (accepted > K: all
+            # accepted); two boolean masks and two bincounts cost ~4 us more at b = 16 (2026-11-24)
+            code = self._verdicts(conf.shape[1]).take(accepted, axis=0, mode="clip")
+            code += bins
+            counts = np.bincount(code.ravel(), minlength=3 * n)
+            self.hits += counts[:n]
+            self.trials += counts[:n] + counts[n:2 * n]  # summed as ints first: trials may be fractional (soften)
+        else:
+            pos = np.arange(conf.shape[1])
+            a = np.asarray(accepted)[:, None]
+            self.trials += np.bincount(bins[(pos <= a) & (pos < lens[:, None])], minlength=n)
+            self.hits += np.bincount(bins[pos < a], minlength=n)  # accepted drafts exist, so never padding
         self._table = None
 
     def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:
@@ -560,6 +603,7 @@ class CostModelPolicy:
         self._decisions = [0] * len(self._slots)
         self._below = [0] * len(self._slots)  # decisions since the slot last drafted its next tier up
         self._probing = [False] * len(self._slots)  # the slot's current round is a probe: draft and verify all of it
+        self._choice: tuple | None = None  # (estimates, round terms, K) of the last choose_steps
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -578,8 +622,12 @@ class CostModelPolicy:
         TPOT SLO, tiers predicted slower than it are skipped; if none fits, the smallest tier."""
         i = self.adaptive.slot_index(batch_size)
         a = self._accept[i].estimates()
+        terms = self.cost.round_terms(batch_size, ctx_len)
+        memo = self._choice
+        if memo is not None and memo[0] is a and memo[1] is terms:
+            return memo[2]  # the same cached estimates and round terms: update's choice, asked again by steps_for
         slo = self.config.tpot_slo_s
-        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(batch_size, ctx_len)
+        step_s, base, per_token, d_extra, v_extra = terms
         best_k, best_rate = None, -1.0
         expected, surv, pos = 1.0, 1.0, 0
         for k in self._slots[i].candidate_steps:
@@ -598,7 +646,9 @@ class CostModelPolicy:
             rate = expected / max(t, 1e-12)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return self._slots[i].candidate_steps[0] if best_k is None else best_k
+        best_k = self._slots[i].candidate_steps[0] if best_k is None else best_k
+        self._choice = (a, terms, best_k)  # holds both objects, so `is` cannot match a recycled id
+        return best_k
 
     def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
         """`choose_steps`, remembered as this slot's K for an `update` that omits num_steps.
@@ -682,13 +732,13 @@ class CostModelPolicy:
         if k == 0 or self.cost.verify_token_s() <= 0 or self._probing[self.adaptive.slot_index(b)]:
             return full
         # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
-        surv = np.cumprod(self._calib.calibrated(conf), axis=1)
+        surv = self._calib.calibrated(conf).cumprod(axis=1)  # the method: np.cumprod's dispatch costs ~1 us more
         if lens is not None:
             surv[np.arange(k) >= lens[:, None]] = 0.0
         step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(b, ctx_len)
         draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
         if padded:
-            return self._padded_cut(surv, full, draft_s, base, per_token, v_extra)
+            return self._padded_cut(surv, None if lens is None else full, draft_s, base, per_token, v_extra)
         # S_rm never rises along a row, so every throughput threshold keeps a prefix of each
         # row, and the rows' kept drafts together are the largest survivals of the batch: sort
         # them once and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie
@@ -711,13 +761,13 @@ class CostModelPolicy:
         return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
 
     @staticmethod
-    def _padded_cut(surv: np.ndarray, lens: list[int], draft_s: float, base: float, per_token: float,
+    def _padded_cut(surv: np.ndarray, lens: list[int] | None, draft_s: float, base: float, per_token: float,
                     v_extra: float = 0.0) -> list[int]:
         """One verify length L for every request (fewer where a row has fewer drafts): the L
         maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
         the longer L. surv: the survivals [b, K], 0 past a row's last draft; base, per_token:
         the verify line of `CostModel.verify_terms`; v_extra: a verify of drafts (L > 0) costs
-        that much more than the line."""
+        that much more than the line; lens: each row's drafts, None where every row has K."""
         b, k = surv.shape
         gain = surv.sum(axis=0).tolist()  # gain[m]: expected tokens the batch gains from verifying draft m+1
         best_n, best_rate, tokens = 0, -1.0, float(b)
@@ -728,7 +778,7 @@ class CostModelPolicy:
             rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
             if rate >= best_rate:
                 best_n, best_rate = n, rate
-        if best_n <= min(lens):  # the usual case: every row drafted at least L
+        if lens is None or best_n <= min(lens):  # the usual case: every row drafted at least L
             return [best_n] * b
         return [min(best_n, m) for m in lens]
 
