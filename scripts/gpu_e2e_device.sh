@@ -28,7 +28,7 @@ follow() {  # wait for the bench (at most $1 s), then copy what it wrote to $OUT
     while [ ! -e $W/done ] && [ $(date +%s) -lt $until ]; do sleep 5; done
     tail -n 25 $W/log.txt
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
-    [ -n "$OUT" ] && cp $W/log.txt $OUT/ && { cp $W/*.json $W/cmd.txt $OUT/ 2>/dev/null; cp $W/done $OUT/ 2>/dev/null
+    [ -n "$OUT" ] && cp $W/log.txt $OUT/ && { cp $W/*.json $W/cmd.txt $W/*.part.* $OUT/ 2>/dev/null; cp $W/done $OUT/ 2>/dev/null
         cp $W/run/online_spec/trainer.log $OUT/trainer_online_spec.log 2>/dev/null; true; }
     [ -e $W/done ] && echo "bench finished: rc $(cat $W/done)" || echo "bench still running"
 }

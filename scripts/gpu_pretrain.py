@@ -14,6 +14,9 @@ A device call lasts at most 10 minutes, so generation and training can run as tw
 warm machine: `--seqs /tmp/seqs.json --gen-only` generates and writes the self-distilled
 sequences; a second call with the same `--seqs` finds them and only captures and trains.
 `--make-prompts PATH` (here, on the CPU) writes the prompts file from the installed datasets.
+`--heads` names the heads and the prompt sets each trains on (ShareGPT whole, its chat or its code
+conversations, HumanEval); every head, and any `--eval-heads`, is then scored on every held-out
+set (simulated accept length over the generated positions).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from online_spec.checkpoint import save_head
+from collector.span import CaptureSpan
+from online_spec.checkpoint import load_head, save_head
 from online_spec.head import new_head
 from online_spec.target import load_target, prepare_smollm2
 from trainer.batch import collate
@@ -63,12 +67,22 @@ def generate(target, prompts: list[list[int]], new_tokens: int, batch: int, seco
     return out
 
 
-def records_of(target, seqs: list[list[int]], prefix: str, max_len: int = 768):
+def records_of(target, seqs: list[list[int]], prefix: str, max_len: int = 768,
+               prompt_lens: list[int] | None = None):
+    """Teacher-forced records of the sequences; with prompt_lens, spans whose rows past the prompt
+    are marked generated (what `simulate_acceptance(..., generated_only=True)` anchors on)."""
     recs = []
     for i in range(0, len(seqs), 32):
         chunk = [s[:max_len] for s in seqs[i:i + 32]]
         recs += capture_tokens(target, chunk, [f"{prefix}-{i + j}" for j in range(len(chunk))])
-    return recs
+    if prompt_lens is None:
+        return recs
+    spans = []
+    for r, n in zip(recs, prompt_lens):
+        span = CaptureSpan.from_records([r])
+        span.is_prefill = torch.arange(span.num_rows) < n  # row n holds the first generated token
+        spans.append(span)
+    return spans
 
 
 def train_head(target, train, heldout, minutes: float, lr: float, batch_seqs: int, ttt_steps: int, name: str):
@@ -110,21 +124,39 @@ def train_head(target, train, heldout, minutes: float, lr: float, batch_seqs: in
     return head, {"steps": step, "rows_trained": rows, "train_s": time.time() - t0, "simulated": sim}
 
 
+PROMPT_SETS = ("sharegpt", "sharegpt_chat", "sharegpt_code", "humaneval")
+
+
 def make_prompts(path: Path, sharegpt_train: int = 12000, sharegpt_heldout: int = 128) -> None:
-    """The prompts file: first turns of ShareGPT train/held-out conversations (the project's
-    hash split), HumanEval tasks split the same way (needs the dataset packages)."""
+    """The prompts file: first turns of ShareGPT train/held-out conversations (the project's hash
+    split) — all of them, the chat ones and the code ones (`online_spec.data.is_code_conversation`)
+    — and HumanEval tasks split the same way (needs the dataset packages)."""
     from online_spec.data import humaneval_conversations, sharegpt_conversations
     from online_spec.target import load_target
 
     tok = load_target().tokenizer
-    out = {"sharegpt": {split: [c[:1] for c in sharegpt_conversations(limit=n, split=split, max_prompt_tokens=300,
-                                                                      tokenizer=tok)]
-                        for split, n in (("train", sharegpt_train), ("heldout", sharegpt_heldout))},
-           "humaneval": {split: [c[:1] for c in humaneval_conversations(split=split)]
-                         for split in ("train", "heldout")}}
+    out = {}
+    for name, topic in (("sharegpt", "all"), ("sharegpt_chat", "chat"), ("sharegpt_code", "code")):
+        out[name] = {split: [c[:1] for c in sharegpt_conversations(limit=n, split=split, max_prompt_tokens=300,
+                                                                   tokenizer=tok, topic=topic)]
+                     for split, n in (("train", sharegpt_train), ("heldout", sharegpt_heldout))}
+    out["humaneval"] = {split: [c[:1] for c in humaneval_conversations(split=split)] for split in ("train", "heldout")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     print({k: {s: len(v) for s, v in d.items()} for k, d in out.items()})
+
+
+def parse_heads(spec: str) -> list[tuple[str, list[str], float]]:
+    """"chat=sharegpt_chat:6,code=sharegpt_code+humaneval:4" -> [(name, prompt sets, minutes)]."""
+    heads = []
+    for item in filter(None, spec.split(",")):
+        name, rest = item.split("=")
+        sets, minutes = rest.split(":")
+        unknown = set(sets.split("+")) - set(PROMPT_SETS)
+        if unknown:
+            raise SystemExit(f"--heads: unknown prompt sets {sorted(unknown)} (known: {PROMPT_SETS})")
+        heads.append((name, sets.split("+"), float(minutes)))
+    return heads
 
 
 def main() -> None:
@@ -133,18 +165,21 @@ def main() -> None:
     ap.add_argument("--gguf-dir", type=Path)
     ap.add_argument("--prompts", type=Path)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--gen-seconds", type=float, default=240)
+    ap.add_argument("--gen-seconds", type=float, default=240, help="per training prompt set")
+    ap.add_argument("--heldout-seconds", type=float, default=60, help="per held-out prompt set")
     ap.add_argument("--gen-batch", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seqs", type=Path, default=None, help="generated sequences: read if present, else written")
     ap.add_argument("--gen-only", action="store_true")
-    ap.add_argument("--train-minutes", type=float, default=6)
-    ap.add_argument("--code-minutes", type=float, default=2)
+    ap.add_argument("--heads", default="sharegpt=sharegpt:6,humaneval=humaneval:2",
+                    help="NAME=SET[+SET...]:MINUTES,... heads to train, each on the train splits of its prompt sets")
+    ap.add_argument("--eval-heads", default="", help="NAME=DIR,... existing heads to evaluate beside the new ones")
     ap.add_argument("--batch-seqs", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     args = ap.parse_args()
     if args.make_prompts:
         return make_prompts(args.make_prompts)
+    heads = parse_heads(args.heads)
     torch.manual_seed(0)
     random.seed(0)
     model_dir = prepare_smollm2(Path("/tmp/smollm2-bf16"), src=args.gguf_dir)
@@ -152,31 +187,47 @@ def main() -> None:
     data = json.loads(args.prompts.read_text())
     report = {"gpu": torch.cuda.get_device_name(0), "args": {k: str(v) for k, v in vars(args).items()}}
     seqs = json.loads(args.seqs.read_text()) if args.seqs and args.seqs.exists() else {}
-    for name, gen_s in (("sharegpt", args.gen_seconds), ("humaneval", args.gen_seconds / 4)):
-        if name not in seqs:
-            seqs[name] = {split: generate(target, [target.encode_chat(m) for m in data[name][split]],
-                                          args.new_tokens, args.gen_batch, seconds)
-                          for split, seconds in (("train", gen_s), ("heldout", 60))}
-    if args.seqs and not args.seqs.exists():
+    train_sets = {s for _, sets, _ in heads for s in sets}
+    for name in PROMPT_SETS:  # every set's held-out split (the evaluation matrix), train splits where trained on
+        if name not in data:
+            continue
+        seqs.setdefault(name, {})
+        for split, seconds in (("train", args.gen_seconds), ("heldout", args.heldout_seconds)):
+            if split not in seqs[name] and (split == "heldout" or name in train_sets):
+                seqs[name][split] = generate(target, [target.encode_chat(m) for m in data[name][split]],
+                                             args.new_tokens, args.gen_batch, seconds)
+    if args.seqs:
         args.seqs.write_text(json.dumps(seqs))
     report["sequences"] = {k: {s: len(v) for s, v in d.items()} for k, d in seqs.items()}
     print(report["sequences"], flush=True)
     if args.gen_only:
         return
-    for name, minutes in (("sharegpt", args.train_minutes), ("humaneval", args.code_minutes)):
-        if minutes <= 0:
-            continue
-        train_seqs, held_seqs = seqs[name]["train"], seqs[name]["heldout"]
-        train, held = records_of(target, train_seqs, name), records_of(target, held_seqs, name + "-h")
+    heldout = {name: records_of(target, d["heldout"], name + "-h",
+                                prompt_lens=[len(target.encode_chat(m)) for m in data[name]["heldout"]])
+               for name, d in seqs.items() if d.get("heldout")}
+    trained = {}
+    for name, sets, minutes in heads:
+        train_seqs = [q for s in sets for q in seqs[s]["train"]]
+        train = records_of(target, train_seqs, name)
+        held = [r for s in sets for r in heldout[s]]
         head, rep = train_head(target, train, held, minutes, lr=args.lr, batch_seqs=args.batch_seqs, ttt_steps=5,
                                name=name)
-        rep.update(train_sequences=len(train_seqs), train_rows=sum(r.num_rows for r in train),
-                   heldout_sequences=len(held_seqs))
+        del train
+        rep.update(prompt_sets=sets, train_sequences=len(train_seqs), heldout_sequences=len(held))
         save_head(head.to(torch.bfloat16).cpu(), args.out / name, version=0,
-                  extra={"trained_on": f"{name} self-distilled on {report['gpu']}", **{k: rep[k] for k in
-                                                                                    ("steps", "rows_trained")}})
+                  extra={"trained_on": f"{'+'.join(sets)} self-distilled on {report['gpu']}",
+                         **{k: rep[k] for k in ("steps", "rows_trained")}})
+        trained[name] = head.to(torch.bfloat16)
         report[name] = rep
         print(json.dumps({name: rep}, default=str), flush=True)
+    for item in filter(None, args.eval_heads.split(",")):
+        name, path = item.split("=")
+        trained[name] = load_head(path, target.info, dtype=torch.bfloat16, device="cuda")[0]
+    # every head on every held-out set: simulated accept length on the target's own replies
+    report["matrix"] = {name: {s: simulate_acceptance(head.cuda(), target, recs, max_steps=7, ks=(1, 3, 5, 7),
+                                                      generated_only=True)["accept_length"]
+                               for s, recs in heldout.items()} for name, head in trained.items()}
+    print(json.dumps({"matrix": report["matrix"]}), flush=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
 
 
