@@ -1,11 +1,13 @@
 """Which draft head a command starts from: the one rule every command and bench uses.
 
 `--head` / `--draft` values:
-- `shipped` (default of the benches and the demo): the ShareGPT head that ships with the package
-  (online_spec/pretrained/sharegpt-h100, trained on an H100 by scripts/gpu_pretrain.py with the
-  project's own loss and data path; its online_spec.json and README.md say how). The CPU here
-  trains ~100-200 rows/s, far from the 16M row-steps that head saw, so a head built on this CPU
-  is much weaker (docs/distill.md).
+- `shipped` (default of the benches and the demo): the ShareGPT chat head that ships with the
+  package (online_spec/pretrained/sharegpt-chat-h100, trained on an H100 by scripts/gpu_pretrain.py
+  with the project's own loss and data path on ShareGPT's chat conversations; its online_spec.json
+  and README.md say how). The CPU here trains ~100-200 rows/s, far from the 33M row-steps that head
+  saw, so a head built on this CPU is much weaker (docs/distill.md).
+- `code`: the code head that ships with the package (online_spec/pretrained/code-h100: ShareGPT's
+  code conversations and HumanEval's train tasks), the in-domain reference of `bench adapt`.
 - `sharegpt`: a head pretrained on ShareGPT by `trainer.pretrain` on this machine, built on
   first use into ~/.cache/online-spec/heads/sharegpt-demo-N and reused (the console says how
   long the build takes).
@@ -21,8 +23,10 @@ from pathlib import Path
 
 from online_spec.config import ConfigError, check
 
-SHIPPED_HEAD = Path(__file__).resolve().parent / "pretrained" / "sharegpt-h100"
-HEAD_CHOICES = "shipped | sharegpt | day0 | a head checkpoint or pretrain run directory"
+SHIPPED_HEAD = Path(__file__).resolve().parent / "pretrained" / "sharegpt-chat-h100"
+CODE_HEAD = Path(__file__).resolve().parent / "pretrained" / "code-h100"
+PACKAGED = {"shipped": SHIPPED_HEAD, "code": CODE_HEAD}
+HEAD_CHOICES = "shipped | code | sharegpt | day0 | a head checkpoint or pretrain run directory"
 
 
 def resolve_head(name: str, target=None, head_tokens: int = 16_000) -> str:
@@ -31,10 +35,10 @@ def resolve_head(name: str, target=None, head_tokens: int = 16_000) -> str:
     `target` is needed only for `sharegpt`, which builds a head on this machine once."""
     if name in ("", "day0"):
         return ""
-    if name == "shipped":
-        if not (SHIPPED_HEAD / "config.json").exists():
-            raise ConfigError(f"head: the shipped head is missing from {SHIPPED_HEAD} (a broken install?)")
-        return str(SHIPPED_HEAD)
+    if name in PACKAGED:
+        if not (PACKAGED[name] / "config.json").exists():
+            raise ConfigError(f"head: the {name} head is missing from {PACKAGED[name]} (a broken install?)")
+        return str(PACKAGED[name])
     if name == "sharegpt":
         check(target is not None, "head", "building the sharegpt head needs the target model")
         return str(build_sharegpt_head(target, head_tokens))

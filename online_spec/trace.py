@@ -12,7 +12,8 @@ phase; the demo reports each one separately. Validation names the file and line 
 wrong.
 
 `build_drift_trace(path, n_chat, n_code, n_mix, seed)` writes the built-in drifting trace:
-held-out ShareGPT chat (phase "chat"), then held-out HumanEval code (phase "code"), then a mix
+held-out ShareGPT chat conversations (phase "chat"; no programming: `online_spec.data.
+is_code_conversation`), then held-out HumanEval code (phase "code"), then a mix
 (phase "mix", lines tagged "chat" or "code"). Held-out, so a head pretrained on ShareGPT's train
 split never saw these conversations.
 
@@ -115,7 +116,7 @@ def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, se
     tok = AutoTokenizer.from_pretrained(prepare_smollm2())
     n_chat_total = n_chat + (n_mix + 1) // 2
     n_code_total = n_code + n_mix // 2
-    chat = sharegpt_conversations(limit=n_chat_total, seed=seed, split="heldout",
+    chat = sharegpt_conversations(limit=n_chat_total, seed=seed, split="heldout", topic="chat",
                                   max_prompt_tokens=max_prompt_tokens, tokenizer=tok)
     code = humaneval_conversations(split="heldout", seed=seed)
     if len(chat) < n_chat_total:

@@ -1,8 +1,9 @@
 #!/bin/bash
 # The device side of `online-spec bench e2e --device cuda` (docs/engine.md, "GPU figures"): server
-# and trainer daemon colocated on one GPU. The GGUF travels in parts (`split -b 25000000 -d`: a
-# call carries at most 64 MiB, the ~28 MB tree included). Calls, back to back (the machine stays
-# warm 30 s):
+# and trainer daemon colocated on one GPU. The GGUF travels in parts (`split -b 10000000 -d`: a
+# call carries at most 64 MiB, the ~49 MB tree with its two packaged heads included, so a call
+# has room for one part and the wheels, or one part and a job's inputs; until 2026-11-24, with one
+# head, 25 MB parts). Calls, back to back (the machine stays warm 30 s):
 #   1. carry a folder with one part: copy it to /tmp/g       (bash ... part .gpu/gw_p1/gguf.part.00)
 #      (as many such calls as parts remain for the calls below)
 #   2. carry a folder with the next part(s) + wheels in whl/: parts to /tmp/g, wheels into

@@ -85,10 +85,16 @@ def records_of(target, seqs: list[list[int]], prefix: str, max_len: int = 768,
     return spans
 
 
-def train_head(target, train, heldout, minutes: float, lr: float, batch_seqs: int, ttt_steps: int, name: str):
+def token_counts(target, seqs: list[list[int]]) -> torch.Tensor:
     counts = torch.zeros(target.info.vocab_size)
-    for r in train:
-        counts += torch.bincount(r.tokens, minlength=target.info.vocab_size).float()
+    for q in seqs:
+        counts += torch.bincount(torch.tensor(q), minlength=target.info.vocab_size).float()
+    return counts
+
+
+def train_head(target, train, heldout, minutes: float, lr: float, batch_seqs: int, ttt_steps: int, name: str,
+               counts: torch.Tensor):
+    """counts: token frequencies the draft vocabulary (the 8192 most frequent) is chosen from."""
     head = new_head(target, 8192, counts).float()
     with torch.no_grad():  # the target's lm_head rows of the draft vocabulary; norm left at 1
         head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target].float())
@@ -146,16 +152,20 @@ def make_prompts(path: Path, sharegpt_train: int = 12000, sharegpt_heldout: int 
     print({k: {s: len(v) for s, v in d.items()} for k, d in out.items()})
 
 
-def parse_heads(spec: str) -> list[tuple[str, list[str], float]]:
-    """"chat=sharegpt_chat:6,code=sharegpt_code+humaneval:4" -> [(name, prompt sets, minutes)]."""
+def parse_heads(spec: str) -> list[tuple[str, list[str], float, list[str]]]:
+    """"chat=sharegpt_chat:6:sharegpt,code=sharegpt_code+humaneval:4" -> [(name, prompt sets, minutes,
+    vocabulary sets)]: the draft vocabulary comes from the third field's sets (default: the training
+    sets). The vocabulary is the one thing the online trainer cannot change (a swap keeps it), so a
+    head meant to follow drifting traffic may take it from a broader set than it trains on."""
     heads = []
     for item in filter(None, spec.split(",")):
         name, rest = item.split("=")
-        sets, minutes = rest.split(":")
-        unknown = set(sets.split("+")) - set(PROMPT_SETS)
+        sets, minutes, *vocab = rest.split(":")
+        vocab = vocab[0] if vocab else sets
+        unknown = (set(sets.split("+")) | set(vocab.split("+"))) - set(PROMPT_SETS)
         if unknown:
             raise SystemExit(f"--heads: unknown prompt sets {sorted(unknown)} (known: {PROMPT_SETS})")
-        heads.append((name, sets.split("+"), float(minutes)))
+        heads.append((name, sets.split("+"), float(minutes), vocab.split("+")))
     return heads
 
 
@@ -187,7 +197,7 @@ def main() -> None:
     data = json.loads(args.prompts.read_text())
     report = {"gpu": torch.cuda.get_device_name(0), "args": {k: str(v) for k, v in vars(args).items()}}
     seqs = json.loads(args.seqs.read_text()) if args.seqs and args.seqs.exists() else {}
-    train_sets = {s for _, sets, _ in heads for s in sets}
+    train_sets = {s for _, sets, _, vocab in heads for s in sets + vocab}
     for name in PROMPT_SETS:  # every set's held-out split (the evaluation matrix), train splits where trained on
         if name not in data:
             continue
@@ -206,16 +216,18 @@ def main() -> None:
                                 prompt_lens=[len(target.encode_chat(m)) for m in data[name]["heldout"]])
                for name, d in seqs.items() if d.get("heldout")}
     trained = {}
-    for name, sets, minutes in heads:
+    for name, sets, minutes, vocab in heads:
         train_seqs = [q for s in sets for q in seqs[s]["train"]]
         train = records_of(target, train_seqs, name)
         held = [r for s in sets for r in heldout[s]]
+        counts = token_counts(target, [q for s in vocab for q in seqs[s]["train"]])
         head, rep = train_head(target, train, held, minutes, lr=args.lr, batch_seqs=args.batch_seqs, ttt_steps=5,
-                               name=name)
+                               name=name, counts=counts)
         del train
-        rep.update(prompt_sets=sets, train_sequences=len(train_seqs), heldout_sequences=len(held))
+        rep.update(prompt_sets=sets, vocab_sets=vocab, train_sequences=len(train_seqs), heldout_sequences=len(held))
         save_head(head.to(torch.bfloat16).cpu(), args.out / name, version=0,
                   extra={"trained_on": f"{'+'.join(sets)} self-distilled on {report['gpu']}",
+                         "draft_vocab_from": "+".join(vocab),
                          **{k: rep[k] for k in ("steps", "rows_trained")}})
         trained[name] = head.to(torch.bfloat16)
         report[name] = rep

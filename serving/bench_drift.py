@@ -1,11 +1,11 @@
 """`online-spec bench drift-alerts`: is the drift monitor quiet on stationary traffic, and quick
 to alert when the traffic changes? Real traffic, the real server, over HTTP (issue 7).
 
-Starts the real server (SmolLM2 bf16, the ShareGPT-pretrained head, fixed K, the drift monitor
+Starts the real server (SmolLM2 bf16, the ShareGPT chat head, fixed K, the drift monitor
 writing alerts into an offline W&B run) on a loopback port, then:
 
 1. stationary: `clients` closed-loop chat clients (fixed concurrency keeps the batch size
-   steady) send ShareGPT held-out first turns until `stationary_rounds` verify rounds have run;
+   steady) send ShareGPT held-out chat first turns until `stationary_rounds` verify rounds have run;
    then they stop sending and the running requests drain (so no ShareGPT request is left);
 2. switch: the same clients send HumanEval tasks. The first verify round after the drain is the
    switch round; phase 2 runs until a drop alert has been raised and `min_switch_rounds` rounds
@@ -63,13 +63,12 @@ REQUIRED_STATIONARY_ROUNDS = 2000  # issue 7: the stationary phase must be at le
 
 @dataclass
 class DriftBenchConfig:
-    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped, pretrained on ShareGPT)", "")
+    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped, pretrained on ShareGPT's chat)", "")
     clients: int = doc("concurrent closed-loop chat clients (keeps the batch size steady; 1 = batch-1 rounds, "
                        "the cheapest, so 2,000 of them take a few minutes)", 1)
     num_steps: int = doc("K, fixed for the whole run", 5)
     shift: str = doc("which traffic comes first: sharegpt-humaneval (issue 7's shift) or humaneval-sharegpt "
-                     "(for a head trained on code: with SmolLM2 the ShareGPT head drafts code *better* than "
-                     "chat, so the issue's shift raises acceptance and only the reverse one drops)",
+                     "(for a head trained on code, e.g. --draft code)",
                      "sharegpt-humaneval")
     stationary_rounds: int = doc("verify rounds of ShareGPT traffic before the switch", 2000)
     min_switch_rounds: int = doc("verify rounds of HumanEval traffic to run at least (accept length after)", 200)
@@ -192,10 +191,10 @@ def detector_references(drift, cfg: DriftConfig, num_steps: int) -> dict:
 # -- traffic -------------------------------------------------------------------------------------
 
 def load_prompts(cfg: DriftBenchConfig, tokenizer) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(ShareGPT held-out first turns, HumanEval tasks) as chat messages, each <= max_prompt_tokens."""
+    """(ShareGPT held-out chat first turns (`topic="chat"`), HumanEval tasks) as chat messages, each <= max_prompt_tokens."""
     from online_spec.data import humaneval_conversations, sharegpt_conversations
 
-    chat = sharegpt_conversations(limit=cfg.prompts, seed=0, split="heldout",
+    chat = sharegpt_conversations(limit=cfg.prompts, seed=0, split="heldout", topic="chat",
                                   max_prompt_tokens=cfg.max_prompt_tokens, tokenizer=tokenizer)
     code = [c for c in humaneval_conversations(seed=0, split="all")
             if len(tokenizer(c[0]["content"])["input_ids"]) <= cfg.max_prompt_tokens][:cfg.prompts]

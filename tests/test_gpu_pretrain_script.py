@@ -15,10 +15,13 @@ from trainer.evaluate import simulate_acceptance  # noqa: E402
 
 
 def test_heads_spec():
-    assert gpu_pretrain.parse_heads("chat=sharegpt_chat:6,code=sharegpt_code+humaneval:4.5") == [
-        ("chat", ["sharegpt_chat"], 6.0), ("code", ["sharegpt_code", "humaneval"], 4.5)]
+    assert gpu_pretrain.parse_heads("chat=sharegpt_chat:6:sharegpt,code=sharegpt_code+humaneval:4.5") == [
+        ("chat", ["sharegpt_chat"], 6.0, ["sharegpt"]),
+        ("code", ["sharegpt_code", "humaneval"], 4.5, ["sharegpt_code", "humaneval"])]
     with pytest.raises(SystemExit, match="poetry"):
         gpu_pretrain.parse_heads("x=poetry:1")
+    with pytest.raises(SystemExit, match="poetry"):
+        gpu_pretrain.parse_heads("x=sharegpt:1:poetry")
 
 
 def test_heldout_spans_anchor_on_generated_rows():

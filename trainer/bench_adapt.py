@@ -2,14 +2,14 @@
 
 Three sessions on one trace, one after the other, in one process (`online_spec.session`):
 
-  online     the server with the starting head (`--head`, default the shipped ShareGPT head) and
+  online     the server with the starting head (`--head`, default the shipped ShareGPT chat head) and
              the trainer daemon beside it (capture, replay, distillation, gate, swaps over the
              control endpoint; settings `ADAPT_TRAINER_ARGS`); traffic: a short ShareGPT phase,
              then HumanEval
   control    the same trace and head, daemon off (a static ShareGPT head)
   reference  the HumanEval part of the trace served by a head pretrained on HumanEval itself
-             (`--reference`, default ~/.cache/online-spec/heads/humaneval-gpu-h100, else built
-             here by `trainer.pretrain` on HumanEval's train split, and the report says so)
+             (`--reference`, default the packaged code head: ShareGPT's code conversations and
+             HumanEval's train tasks, online_spec/pretrained/code-h100)
 
 All three at the same static K (`--num-steps`), greedy, same concurrency. The traffic is
 HumanEval's held-out tasks (the reference never trained on them) and held-out ShareGPT chats.
@@ -48,7 +48,6 @@ from pathlib import Path
 from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.heads import HEAD_CHOICES
 
-REFERENCE_DEFAULT = "humaneval-gpu-h100"  # under ~/.cache/online-spec/heads
 PHASES = ("sharegpt", "humaneval")
 
 # The daemon's settings for fast adaptation on a 2-core CPU (one thread for the trainer, one for
@@ -78,9 +77,9 @@ ADAPT_TRAINER_ARGS = [
 @dataclass
 class AdaptBenchConfig:
     head: str = doc("starting head: " + HEAD_CHOICES + " (online_spec.heads)", "shipped")
-    reference: str = doc("head pretrained on HumanEval (a checkpoint or pretrain run directory); empty = "
-                         f"~/.cache/online-spec/heads/{REFERENCE_DEFAULT}, else one built here", "")
-    reference_tokens: int = doc("training rows of the reference if it must be built", 40_000)
+    reference: str = doc("in-domain head for the HumanEval part: " + HEAD_CHOICES + " (default: code, the "
+                         "packaged head pretrained on ShareGPT's code conversations and HumanEval's train tasks)",
+                         "code")
     sharegpt_requests: int = doc("requests of the ShareGPT phase before the shift", 6)
     humaneval_requests: int = doc("requests of the HumanEval phase (held-out tasks; 44 exist, more repeat)", 44)
     max_tokens: int = doc("max_tokens per request", 128)
@@ -114,12 +113,12 @@ QUICK = dict(sharegpt_requests=2, humaneval_requests=8, max_tokens=48, window_to
 
 # -- the trace ---------------------------------------------------------------------------------
 def build_trace(path: Path, cfg: AdaptBenchConfig, tokenizer) -> list:
-    """ShareGPT held-out chats (phase sharegpt, tag chat), then HumanEval held-out tasks (phase
+    """ShareGPT held-out chat conversations (no code: `is_code_conversation`; phase sharegpt, tag chat), then HumanEval held-out tasks (phase
     humaneval, tag code), as a JSONL trace; returns its items."""
     from online_spec.data import humaneval_conversations, sharegpt_conversations
     from online_spec.trace import load_trace
 
-    chat = sharegpt_conversations(limit=cfg.sharegpt_requests, seed=cfg.seed, split="heldout",
+    chat = sharegpt_conversations(limit=cfg.sharegpt_requests, seed=cfg.seed, split="heldout", topic="chat",
                                   max_prompt_tokens=200, tokenizer=tokenizer) if cfg.sharegpt_requests else []
     code = humaneval_conversations(split="heldout", seed=cfg.seed)
     code = [code[i % len(code)] for i in range(cfg.humaneval_requests)]
@@ -272,41 +271,6 @@ def by_version(stream, **others: dict) -> dict[str, dict]:
 
 
 # -- the reference head ----------------------------------------------------------------------------
-def resolve_reference(name: str, target, tokens: int) -> tuple[str, str]:
-    """(checkpoint dir, how it was obtained) of the in-domain reference head."""
-    from online_spec.heads import resolve_head
-    from online_spec.target import cache_dir
-
-    if name:
-        return resolve_head(name, target), "given"
-    cached = cache_dir() / "heads" / REFERENCE_DEFAULT
-    if (cached / "config.json").exists():
-        return str(cached), f"cached ({cached})"
-    return str(build_reference(target, tokens)), "built here by trainer.pretrain on HumanEval's train split"
-
-
-def build_reference(target, tokens: int) -> Path:
-    """A HumanEval head pretrained on this machine (train split; resumable) into the cache."""
-    from online_spec.config import config_to_dict as as_dict
-    from online_spec.target import cache_dir
-    from trainer.distill import DistillConfig
-    from trainer.pretrain import PretrainConfig, load_configs, pretrain
-
-    run = cache_dir() / "heads" / f"humaneval-bench-{tokens}"
-    if (run / "eval.json").exists() and (run / "head" / "config.json").exists():
-        return run / "head"
-    print(f"reference: no HumanEval head found; pretraining one on {tokens} rows into {run} (once; "
-          f"about {max(1, round(tokens / 3000))} min on 2 cores; a CPU-built head is weak, docs/distill.md)",
-          flush=True)
-    cfg = PretrainConfig(data="humaneval", tokens=tokens, heldout_tokens=min(2000, tokens // 8), out=str(run),
-                         batch_tokens=1024, eval_prompts=0)
-    dcfg, lcfg = load_configs(cfg.config)
-    steps = max(1, round(tokens * cfg.epochs / cfg.batch_tokens))
-    dcfg = DistillConfig(**{**as_dict(dcfg), "lr": 1e-3, "warmup_steps": max(1, steps // 10)})
-    pretrain(cfg, dcfg, lcfg, target)
-    return run / "head"
-
-
 # -- the bench ------------------------------------------------------------------------------------
 def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
     import torch
@@ -321,7 +285,7 @@ def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target = target or load_target()
     head = resolve_head(cfg.head, target)
-    reference, ref_how = resolve_reference(cfg.reference, target, cfg.reference_tokens)
+    reference = resolve_head(cfg.reference, target)
     items = build_trace(out / "trace.jsonl", cfg, target.tokenizer)
     code_items = [it for it in items if it.phase == PHASES[1]]
     trainer_args = ADAPT_TRAINER_ARGS + ["--eval-max-steps", str(cfg.num_steps)] + cfg.trainer_args.split()
@@ -372,7 +336,7 @@ def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
     after = online[first_swap:] if first_swap is not None else []
     res = {
         "bench": "adapt", "config": config_to_dict(cfg), "model": target.name, "num_steps": cfg.num_steps,
-        "head": head or "day0 (random)", "reference": {"path": reference, "how": ref_how},
+        "head": head or "day0 (random)", "reference": {"name": cfg.reference, "path": reference},
         "trainer_args": trainer_args,
         "tokens_to_90pct_of_indomain": headline,
         "aim_tokens": cfg.aim_tokens, "met": headline is not None and headline <= cfg.aim_tokens,
