@@ -56,3 +56,17 @@ def test_packaged_heads_make_chat_to_code_a_shift(smol):
            for n, h in heads.items() for src, prompts in (("chat", chat), ("code", code))}
     assert got["shipped", "chat"] > 1.4 * got["shipped", "code"], got
     assert got["code", "code"] > 1.5 * got["shipped", "code"], got
+
+
+@pytest.mark.slow
+def test_shipped_vocabulary_covers_code(smol):
+    """The draft vocabulary is the one part of a head a swap keeps, so the shipped chat head takes
+    it from chat and code: it covers >= 90 % of the tokens of HumanEval's held-out solutions
+    (92.5 % when trained; a vocabulary from the chat replies alone covered 85.4 %)."""
+    from online_spec.checkpoint import read_checkpoint
+    from online_spec.data import humaneval_conversations
+
+    ids = torch.tensor([i for c in humaneval_conversations(split="heldout")
+                        for i in smol.tokenizer(c[1]["content"])["input_ids"]])
+    _, tensors, _ = read_checkpoint(SHIPPED_HEAD)
+    assert tensors["t2d"].bool()[ids].float().mean() >= 0.90
