@@ -191,7 +191,8 @@ def detector_references(drift, cfg: DriftConfig, num_steps: int) -> dict:
 # -- traffic -------------------------------------------------------------------------------------
 
 def load_prompts(cfg: DriftBenchConfig, tokenizer) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(ShareGPT held-out chat first turns (`topic="chat"`), HumanEval tasks) as chat messages, each <= max_prompt_tokens."""
+    """(ShareGPT held-out chat first turns (`topic="chat"`), HumanEval tasks) as chat messages, each
+    <= max_prompt_tokens."""
     from online_spec.data import humaneval_conversations, sharegpt_conversations
 
     chat = sharegpt_conversations(limit=cfg.prompts, seed=0, split="heldout", topic="chat",

@@ -7,7 +7,7 @@ Three sessions on one trace, one after the other, in one process (`online_spec.s
              control endpoint; settings `ADAPT_TRAINER_ARGS`); traffic: a short ShareGPT phase,
              then HumanEval
   control    the same trace and head, daemon off (a static ShareGPT head)
-  reference  the HumanEval part of the trace served by a head pretrained on HumanEval itself
+  reference  the HumanEval part of the trace served by a head pretrained on code
              (`--reference`, default the packaged code head: ShareGPT's code conversations and
              HumanEval's train tasks, online_spec/pretrained/code-h100)
 
@@ -113,8 +113,9 @@ QUICK = dict(sharegpt_requests=2, humaneval_requests=8, max_tokens=48, window_to
 
 # -- the trace ---------------------------------------------------------------------------------
 def build_trace(path: Path, cfg: AdaptBenchConfig, tokenizer) -> list:
-    """ShareGPT held-out chat conversations (no code: `is_code_conversation`; phase sharegpt, tag chat), then HumanEval held-out tasks (phase
-    humaneval, tag code), as a JSONL trace; returns its items."""
+    """ShareGPT held-out chat conversations (no programming: `is_code_conversation`; phase sharegpt,
+    tag chat), then HumanEval held-out tasks (phase humaneval, tag code), as a JSONL trace; returns
+    its items."""
     from online_spec.data import humaneval_conversations, sharegpt_conversations
     from online_spec.trace import load_trace
 
@@ -270,7 +271,6 @@ def by_version(stream, **others: dict) -> dict[str, dict]:
             for v, toks in out.items()}
 
 
-# -- the reference head ----------------------------------------------------------------------------
 # -- the bench ------------------------------------------------------------------------------------
 def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
     import torch
