@@ -156,6 +156,9 @@ def test_a_killed_subscriber_is_noticed_and_submit_goes_on(endpoint):
         recs = request_records("after-kill", num_rounds=20, hidden=H)
         assert returns_within(lambda: [pub.submit([r]) for r in recs])
         assert wait_until(lambda: not pub.stats()["subscribed"])
+        # the 20 may still be in the sender's hands (each is sent or dropped after the flag flips):
+        # count from the point where every one of them is accounted for
+        assert pub.drain(DEADLINE_S)
         before = pub.stats()["dropped_no_subscriber"]
         pub.submit(recs[:3])
         assert wait_until(lambda: pub.stats()["dropped_no_subscriber"] == before + 3)
