@@ -137,11 +137,9 @@ def _small_arrays(record: CaptureRecord) -> tuple[np.ndarray, np.ndarray, np.nda
     token_dtype = "int32" if tokens.size == 0 or int(tokens.max()) <= _INT32_MAX else "int64"
     draft_tokens = _small(record.draft_tokens, np.int32)
     draft_probs = _small(record.draft_probs, np.float32)
-    if draft_probs.size and not ((draft_probs >= 0) & (draft_probs <= 1)).all():  # NaN fails both comparisons
-        raise WireError(f"record {record.request_id!r}: draft_probs not finite or outside [0, 1]")
-    for name, t in (("tokens", tokens), ("draft_tokens", draft_tokens)):
-        if t.size and t.min() < 0:
-            raise WireError(f"record {record.request_id!r}: {name} has a negative token id")
+    error = _small_error(tokens, draft_tokens, draft_probs)
+    if error:
+        raise WireError(f"record {record.request_id!r}: {error}")
     return tokens.astype(np.int32 if token_dtype == "int32" else np.int64), draft_tokens, draft_probs, token_dtype
 
 
@@ -154,9 +152,7 @@ def _round_small_arrays(records: Sequence[CaptureRecord]) -> list[tuple] | None:
     tokens = _small(_cat([r.tokens.reshape(-1) for r in records]), np.int64)
     draft_tokens = _small(_cat([r.draft_tokens.reshape(-1) for r in records]), np.int32)
     draft_probs = _small(_cat([r.draft_probs.reshape(-1) for r in records]), np.float32)
-    if (tokens.size and (tokens.min() < 0 or tokens.max() > _INT32_MAX)) or \
-            (draft_tokens.size and draft_tokens.min() < 0) or \
-            (draft_probs.size and not ((draft_probs >= 0) & (draft_probs <= 1)).all()):
+    if _small_error(tokens, draft_tokens, draft_probs) or (tokens.size and tokens.max() > _INT32_MAX):
         return None
     tokens = tokens.astype(np.int32)
     out, t, d = [], 0, 0
@@ -165,6 +161,16 @@ def _round_small_arrays(records: Sequence[CaptureRecord]) -> list[tuple] | None:
         out.append((tokens[t:t + nt], draft_tokens[d:d + nd], draft_probs[d:d + nd], "int32"))
         t, d = t + nt, d + nd
     return out
+
+
+def _small_error(tokens: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray) -> str | None:
+    """What is wrong with a record's (or a round's) token ids and draft probabilities, if anything."""
+    if draft_probs.size and not ((draft_probs >= 0) & (draft_probs <= 1)).all():  # NaN fails both comparisons
+        return "draft_probs not finite or outside [0, 1]"
+    for name, t in (("tokens", tokens), ("draft_tokens", draft_tokens)):
+        if t.size and t.min() < 0:
+            return f"{name} has a negative token id"
+    return None
 
 
 def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -100,20 +100,21 @@ class GraphHead:
             if self.module is None or not self._fits(head):
                 self.module = copy.deepcopy(head).eval().requires_grad_(False)
                 return True
-            own = dict(self.module.named_parameters())
-            own.update(self.module.named_buffers())
-            for name, t in (*head.named_parameters(), *head.named_buffers()):
+            own = _tensors(self.module)
+            for name, t in _tensors(head).items():
                 own[name].copy_(t)
         return False
 
     def _fits(self, head) -> bool:
-        mine = dict(self.module.named_parameters())
-        mine.update(self.module.named_buffers())
-        theirs = dict(head.named_parameters())
-        theirs.update(head.named_buffers())
+        mine, theirs = _tensors(self.module), _tensors(head)
         return head.cfg == self.module.cfg and mine.keys() == theirs.keys() and all(
             mine[n].shape == t.shape and mine[n].dtype == t.dtype and mine[n].device == t.device
             for n, t in theirs.items())
+
+
+def _tensors(module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers by name."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 class _Graph:
