@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serving.server", "serve the model over HTTP (OpenAI API, /generate, /metrics)"),
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
+    "drift": ("online_spec.drift_replay", "drift monitor tools: replay recorded rounds through the detector"),
     "swap": ("serving.swap_cli", "swap a head checkpoint into a running server (control endpoint)"),
     "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
     "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),

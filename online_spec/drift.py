@@ -19,11 +19,17 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   weighted by its number of requests w, capped at `max_round_weight` (the requests of a batch
   stay together for many rounds, so a big batch is fewer independent samples than its size).
   The SD is inflated by a dispersion factor measured on the reference rounds (never below 1),
-  for traffic noisier than the model: the larger of the per-round one and a batch-means one
-  (standardised sums over blocks of `block_rounds` rounds). Rounds are not independent — a
-  request lives for tens of rounds and an easy prompt stays easy — so per-round noise alone
-  understates how far the level wanders (on the real server this raised a +35% "rise" on
-  stationary ShareGPT traffic); the change test waits until the reference has 4 blocks.
+  for traffic noisier than the model: the largest of the per-round one, a batch-means one
+  (standardised sums over blocks of `block_rounds` rounds) and, where rounds carry request ids
+  and per-request counts (the server's do), a request-cluster one (standardised sums over each
+  request's own rounds, pooled). Rounds are not independent — a request lives for tens of
+  rounds and an easy prompt stays easy — so per-round noise alone understates how far the
+  level wanders (on the real server this raised a +35% "rise" on stationary ShareGPT traffic);
+  blocks of fixed length understate it too once requests outlive a block or overlap eight to a
+  round (the real server at 8 clients: block dispersion 1.07, request clusters ~5, and a false
+  +47% "rise"). Requests are the independent units, so the cluster estimate is the inflation
+  of a sum over rounds whatever the batch or the answer length, with as many samples as
+  requests. The change test waits until the reference has 4 blocks.
   The increment per round is `w * d * (r - d/2)`, d the minimum effect (`min_effect` of the reference mean, at least `min_effect_abs` drafts) in SD
   units: Page's CUSUM, with `threshold` in nats. A chance excursion falls back to zero; a
   sustained shift of D SDs crosses the threshold after about `threshold / (w d (D - d/2))`
@@ -151,6 +157,7 @@ class RoundObservation:
     plain_tokens_per_s: Optional[float] = None
     num_requests: Optional[int] = None  # requests averaged into accept_len; None = the slot
     request_ids: Optional[tuple] = None  # ids of those requests, for the collapse window's span
+    accepted: Optional[tuple] = None  # each request's accepted drafts, aligned with request_ids
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -160,6 +167,11 @@ class RoundObservation:
             raise ValueError(f"accept_len: must be in [0, num_steps={self.num_steps}], got {self.accept_len}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests: must be >= 1, got {self.num_requests}")
+        if self.accepted is not None:
+            if self.request_ids is None or len(self.accepted) != len(self.request_ids):
+                raise ValueError("accepted: needs request_ids of the same length (one count per request)")
+            if not all(0 <= a <= self.num_steps for a in self.accepted):
+                raise ValueError(f"accepted: each count must be in [0, num_steps={self.num_steps}], got {self.accepted}")
         for name in ("spec_tokens_per_s", "plain_tokens_per_s"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0.0):
@@ -235,6 +247,45 @@ def fit_alpha(weight_by_k: dict[int, float], weighted_sum: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def round_observations(batch_size: int, num_steps: int, accepted, tags, request_ids, head_version: int,
+                       timestamp: float, spec_tokens_per_s: Optional[float] = None) -> list[RoundObservation]:
+    """One verify round of a server as the detector's observations: one per traffic tag present,
+    slot = the round's batch size, accept_len = the mean over that tag's requests (bonus
+    excluded). The server (live) and `online-spec drift replay` (recorded rounds) both use this,
+    so a recorded round replays to the observations the live detector saw. Rounds with K = 0
+    or no requests give none."""
+    if num_steps == 0 or not accepted:
+        return []
+    by_tag: dict[str, list[tuple[int, str]]] = {}  # tag -> (accepted, request id) per request
+    for a, tag, rid in zip(accepted, tags, request_ids):
+        by_tag.setdefault(tag, []).append((a, rid))
+    out = []
+    for tag, rows in by_tag.items():
+        acc, ids = zip(*rows)
+        out.append(RoundObservation(slot=batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=num_steps,
+                                    head_version=head_version, timestamp=timestamp,
+                                    spec_tokens_per_s=spec_tokens_per_s, num_requests=len(acc), request_ids=ids,
+                                    accepted=acc))
+    return out
+
+
+def _group_dispersion(alpha: float, groups: list[dict], pooled: bool = False) -> float:
+    """Variance inflation of sums over groups of request-rounds (each group: K -> [count, sum a]):
+    the mean over groups of z^2, z = sum_K (S1 - mu_K S0) / sqrt(sum_K S0 sd_K^2), which is 1 when
+    the groups' request-rounds are independent draws of the model. `pooled`: the ratio of the sums
+    instead (sum num^2 / sum var), which weighs a group by its size — for groups of very different
+    sizes (requests of 3 and of 90 rounds), where a mean of ratios would let the short ones rule."""
+    moments = {int(k): accept_len_moments(alpha, int(k)) for g in groups for k in g}
+    num2 = var = ratios = 0.0
+    for g in groups:
+        num = sum(v[1] - moments[int(k)][0] * v[0] for k, v in g.items())
+        gvar = sum(v[0] * max(moments[int(k)][1], 1e-6) ** 2 for k, v in g.items())
+        num2 += num * num
+        var += gvar
+        ratios += num * num / gvar
+    return num2 / var if pooled else ratios / len(groups)
+
+
 # --- per-stream state -------------------------------------------------------------------------
 
 @dataclass
@@ -269,6 +320,9 @@ class _Stream:
     blocks: list = field(default_factory=list)
     block: dict = field(default_factory=dict)
     block_len: int = 0
+    # The reference's request-rounds grouped by request (where rounds carry ids and per-request
+    # counts), per K: [rounds, sum a]: the cluster-robust dispersion.
+    requests: dict = field(default_factory=dict)
     up: _Side = field(default_factory=_Side)
     down: _Side = field(default_factory=_Side)
     up_large: _Side = field(default_factory=_Side)  # the pair tuned to `large_effect`
@@ -285,6 +339,7 @@ class _Stream:
         self.prev_alpha = self.alpha if self.alpha is not None else self.prev_alpha
         self.ref, self.alpha, self.dispersion = {}, None, 1.0
         self.blocks, self.block, self.block_len = [], {}, 0
+        self.requests = {}
         self.up, self.down, self.up_large, self.down_large = _Side(), _Side(), _Side(), _Side()
 
     def rewarm(self, head_version: int) -> None:
@@ -302,6 +357,7 @@ class _Stream:
                 "up_large": asdict(self.up_large), "down_large": asdict(self.down_large),
                 "blocks": [{k: list(v) for k, v in b.items()} for b in self.blocks],
                 "block": {k: list(v) for k, v in self.block.items()}, "block_len": self.block_len,
+                "requests": {r: {k: list(v) for k, v in g.items()} for r, g in self.requests.items()},
                 "last_alert": dict(self.last_alert), "latched": dict(self.latched),
                 "collapse": [[a, None if ids is None else list(ids)] for a, ids in self.collapse], "losing": [list(x) for x in self.losing]}
 
@@ -313,6 +369,7 @@ class _Stream:
                    up_large=_Side(**d.get("up_large", {})), down_large=_Side(**d.get("down_large", {})),
                    blocks=[{str(k): list(v) for k, v in b.items()} for b in d.get("blocks", [])],
                    block={str(k): list(v) for k, v in d.get("block", {}).items()}, block_len=int(d.get("block_len", 0)),
+                   requests={str(r): {str(k): list(v) for k, v in g.items()} for r, g in d.get("requests", {}).items()},
                    last_alert=dict(d["last_alert"]), latched=dict(d["latched"]),
                    collapse=deque(((x, None) if isinstance(x, (int, float)) else
                                    (x[0], None if x[1] is None else tuple(x[1])) for x in d["collapse"]),
@@ -390,11 +447,19 @@ class DriftDetector:
             bv[0] += w
             bv[1] += w * obs.accept_len
             s.block_len += 1
-            if s.block_len >= cfg.block_rounds:
+            if obs.accepted is not None:
+                for rid, a in zip(obs.request_ids, obs.accepted):
+                    rv = s.requests.setdefault(str(rid), {}).setdefault(str(k), [0, 0.0])
+                    rv[0] += 1
+                    rv[1] += a
+            block_done = s.block_len >= cfg.block_rounds
+            if block_done:
                 s.blocks.append(s.block)
                 s.block, s.block_len = {}, 0
             if s.alpha is not None or (rounds + 1 >= cfg.warmup_rounds and requests + w >= cfg.warmup_requests):
-                self._fit_reference(s, cfg.block_rounds)
+                # the level every round; the noise (sums over all blocks and requests) once a block
+                # completes, so a refining stream costs tens of microseconds a round, not hundreds
+                self._fit_reference(s, noise=block_done or s.alpha is None)
         if s.alpha is None or len(s.blocks) < MIN_BLOCKS:  # the noise is not known yet
             return None
         mu, sd = accept_len_moments(s.alpha, k)
@@ -420,8 +485,10 @@ class DriftDetector:
         return None
 
     @staticmethod
-    def _fit_reference(s: _Stream, block_rounds: int) -> None:
+    def _fit_reference(s: _Stream, noise: bool) -> None:
         s.alpha = fit_alpha({int(k): v[1] for k, v in s.ref.items()}, sum(v[2] for v in s.ref.values()))
+        if not noise:
+            return
         # Dispersion: the mean of B r^2 is 1 if the model's per-request SD is right; more means
         # noisier traffic (sum over rounds of w (a - mu)^2 = S2 - 2 mu S1 + mu^2 S0, per K).
         z2, n = 0.0, 0
@@ -434,16 +501,15 @@ class DriftDetector:
         # z = sum_K (S1 - mu S0) / sqrt(sum_K S0 sd^2) has E[z^2] = 1; rounds that share their
         # requests (an easy prompt stays easy for its whole life) make it larger, by about the
         # rounds a request's level persists. Counted once 4 blocks exist (fewer are too noisy).
-        per_block = 0.0
-        if len(s.blocks) >= MIN_BLOCKS:
-            moments = {int(k): accept_len_moments(s.alpha, int(k)) for b in s.blocks for k in b}
-            zb = []
-            for b in s.blocks:
-                num = sum(v[1] - moments[int(k)][0] * v[0] for k, v in b.items())
-                var = sum(v[0] * max(moments[int(k)][1], 1e-6) ** 2 for k, v in b.items())
-                zb.append(num * num / var)
-            per_block = sum(zb) / len(zb)
-        s.dispersion = max(1.0, per_round, per_block)
+        per_block = _group_dispersion(s.alpha, s.blocks) if len(s.blocks) >= MIN_BLOCKS else 0.0
+        # Request clusters: the same sum over each request's own rounds. Requests are the
+        # independent units of traffic, so sum_j z_j^2 / sum_j E[..] is the inflation of the
+        # variance of a sum over rounds (cluster-robust); unlike blocks of a fixed length it does
+        # not depend on how long requests live or how many overlap in a round, and it has as many
+        # samples as requests, not blocks (a batch-8 reference of 500 rounds: ~100 vs 10).
+        per_request = (_group_dispersion(s.alpha, list(s.requests.values()), pooled=True)
+                       if len(s.requests) >= MIN_BLOCKS else 0.0)
+        s.dispersion = max(1.0, per_round, per_block, per_request)
 
     # rules: collapse, losing ------------------------------------------------------------------
     def _collapse_window_mean(self, s: _Stream) -> Optional[float]:

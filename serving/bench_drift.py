@@ -51,6 +51,7 @@ from typing import Callable
 import httpx
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.controller.replay import TraceRecorder
 from online_spec.drift import DriftAlert, DriftConfig, accept_len_moments
 from online_spec.heads import HEAD_CHOICES, resolve_head
 from serving.engine import EngineConfig, RequestOutput, RoundStats
@@ -83,6 +84,10 @@ class DriftBenchConfig:
     work_dir: str = doc("directory under which a fresh directory holds the offline W&B run; "
                         "empty = the system's temp dir", "")
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
+    rounds_out: str = doc("where to write every round the detector sees as a trace line (batch_size, "
+                          "accepted, num_steps, request_ids, phase; `online-spec drift replay` and "
+                          "`controller replay` read it); default: next to --json as NAME.rounds.jsonl, "
+                          "none without --json", "")
 
     def __post_init__(self):
         check(self.clients >= 1, "clients", "must be >= 1")
@@ -113,11 +118,13 @@ class RoundLog:
 
     `observe` runs on the engine thread (insert it first in `server.round_observers`, so a
     round is counted before the detector's sinks fire for it); `on_alert` is a sink callback;
-    `switch` is called by the driver between the phases, while no request is running.
+    `switch` is called by the driver between the phases, while no request is running. With a
+    `recorder` (a `TraceRecorder`) every counted round is also written as a trace line.
     """
 
-    def __init__(self):
+    def __init__(self, recorder=None):
         self._lock = threading.Lock()
+        self.recorder = recorder
         self.phase = PHASES[0]
         self.total = 0  # rounds seen, both phases
         self.switch_round: int | None = None  # index of the first round after the switch
@@ -139,6 +146,11 @@ class RoundLog:
             self.accepted[p] += sum(stats.accepted)
             self.committed[p] += stats.committed
             self.by_batch[p][stats.batch_size] += 1
+            if self.recorder is not None:
+                self.recorder.record(stats.batch_size, stats.accepted, num_steps=stats.num_steps,
+                                     request_ids=[str(o.request_id) for o in outs],
+                                     tags=list(tags) if any(tags) else None,
+                                     head_version=stats.head_version, phase=p)
 
     def on_alert(self, alert: DriftAlert) -> None:
         with self._lock:
@@ -245,8 +257,10 @@ async def _drive_phase(url: str, prompts: list[list[dict]], cfg: DriftBenchConfi
 
 # -- the measurement ---------------------------------------------------------------------------
 
-def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_version: int = 0) -> dict:
-    """Run both phases against a real server with `head`; returns the figures (see the module doc)."""
+def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_version: int = 0,
+            rounds_out: Path | None = None) -> dict:
+    """Run both phases against a real server with `head`; returns the figures (see the module doc).
+    With `rounds_out`, every round the detector sees is written there as a trace line."""
     from online_spec.alerts import read_alerts_from_offline_run
     from online_spec.wandb_run import init_wandb
     from serving.server import HttpThread, ServerConfig, SpecServer
@@ -265,7 +279,8 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
                      config={"bench": config_to_dict(cfg), "drift": config_to_dict(drift)})
     if run is None:
         raise RuntimeError("could not start an offline W&B run (see the warning above); the bench reads alerts back from it")
-    rounds = RoundLog()
+    recorder = TraceRecorder.open(rounds_out) if rounds_out is not None else None
+    rounds = RoundLog(recorder)
     server = SpecServer(server_cfg, target, head, head_version=head_version, wandb_run=run)
     server.round_observers.insert(0, rounds.observe)
     server.drift.sinks.append(CallbackAlertSink(rounds.on_alert))
@@ -292,6 +307,8 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
         if http is not None:
             http.stop()
         server.close()  # finishes the W&B run
+        if recorder is not None:
+            recorder.close()
     rows = read_alerts_from_offline_run(run_dir, wait_s=60)
 
     before, after = rounds.summary("stationary"), rounds.summary("switched")
@@ -301,6 +318,14 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
     wandb_row = None if first is None else next(
         (r for r in rows if r.get("kind") == "drop" and r.get("round") == first["round"]), None)
     kinds = Counter(a["kind"] for a in before["alerts"])
+    replay = None
+    if rounds_out is not None:  # the recorded rounds replay offline to the alerts raised live
+        from online_spec.drift_replay import replay_file
+        replayed, _ = replay_file(rounds_out, drift)
+        key = ("round_index", "kind", "slot", "tag")
+        replay = {"alerts": len(replayed),
+                  "matches_live": [tuple(a[k] for k in key) for a in replayed] ==
+                                  [tuple(a[k] for k in key) for a in rounds.alerts]}
     return {
         "bench": "drift-alerts",
         "stationary_rounds": before["rounds"],
@@ -319,6 +344,8 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
         "wandb_alerts_read_back": len(rows),
         "wandb_run_dir": str(run_dir),
         "detector_references_at_switch": references,
+        "rounds_trace": None if rounds_out is None else str(rounds_out),
+        "rounds_trace_replay": replay,
         "accept_len_before": before["accept_len"],
         "accept_len_after": after["accept_len"],
         "tokens_per_s_before": phases["stationary"]["tokens_per_s"],
@@ -336,7 +363,7 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
 
 REPORT_KEYS = ("bench", "stationary_rounds", "meets_stationary_round_requirement", "false_alerts",
                "false_alerts_by_kind", "switch_round", "switched_rounds", "rounds_to_alert", "first_drop_alert", "first_alert_after_switch", "shift",
-               "alert_in_wandb_offline_run", "wandb_alert", "wandb_run_dir", "detector_references_at_switch",
+               "alert_in_wandb_offline_run", "wandb_alert", "wandb_run_dir", "detector_references_at_switch", "rounds_trace", "rounds_trace_replay",
                "accept_len_before",
                "accept_len_after", "tokens_per_s_before", "tokens_per_s_after", "failed_requests", "phases",
                "config", "drift_config", "model", "head", "quick", "note", "date", "command", "machine")
@@ -367,7 +394,11 @@ def run(args: argparse.Namespace) -> int:
     draft = Path(resolve_head(cfg.draft or "shipped"))
     target = load_target()
     head, meta = load_head(draft, target.info, dtype=target.dtype)
-    figures = measure(cfg, drift, target, head, head_version=int(meta.get("version", 0)))
+    rounds_out = Path(cfg.rounds_out) if cfg.rounds_out else (
+        args.json.with_suffix(".rounds.jsonl") if args.json is not None else None)
+    if rounds_out is not None:
+        rounds_out.parent.mkdir(parents=True, exist_ok=True)
+    figures = measure(cfg, drift, target, head, head_version=int(meta.get("version", 0)), rounds_out=rounds_out)
     figures["head"] = {"dir": str(draft), **meta}
     figures["quick"] = bool(args.quick)
     figures["load_avg_at_bench_start"] = load_at_start  # machine.load_avg_at_start is read at the end

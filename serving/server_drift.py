@@ -22,7 +22,7 @@ import time
 from collections import deque
 
 from online_spec.alerts import AlertSink, CallbackAlertSink, LogAlertSink, PrometheusAlertSink, WandbAlertSink, fan_out
-from online_spec.drift import DriftAlert, DriftConfig, DriftDetector, RoundObservation
+from online_spec.drift import DriftAlert, DriftConfig, DriftDetector, round_observations
 from serving.engine import RequestOutput, RoundStats
 
 __all__ = ["ServerDrift", "CallbackAlertSink"]
@@ -49,20 +49,10 @@ class ServerDrift:
 
     def observe(self, stats: RoundStats, outs: list[RequestOutput], tags: list[str]) -> list[DriftAlert]:
         """Feed one round (engine thread); returns the alerts it raised (already fanned out)."""
-        K = stats.num_steps
-        if K == 0 or not stats.accepted:
-            return []
-        by_tag: dict[str, list[tuple[int, str]]] = {}  # tag -> (accepted, request id) per request
-        for a, tag, out in zip(stats.accepted, tags, outs):
-            by_tag.setdefault(tag, []).append((a, out.request_id))
         tps = stats.committed / stats.total_s if stats.total_s > 0 else None
-        now = time.time()
         raised = []
-        for tag, rows in by_tag.items():
-            acc, ids = zip(*rows)
-            obs = RoundObservation(slot=stats.batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=K,
-                                   head_version=stats.head_version, timestamp=now, spec_tokens_per_s=tps,
-                                   num_requests=len(acc), request_ids=ids)
+        for obs in round_observations(stats.batch_size, stats.num_steps, stats.accepted, tags,
+                                      [out.request_id for out in outs], stats.head_version, time.time(), tps):
             with self._lock:
                 alerts = self.detector.update(obs)
             for alert in alerts:

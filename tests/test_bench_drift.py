@@ -74,7 +74,7 @@ def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_fp32, tmp_path):
     chat, _ = load_prompts(cfg, smol_fp32.tokenizer)
     head = bigram_head(smol_fp32, [smol_fp32.encode_chat(m) for m in chat], cfg.max_tokens)
 
-    figures = measure(cfg, drift, smol_fp32, head)
+    figures = measure(cfg, drift, smol_fp32, head, rounds_out=tmp_path / "drift.rounds.jsonl")
     report = write_report(tmp_path / "drift.json", {**figures, "head": "bigram stand-in", "quick": True,
                                                     "note": "test"})
 
@@ -99,6 +99,13 @@ def test_bench_runs_end_to_end_and_reads_the_alert_back(smol_fp32, tmp_path):
     row = written["wandb_alert"]
     assert row["kind"] == "drop" and row["round"] == first["round"] and row["before"] > row["after"]
     assert written["false_alerts"] == len(written["phases"]["stationary"]["alerts"])
+    # every round the detector saw is in the trace, and replaying it offline raises the live alerts
+    lines = [json.loads(x) for x in (tmp_path / "drift.rounds.jsonl").read_text().splitlines()]
+    assert len(lines) == written["stationary_rounds"] + written["switched_rounds"]
+    assert [x["phase"] for x in lines].count("switched") == written["switched_rounds"]
+    assert all(len(x["request_ids"]) == len(x["accepted"]) == x["batch_size"] for x in lines)
+    assert written["rounds_trace_replay"] == {"alerts": len(written["phases"]["stationary"]["alerts"]) +
+                                              len(written["phases"]["switched"]["alerts"]), "matches_live": True}
 
 
 def test_shift_is_checked():

@@ -47,8 +47,9 @@ class ReplayConfig:
         check(self.trace is not None, "trace", "is required (--trace TRACE.jsonl)")
 
 
-def read_trace(lines: Iterable[str], source: str = "trace") -> Iterator[tuple[int, list[int]]]:
-    """(batch_size, accepted) per non-blank line; raises TraceError naming line and field."""
+def read_trace_rows(lines: Iterable[str], source: str = "trace") -> Iterator[tuple[str, dict]]:
+    """(where, row) per non-blank line, batch_size and accepted checked; extra keys are left to
+    the reader that wants them. Raises TraceError naming line and field."""
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -66,7 +67,13 @@ def read_trace(lines: Iterable[str], source: str = "trace") -> Iterator[tuple[in
         if not isinstance(acc, list) or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0
                                                 for a in acc):
             raise TraceError(f"{where}: accepted: must be a list of non-negative ints, got {acc!r}")
-        yield b, acc
+        yield where, row
+
+
+def read_trace(lines: Iterable[str], source: str = "trace") -> Iterator[tuple[int, list[int]]]:
+    """(batch_size, accepted) per non-blank line; raises TraceError naming line and field."""
+    for _, row in read_trace_rows(lines, source):
+        yield row["batch_size"], row["accepted"]
 
 
 def replay_trace(policy, rounds: Iterable[tuple[int, Sequence[int]]]) -> Iterator[int]:
