@@ -41,7 +41,7 @@ from online_spec.drift import DriftConfig, DriftDetector, round_observations
 class DriftReplayConfig:
     """Inputs of `drift replay` (the detector's settings are the --drift-* options)."""
 
-    trace: Path | None = doc("JSON-lines trace of verify rounds (required)", None)
+    trace: Path | None = doc("JSON-lines trace of verify rounds (required; .gz is read through gzip)", None)
     out: Path | None = doc("where to write one JSON line per alert; default: stdout", None)
 
     def __post_init__(self) -> None:
@@ -100,6 +100,14 @@ def summarize(rounds_by_phase: dict[str, int], first_round: dict[str, int], aler
     return {"rounds": sum(rounds_by_phase.values()), "alerts": len(alerts), "phases": phases}
 
 
+def open_trace(path: Path):
+    """A trace file for reading as text; a name ending in .gz is read through gzip."""
+    if str(path).endswith(".gz"):
+        import gzip
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def replay_file(path: Path, cfg: DriftConfig) -> tuple[list[dict], dict]:
     """(alerts, summary) of a trace file replayed through a fresh detector with `cfg`."""
     counted: dict[str, int] = {}
@@ -114,7 +122,7 @@ def replay_file(path: Path, cfg: DriftConfig) -> tuple[list[dict], dict]:
                 n += 1
             yield row
 
-    with open(path, encoding="utf-8") as f:
+    with open_trace(path) as f:
         alerts = list(replay_rounds(DriftDetector(cfg), tally(read_rounds(f, source=str(path)))))
     return alerts, summarize(counted, first, alerts)
 

@@ -23,11 +23,12 @@ import json
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from online_spec.config import add_config_args, config_from_args, config_to_dict
 from online_spec.drift import DriftConfig, DriftDetector
-from online_spec.drift_replay import read_rounds, replay_rounds
+from online_spec.drift_replay import open_trace, read_rounds, replay_rounds
 
 
 def requests_by_phase(path: Path) -> tuple[dict[str, list[list[int]]], int]:
@@ -36,7 +37,7 @@ def requests_by_phase(path: Path) -> tuple[dict[str, list[list[int]]], int]:
     seqs: dict[str, dict[str, list[int]]] = {}
     last: dict[str, set] = {}
     ks = set()
-    with open(path, encoding="utf-8") as f:
+    with open_trace(path) as f:
         for row in read_rounds(f, str(path)):
             ks.add(row["num_steps"])
             per = seqs.setdefault(row["phase"], {})
@@ -92,7 +93,8 @@ def main() -> int:
     by_phase, k = requests_by_phase(args.trace)
     names = args.phases.split(",") if args.phases else list(by_phase)[:2]
     pools = [by_phase[n] for n in names]
-    out = {"trace": str(args.trace), "phases": names, "requests": [len(x) for x in pools], "num_steps": k,
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "command": "python scripts/drift_bootstrap.py " + " ".join(sys.argv[1:]), "trace": str(args.trace), "phases": names, "requests": [len(x) for x in pools], "num_steps": k,
            "mean_accept_len": [statistics.fmean(a for s in pool for a in s) for pool in pools],
            "stationary_rounds": args.stationary, "max_switched_rounds": args.switched,
            "drift_config": config_to_dict(cfg), "batches": {}}

@@ -65,8 +65,9 @@ REQUIRED_STATIONARY_ROUNDS = 2000  # issue 7: the stationary phase must be at le
 @dataclass
 class DriftBenchConfig:
     draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped, pretrained on ShareGPT's chat)", "")
-    clients: int = doc("concurrent closed-loop chat clients (keeps the batch size steady; 1 = batch-1 rounds, "
-                       "the cheapest, so 2,000 of them take a few minutes)", 1)
+    clients: int = doc("concurrent closed-loop chat clients (keeps the batch size steady): 8, a serving load; "
+                       "1 = batch-1 rounds, where a round is one request's and a ~35 % drop needs ~1,000 "
+                       "rounds to tell from a hard prompt (docs/server.md)", 8)
     num_steps: int = doc("K, fixed for the whole run", 5)
     shift: str = doc("which traffic comes first: sharegpt-humaneval (issue 7's shift) or humaneval-sharegpt "
                      "(for a head trained on code, e.g. --draft code)",
