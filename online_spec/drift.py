@@ -114,7 +114,9 @@ class DriftConfig:
                             "their requests (a request lives for tens of rounds), so the reference's noise "
                             "is also measured on block means, about a request's lifetime long", 50)
     threshold: float = doc("CUSUM decision threshold of a drop, in nats; higher = fewer false alarms, "
-                           "slower detection", 8.0)
+                           "slower detection. 8 is chosen for rounds that carry request ids and counts "
+                           "(the server's); a caller without them gets the block noise estimate only "
+                           "and should use 13", 8.0)
     rise_threshold: float = doc("CUSUM decision threshold of a rise, in nats (0 = the drop threshold): "
                                 "acceptance per request is skewed upwards (an easy, repetitive prompt "
                                 "accepts everything for its whole life), so a chance excursion up is "
