@@ -23,10 +23,13 @@ split never saw these conversations.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 KEYS = {"messages", "prompt", "tag", "max_tokens", "phase"}
 
@@ -119,8 +122,17 @@ def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, se
     chat = sharegpt_conversations(limit=n_chat_total, seed=seed, split="heldout", topic="chat",
                                   max_prompt_tokens=max_prompt_tokens, tokenizer=tok)
     code = humaneval_conversations(split="heldout", seed=seed)
+    n_mix_chat = (n_mix + 1) // 2
     if len(chat) < n_chat_total:
-        raise TraceError(f"only {len(chat)} held-out ShareGPT conversations fit; asked for {n_chat_total}")
+        # Fewer held-out chat conversations fit than asked (639 at 200 prompt tokens; the demo's
+        # default asks 900). The mix keeps its own, never-served ones; the chat phase gets the rest
+        # (a demo serves only part of each phase's lines in its time budget anyway).
+        if len(chat) <= n_mix_chat:
+            raise TraceError(f"only {len(chat)} held-out ShareGPT chat conversations fit; the mix alone asks "
+                             f"for {n_mix_chat}")
+        log.warning("only %d held-out ShareGPT chat conversations fit in %d prompt tokens: the chat phase gets "
+                    "%d lines instead of %d", len(chat), max_prompt_tokens, len(chat) - n_mix_chat, n_chat)
+        n_chat = len(chat) - n_mix_chat
     code = [code[i % len(code)] for i in range(n_code_total)]  # HumanEval held-out has ~40 tasks
     lines = [{"messages": c[:1], "tag": "chat", "phase": "chat"} for c in chat[:n_chat]]
     lines += [{"messages": c[:1], "tag": "code", "phase": "code"} for c in code[:n_code]]

@@ -73,6 +73,21 @@ def test_built_in_drift_trace_is_chat_then_code_then_mix(tmp_path):
     assert len(set(chat_texts)) == len(chat_texts)  # the mix brings new conversations, not repeats
 
 
+def test_the_demo_default_trace_builds(tmp_path, caplog):
+    """The default demo (10 minutes x 60 lines per phase per minute) asks for 600 chat + 300 mix chat
+    conversations; 639 held-out chat conversations fit (the chat-only filter of 2026-11-24 made the
+    default demo fail here with "only 639 ... fit"). The mix keeps its own, the chat phase is cut."""
+    from online_spec.demo import DemoConfig, trace_items
+
+    items = trace_items(DemoConfig(), tmp_path)
+    runs = dict((n, r) for n, r in phases(items))
+    assert len(runs["code"]) == 600 and len(runs["mix"]) == 600
+    assert 300 <= len(runs["chat"]) < 600 and "chat phase gets" in caplog.text
+    chat_texts = [it.messages[0]["content"] for it in items if it.tag == "chat"]
+    # each conversation once: only ShareGPT's own repeated first turns repeat (10 of these 639)
+    assert len(chat_texts) == 639 and len(set(chat_texts)) >= 625
+
+
 def test_demo_end_to_end_writes_the_report(smol, tmp_path):
     from online_spec.demo import DemoConfig, run_demo
 
