@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from online_spec.config import ConfigError, add_config_args, check, config_from_args, config_to_dict, doc
-from online_spec.controller.replay import TraceError, read_trace_rows
+from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.controller.replay import TraceError, read_trace_rows, run_replay_command, write_json_lines
 from online_spec.drift import DriftConfig, DriftDetector, round_observations
 
 
@@ -136,25 +136,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the summary (and the settings) to this JSON file")
 
 
-def run(args: argparse.Namespace) -> int:
-    prog = f"online-spec drift {args.drift_command}"
-    try:
-        cfg = config_from_args(DriftReplayConfig, args)
-        drift = config_from_args(DriftConfig, args, prefix="drift_")
-        alerts, summary = replay_file(cfg.trace, drift)
-    except (ConfigError, TraceError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{prog}: error: {e.filename}: {e.strerror}", file=sys.stderr)
-        return 2
-    out = open(cfg.out, "w", encoding="utf-8") if cfg.out is not None else sys.stdout
-    try:
-        for a in alerts:
-            out.write(json.dumps({k: (None if isinstance(v, float) and v != v else v) for k, v in a.items()}) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
+def _replay(args: argparse.Namespace, prog: str) -> None:
+    cfg = config_from_args(DriftReplayConfig, args)
+    drift = config_from_args(DriftConfig, args, prefix="drift_")
+    alerts, summary = replay_file(cfg.trace, drift)
+    write_json_lines(cfg.out, ({k: (None if isinstance(v, float) and v != v else v) for k, v in a.items()}
+                               for a in alerts))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"trace": str(cfg.trace), **summary, "drift_config": config_to_dict(drift)},
@@ -163,4 +150,8 @@ def run(args: argparse.Namespace) -> int:
                           + (f", first drop after {v['rounds_to_drop']} rounds" if v["rounds_to_drop"] else "")
                           for p, v in summary["phases"].items())
     print(f"{prog}: {summary['rounds']} rounds, {summary['alerts']} alerts ({per_phase})", file=sys.stderr)
-    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = f"online-spec drift {args.drift_command}"
+    return run_replay_command(prog, lambda: _replay(args, prog))

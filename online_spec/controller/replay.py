@@ -22,7 +22,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 from online_spec.config import ConfigError, add_config_args, check, config_from_args, doc
 from online_spec.controller.config import adaptive_config_path, load_adaptive_config
@@ -153,23 +153,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(sub.add_parser("replay", help=help_text, description=help_text), ReplayConfig)
 
 
-def _replay(cfg: ReplayConfig) -> None:
-    adaptive = load_adaptive_config(cfg.config or adaptive_config_path())
-    policy = EmaTierPolicy(adaptive, initial_steps=cfg.initial_steps)
-    with open(cfg.trace, encoding="utf-8") as trace:
-        out = open(cfg.out, "w", encoding="utf-8") if cfg.out is not None else sys.stdout
-        try:
-            for k in replay_trace(policy, read_trace(trace, source=str(cfg.trace))):
-                out.write(json.dumps({"steps": k}) + "\n")
-        finally:
-            if out is not sys.stdout:
-                out.close()
-
-
-def run(args: argparse.Namespace) -> int:
-    prog = f"online-spec controller {args.controller_command}"
+def write_json_lines(path: Path | None, rows: Iterable[dict]) -> None:
+    """Each row as one JSON line, to `path` or (None) to stdout."""
+    out = open(path, "w", encoding="utf-8") if path is not None else sys.stdout
     try:
-        _replay(config_from_args(ReplayConfig, args))
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def run_replay_command(prog: str, body: Callable[[], None]) -> int:
+    """Run a replay command: a bad trace, setting or file is one line naming it, exit 2."""
+    try:
+        body()
     except (ConfigError, TraceError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -177,3 +175,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     return 0
+
+
+def _replay(cfg: ReplayConfig) -> None:
+    adaptive = load_adaptive_config(cfg.config or adaptive_config_path())
+    policy = EmaTierPolicy(adaptive, initial_steps=cfg.initial_steps)
+    with open(cfg.trace, encoding="utf-8") as trace:
+        write_json_lines(cfg.out, ({"steps": k} for k in replay_trace(policy, read_trace(trace, source=str(cfg.trace)))))
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_replay_command(f"online-spec controller {args.controller_command}",
+                              lambda: _replay(config_from_args(ReplayConfig, args)))
