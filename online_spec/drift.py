@@ -262,7 +262,8 @@ def fit_alpha(weight_by_k: dict[int, float], weighted_sum: float) -> float:
 
 
 def round_observations(batch_size: int, num_steps: int, accepted, tags, request_ids, head_version: int,
-                       timestamp: float, spec_tokens_per_s: Optional[float] = None) -> list[RoundObservation]:
+                       timestamp: float, spec_tokens_per_s: Optional[float] = None,
+                       plain_tokens_per_s: Optional[float] = None) -> list[RoundObservation]:
     """One verify round of a server as the detector's observations: one per traffic tag present,
     slot = the round's batch size, accept_len = the mean over that tag's requests (bonus
     excluded). The server (live) and `online-spec drift replay` (recorded rounds) both use this,
@@ -278,8 +279,8 @@ def round_observations(batch_size: int, num_steps: int, accepted, tags, request_
         acc, ids = zip(*rows)
         out.append(RoundObservation(slot=batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=num_steps,
                                     head_version=head_version, timestamp=timestamp,
-                                    spec_tokens_per_s=spec_tokens_per_s, num_requests=len(acc), request_ids=ids,
-                                    accepted=acc))
+                                    spec_tokens_per_s=spec_tokens_per_s, plain_tokens_per_s=plain_tokens_per_s,
+                                    num_requests=len(acc), request_ids=ids, accepted=acc))
     return out
 
 

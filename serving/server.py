@@ -117,11 +117,21 @@ class SpecServer:
         self.engine.on_round.append(self._on_round)
         self.drift: ServerDrift | None = None
         if cfg.drift_monitor:
-            self.drift = ServerDrift(cfg.drift, registry=self.metrics.registry, wandb_run=wandb_run)
+            self.drift = ServerDrift(cfg.drift, registry=self.metrics.registry, wandb_run=wandb_run,
+                                     plain_round_s=self._plain_round_s)
             self.round_observers.append(self.drift.observe)
         self.app = build_app(self)
         self.started_at = time.time()
         self.control = ControlServer(self, cfg.control) if cfg.control.enabled else None
+
+    def _plain_round_s(self, batch_size: int, ctx_len: int) -> float | None:
+        """A plain decode round's seconds at this batch and context, from the cost-model policy's
+        round-time model (calibrated on this engine, refined from its rounds); None under a
+        policy without one, where the drift monitor's "losing" rule has nothing to compare."""
+        from online_spec.controller.cost import CostModel
+
+        cost = getattr(self.engine.policy, "cost", None)
+        return cost.verify_s(batch_size, 0, ctx_len) if isinstance(cost, CostModel) else None
 
     # -- the hooks ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:

@@ -3,8 +3,11 @@
 In: every verify round (`observe(stats, outputs, tags)`, a `SpecServer.round_observers` entry,
 on the engine thread). Per round and per traffic tag present in it, one `RoundObservation`:
 slot = the round's batch size, the tag, the mean accept_len (bonus excluded) of that tag's
-requests, K, the head version that drafted, the time, the number of requests, and the round's
-committed tokens/s. Rounds with K = 0 carry no acceptance and are skipped. Out: each alert
+requests, K, the head version that drafted, the time, the requests' ids and counts, the round's
+decode tokens/s and — where `plain_round_s` predicts a plain decode round (the server passes the
+cost-model policy's round-time model, calibrated on this engine and refined from its rounds) —
+plain decoding's tokens/s at the same batch and context, which the "losing" rule compares.
+Rounds with K = 0 carry no acceptance and are skipped. Out: each alert
 goes to every sink through `online_spec.alerts.fan_out` (log, Prometheus on the server's
 registry, W&B when a run is given, any callbacks) and into a short list `/server_info` shows.
 
@@ -20,6 +23,7 @@ import math
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from online_spec.alerts import AlertSink, CallbackAlertSink, LogAlertSink, PrometheusAlertSink, WandbAlertSink, fan_out
 from online_spec.drift import DriftAlert, DriftConfig, DriftDetector, round_observations
@@ -35,8 +39,10 @@ def _json_safe(d: dict) -> dict:
 
 
 class ServerDrift:
-    def __init__(self, cfg: DriftConfig, registry=None, wandb_run=None, keep_alerts: int = 50):
+    def __init__(self, cfg: DriftConfig, registry=None, wandb_run=None, keep_alerts: int = 50,
+                 plain_round_s: Callable[[int, int], float | None] | None = None):
         self.detector = DriftDetector(cfg)
+        self.plain_round_s = plain_round_s  # (batch, ctx) -> seconds of a plain decode round, or None
         self.sinks: list[AlertSink] = [LogAlertSink()]
         if registry is not None:
             self.sinks.append(PrometheusAlertSink(registry))
@@ -49,10 +55,10 @@ class ServerDrift:
 
     def observe(self, stats: RoundStats, outs: list[RequestOutput], tags: list[str]) -> list[DriftAlert]:
         """Feed one round (engine thread); returns the alerts it raised (already fanned out)."""
-        tps = stats.committed / stats.total_s if stats.total_s > 0 else None
+        spec, plain = self.speeds(stats)
         raised = []
         for obs in round_observations(stats.batch_size, stats.num_steps, stats.accepted, tags,
-                                      [out.request_id for out in outs], stats.head_version, time.time(), tps):
+                                      [out.request_id for out in outs], stats.head_version, time.time(), spec, plain):
             with self._lock:
                 alerts = self.detector.update(obs)
             for alert in alerts:
@@ -61,6 +67,15 @@ class ServerDrift:
                 self.alerts_total += 1
             raised.extend(alerts)
         return raised
+
+    def speeds(self, stats: RoundStats) -> tuple[float | None, float | None]:
+        """(speculative, plain) decode tokens/s of the round: committed tokens over its draft and
+        verify seconds (admission's prefill left out: plain decoding pays it too), and the batch
+        over a plain decode round's predicted seconds (None where nothing predicts it)."""
+        busy = stats.draft_s + stats.verify_s
+        spec = stats.committed / busy if busy > 0 else None
+        t = self.plain_round_s(stats.batch_size, stats.ctx_len) if self.plain_round_s is not None else None
+        return spec, (stats.batch_size / t if t is not None and t > 0 else None)
 
     def info(self) -> dict:
         return {"alerts_total": self.alerts_total, "recent_alerts": list(self.recent)[-10:]}

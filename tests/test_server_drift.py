@@ -63,3 +63,37 @@ def test_drift_monitor_off_and_tokenizer_required(smol, tiny):
     assert server.info()["speculative_algorithm"] is None
     with pytest.raises(ValueError, match="tokenizer"):
         SpecServer(ServerConfig(), tiny, None)
+
+
+@pytest.mark.parametrize("plain_round_s, losing", [(1e-5, True), (100.0, False)])
+def test_losing_rule_compares_with_the_cost_models_plain_round(smol, plain_round_s, losing):
+    """The server feeds the "losing" rule plain decoding's tokens/s as the cost-model policy's
+    round-time model predicts it. Here the model is pinned (no refit) to a plain round of 10 us
+    (every speculative round loses to it) or of 100 s (none does); one tier, K = 3, so every round
+    drafts. A random head on a tiny target: what is compared is speed, not acceptance."""
+    from online_spec.controller import AdaptiveConfig
+    from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy
+
+    target = tiny_target(vocab_size=smol.info.vocab_size, num_layers=8, tokenizer=smol.tokenizer)
+    model = CostModel.with_coefficients([1e-7, 0, 0, 0, 0], [plain_round_s, 0, 0, 0, 0],
+                                        CostModelConfig(refit_interval=10**6))
+    policy = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [3]}}), cost_model=model)
+    cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=256, num_steps=3, max_steps=3),
+                       drift=DriftConfig(losing_window=10, collapse_accept_len=0.0))
+    server = SpecServer(cfg, target, new_head(target, draft_vocab_size=2048), policy=policy)
+    got = []
+    server.drift.sinks.append(CallbackAlertSink(got.append))
+    server.start()
+    http = HttpThread(server).start()
+    try:
+        r = httpx.post(http.url + "/v1/completions", timeout=60,
+                       json={"prompt": "go", "max_tokens": 30, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200
+    finally:
+        http.stop()
+        server.close()
+    kinds = [a.kind for a in got]
+    assert kinds.count("losing") == (1 if losing else 0), kinds
+    if losing:
+        a = next(a for a in got if a.kind == "losing")
+        assert "vs plain 100000.0 tok/s" in a.text
