@@ -1,7 +1,8 @@
 """`online-spec bench server`: many concurrent streaming clients against the real server.
 
-Starts the real server (SmolLM2 bf16, a day-0 head or `--draft DIR`) on a loopback port, runs
-`clients` concurrent streaming chat clients (asyncio + httpx, real ShareGPT first turns) until
+Starts the real server (SmolLM2 bf16, the shipped head or `--draft`, e.g. `day0` for a random
+one) on a loopback port, runs `clients` concurrent streaming chat clients (asyncio + httpx, real
+ShareGPT held-out first turns) until
 `requests` requests are done or `time_limit_s` has passed, then restarts the server with K = 0
 (plain decoding, same head) and runs the same load again. Per mode:
 
@@ -31,6 +32,7 @@ import torch
 
 from online_spec.benchutil import machine_info, quick_overrides
 from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.heads import HEAD_CHOICES, resolve_head
 from serving.control import ControlConfig
 from serving.engine import EngineConfig
 from serving.server import HttpThread, ServerConfig, SpecServer, build_policy
@@ -46,7 +48,8 @@ class ServerBenchConfig:
     num_steps: int = doc("K of the speculative mode (the other mode runs K = 0)", 3)
     max_batch: int = doc("engine max_batch", 32)
     max_len: int = doc("engine max_len", 1024)
-    draft: str = doc("head checkpoint directory; empty = a random day-0 head", "")
+    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped; until 2026-11-24 a random day-0 head, "
+                     "which accepts nothing, so the speculative mode measured only its overhead)", "")
     temperature: float = doc("sampling temperature of the requests (0 = greedy)", 0.0)
     policy: str = doc("K policy of the speculative mode: static (K = --num-steps), ema (SGLang's default "
                       "adaptive tiers) or cost (the cost-model policy, calibrated on the engine before the load; "
@@ -172,12 +175,14 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"bench": "server", "quick": bool(args.quick), "config": config_to_dict(cfg),
                                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info()}
     target = load_target()
-    head = load_head(cfg.draft, target.info, dtype=target.dtype)[0] if cfg.draft else new_head(target)
-    convs = sharegpt_conversations(limit=cfg.requests, seed=0, max_prompt_tokens=cfg.max_prompt_tokens,
+    draft = resolve_head(cfg.draft or "shipped", target)
+    head = load_head(draft, target.info, dtype=target.dtype)[0] if draft else new_head(target)
+    # held-out conversations: a packaged head was trained on the train split
+    convs = sharegpt_conversations(limit=cfg.requests, seed=0, split="heldout", max_prompt_tokens=cfg.max_prompt_tokens,
                                    tokenizer=target.tokenizer)
     prompts = [c[:1] for c in convs]
     results["model"] = target.name
-    results["head"] = cfg.draft or "day-0 (random)"
+    results["head"] = draft or "day-0 (random)"
     results["spec"] = run_mode(target, head, cfg, cfg.num_steps, prompts, policy=cfg.policy)
     results["plain"] = run_mode(target, head, cfg, 0, prompts)
     results["failed_requests"] = results["spec"]["failed_requests"] + results["plain"]["failed_requests"]

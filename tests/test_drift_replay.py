@@ -103,3 +103,11 @@ def test_missing_trace_and_bad_settings_are_clear(tmp_path, capsys):
     trace.write_text('{"batch_size": 1, "accepted": [1], "num_steps": 5}\n')
     assert main(["drift", "replay", "--trace", str(trace), "--drift-threshold", "0"]) == 2
     assert "threshold" in capsys.readouterr().err
+    fake = tmp_path / "t.jsonl.gz"
+    fake.write_text('{"batch_size": 1}\n')  # not gzip
+    assert main(["drift", "replay", "--trace", str(fake)]) == 2
+    assert "gzip" in capsys.readouterr().err.lower()
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage\n")
+    assert main(["drift", "replay", "--trace", str(binary)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err

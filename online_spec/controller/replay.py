@@ -171,8 +171,12 @@ def run_replay_command(prog: str, body: Callable[[], None]) -> int:
     except (ConfigError, TraceError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"{prog}: error: {e.filename}: {e.strerror}", file=sys.stderr)
+    except UnicodeDecodeError as e:
+        print(f"{prog}: error: the trace is not UTF-8 text ({e.reason} at byte {e.start})", file=sys.stderr)
+        return 2
+    except OSError as e:  # a missing file, or a .gz that is not gzip
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"{prog}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     return 0
 
