@@ -7,6 +7,7 @@ a real offline W&B run.
 """
 
 import logging
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -22,18 +23,29 @@ from serving.server import HttpThread, ServerConfig, SpecServer
 from serving.server_drift import CallbackAlertSink
 
 
+@contextmanager
+def serving(cfg, target, policy=None, wandb_run=None):
+    """A started server with a random day-0 head, its HTTP thread, and the list its alerts go to;
+    both stopped (and a W&B run finished) on leaving."""
+    server = SpecServer(cfg, target, new_head(target, draft_vocab_size=2048), policy=policy, wandb_run=wandb_run)
+    got = []
+    server.drift.sinks.append(CallbackAlertSink(got.append))
+    server.start()
+    http = HttpThread(server).start()
+    try:
+        yield server, http, got
+    finally:
+        http.stop()
+        server.close()
+
+
 def test_collapse_alert_reaches_every_sink(smol, tmp_path, caplog):
     target = tiny_target(vocab_size=smol.info.vocab_size, num_layers=8, tokenizer=smol.tokenizer)
     run = init_wandb("online-spec-test", None, tmp_path, mode="offline")
     assert run is not None
     cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=256, num_steps=3),
                        drift=DriftConfig(collapse_window=10))
-    server = SpecServer(cfg, target, new_head(target, draft_vocab_size=2048), wandb_run=run)
-    got = []
-    server.drift.sinks.append(CallbackAlertSink(got.append))
-    server.start()
-    http = HttpThread(server).start()
-    try:
+    with serving(cfg, target, wandb_run=run) as (server, http, got):
         with caplog.at_level(logging.ERROR, logger="online_spec.alerts"):
             # three requests: the collapse window must span collapse_min_requests (3) of them
             for _ in range(3):
@@ -49,9 +61,6 @@ def test_collapse_alert_reaches_every_sink(smol, tmp_path, caplog):
         assert samples[(("kind", "collapse"), ("slot", "1"), ("tag", "code"))] == 1
         info = httpx.get(http.url + "/server_info").json()["drift"]
         assert info["alerts_total"] >= 1 and info["recent_alerts"][0]["kind"] == "collapse"
-    finally:
-        http.stop()
-        server.close()  # finishes the W&B run
     rows = read_alerts_from_offline_run(tmp_path, wait_s=30)
     assert [row["kind"] for row in rows][:1] == ["collapse"]
 
@@ -80,18 +89,10 @@ def test_losing_rule_compares_with_the_cost_models_plain_round(smol, plain_round
     policy = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [3]}}), cost_model=model)
     cfg = ServerConfig(engine=EngineConfig(max_batch=4, max_len=256, num_steps=3, max_steps=3),
                        drift=DriftConfig(losing_window=10, collapse_accept_len=0.0))
-    server = SpecServer(cfg, target, new_head(target, draft_vocab_size=2048), policy=policy)
-    got = []
-    server.drift.sinks.append(CallbackAlertSink(got.append))
-    server.start()
-    http = HttpThread(server).start()
-    try:
+    with serving(cfg, target, policy=policy) as (_, http, got):
         r = httpx.post(http.url + "/v1/completions", timeout=60,
                        json={"prompt": "go", "max_tokens": 30, "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200
-    finally:
-        http.stop()
-        server.close()
     kinds = [a.kind for a in got]
     assert kinds.count("losing") == (1 if losing else 0), kinds
     if losing:
