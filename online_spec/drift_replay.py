@@ -30,7 +30,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.controller.replay import TraceError, read_trace_rows, run_replay_command, write_json_lines
@@ -72,9 +72,11 @@ def read_rounds(lines: Iterable[str], source: str = "trace") -> Iterator[dict]:
                "tags": row.get("tags") or [""] * n, "head_version": version, "phase": phase}
 
 
-def replay_rounds(detector: DriftDetector, rounds: Iterable[dict]) -> Iterator[dict]:
+def replay_rounds(detector: DriftDetector, rounds: Iterable[dict],
+                  on_round: Callable[[int, dict], None] | None = None) -> Iterator[dict]:
     """The alerts the rounds raise, each as its dict plus `round_index` (0-based line of the round
-    among the rounds with K > 0, as the bench counts them) and `phase`."""
+    among the rounds with K > 0, as the bench counts them) and `phase`. `on_round(index, row)` is
+    called for each such round (the ones the detector sees)."""
     index = -1
     for row in rounds:
         obs = round_observations(row["batch_size"], row["num_steps"], row["accepted"], row["tags"],
@@ -82,6 +84,8 @@ def replay_rounds(detector: DriftDetector, rounds: Iterable[dict]) -> Iterator[d
         if not obs:
             continue
         index += 1
+        if on_round is not None:
+            on_round(index, row)
         for o in obs:
             for alert in detector.update(o):
                 yield {"round_index": index, "phase": row["phase"], **alert.to_dict()}
@@ -113,17 +117,12 @@ def replay_file(path: Path, cfg: DriftConfig) -> tuple[list[dict], dict]:
     counted: dict[str, int] = {}
     first: dict[str, int] = {}
 
-    def tally(rows: Iterable[dict]) -> Iterator[dict]:
-        n = 0
-        for row in rows:
-            if row["num_steps"] > 0 and row["accepted"]:
-                first.setdefault(row["phase"], n)
-                counted[row["phase"]] = counted.get(row["phase"], 0) + 1
-                n += 1
-            yield row
+    def tally(index: int, row: dict) -> None:
+        first.setdefault(row["phase"], index)
+        counted[row["phase"]] = counted.get(row["phase"], 0) + 1
 
     with open_trace(path) as f:
-        alerts = list(replay_rounds(DriftDetector(cfg), tally(read_rounds(f, source=str(path)))))
+        alerts = list(replay_rounds(DriftDetector(cfg), read_rounds(f, source=str(path)), on_round=tally))
     return alerts, summarize(counted, first, alerts)
 
 

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from online_spec.controller.cost import CostModel
 from online_spec.drift import DriftConfig
 from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.head import EagleHead
@@ -128,9 +129,7 @@ class SpecServer:
         """A plain decode round's seconds at this batch and context, from the cost-model policy's
         round-time model (calibrated on this engine, refined from its rounds); None under a
         policy without one, where the drift monitor's "losing" rule has nothing to compare."""
-        from online_spec.controller.cost import CostModel
-
-        cost = getattr(self.engine.policy, "cost", None)
+        cost = getattr(self.engine.policy, "cost", None)  # looked up per round: set_policy may change it
         return cost.verify_s(batch_size, 0, ctx_len) if isinstance(cost, CostModel) else None
 
     # -- the hooks ------------------------------------------------------------------------------
