@@ -4,7 +4,8 @@ Starts the embedded server (SmolLM2) with a head, the capture publisher, the con
 and the trainer daemon in a child process (`online_spec.session`); replays a drifting trace
 (ShareGPT chat -> HumanEval code -> a mix, or `--trace FILE`) over HTTP with streaming clients;
 prints a progress line every few seconds (rounds, tokens/s, accept_len per batch-size slot, K,
-head version, swaps, alerts); writes OUT/summary.md, OUT/figures.json and two PNGs.
+head version, swaps, alerts); writes OUT/summary.md, OUT/figures.json, two PNGs and OUT/rounds.jsonl.gz (every
+verify round, for `online-spec drift replay --trace`).
 
     online-spec demo                                  # ~15 min on 2 cores the first time, ~10 after
     online-spec demo --minutes 3 --head day0          # quick look, random day-0 head
@@ -104,7 +105,7 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     """The whole demo; returns figures.json's content."""
     import torch
 
-    from online_spec.report import plot_session, session_figures
+    from online_spec.report import plot_session, session_figures, write_rounds
     from online_spec.session import SessionConfig, run_session
     from online_spec.target import load_target
     from online_spec.trace import phases
@@ -128,6 +129,7 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     figs["head"] = head or "day0 (random)"
     figs["requests"] = [r.to_dict() for r in result.requests]
     pngs = plot_session(result, figs, out)
+    write_rounds(result, out / "rounds.jsonl.gz")
     figs["plots"] = [p.name for p in pngs]
     (out / "figures.json").write_text(json.dumps(figs, indent=2))
     (out / "summary.md").write_text(summary_md(figs))

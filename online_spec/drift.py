@@ -7,7 +7,17 @@ measured tokens/s with speculation and the plain-decode estimate). Out: a list o
 (usually empty), which the caller hands to the sinks of `online_spec.alerts`. No I/O, no torch,
 no clock: the detector only reads what it is given, so it is replayable and deterministic.
 
-State is kept per stream, a stream being one (slot, tag) pair. Per stream four rules run:
+State is kept per stream, a stream being one (slot, tag) pair. Each slot also has a **mix
+stream** (tag `MIX_TAG` = "*", fed by `round_observations` with every round's whole batch): drift is
+a change in the *mix* of traffic over time (ARCHITECTURE.md), and a stream per tag cannot see one —
+chat turning into code under the tags `chat` / `code` leaves the chat stream idle and gives the
+code stream a level of its own, while the slot's acceptance has fallen. A tag's own stream starts
+once its slot has carried a second tag (before, it would be the mix stream's twin and cost a second
+stream per round for nothing), and one change is said once per slot: an alert of a kind that the
+other side (mix stream vs tag streams) raised on the slot within `cooldown_rounds` of the mix
+stream's rounds is not repeated (tag streams among themselves are not merged: `chat` dropped and
+`code` dropped are two facts). A mix stream's alert names the slot's tag while it has had only one
+(it is that tag's stream), and "all traffic" (tag '*') once it has had two. Per stream four rules run:
 
 - **drop / rise** (level "warn" / "info"): a two-sided CUSUM on the log-likelihood ratio of a
   mean shift. Why this normalisation: the raw accept length depends on K (the step controller
@@ -48,7 +58,12 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   warm-up does not leave a biased reference for good. A change during the warm-up becomes part
   of the reference (collapse still catches the extreme case). After a change alert the stream
   re-learns its reference (the new level is the new normal) and raises no further change alert
-  for `cooldown_rounds`.
+  for `cooldown_rounds`. A re-learn (after a change, or a head swap below) keeps the request
+  clusters of the old reference, each standardised against its own level, and pools them into the
+  new reference's noise; with `NOISE_MIN_REQUESTS` of them the change test runs right after the
+  warm-up instead of after 4 new blocks: the noise is mostly the traffic's (how much its requests
+  differ), and with a swap every 20-40 s (the demo's trainer) a stream that needed 4 new blocks
+  after each swap had its test running a few seconds in every thirty.
 - **collapse** (level "error"): the mean accept length over the last `collapse_window` rounds
   with K > 0 is below `collapse_accept_len` — speculation is pure overhead. Needs no warm-up.
   Where rounds carry request ids (the server's do) the window reaches back until it also spans
@@ -62,7 +77,7 @@ State is kept per stream, a stream being one (slot, tag) pair. Per stream four r
   decoding — so a window mean wandering around the threshold by chance does not alert again
   at every crossing; and only once `cooldown_rounds` have passed.
 - A **head version change** re-warms the stream (`_Stream.rewarm`): the change test's
-  reference and CUSUM, and the collapse and losing windows, restart on the new head's rounds
+  reference level and CUSUM, and the collapse and losing windows, restart on the new head's rounds
   only (its acceptance is a new baseline, so a swap never raises a drop or rise by itself, and
   no window mixes two heads). What the stream has already reported stays: a rule's latch and
   cool-down carry over, so a condition that was alerted under the old head and persists under
@@ -133,6 +148,9 @@ class DriftConfig:
                                "decoding", 0.05)
     losing_window: int = doc("rounds with both speeds measured over which losing is judged", 50)
     max_streams: int = doc("most (slot, tag) streams kept; the least recently seen is dropped", 256)
+    mix_streams: bool = doc("per slot, a stream of all its traffic whatever the tags (tag '*'), which sees a "
+                            "change in the mix of tags; off: observations tagged '*' are ignored and every tag "
+                            "has its own stream from its first round", True)
 
     def __post_init__(self) -> None:
         check(self.warmup_rounds >= 2, "warmup_rounds", f"must be >= 2, got {self.warmup_rounds}")
@@ -172,6 +190,7 @@ class RoundObservation:
     num_requests: Optional[int] = None  # requests averaged into accept_len; None = the slot
     request_ids: Optional[tuple] = None  # ids of those requests, for the collapse window's span
     accepted: Optional[tuple] = None  # each request's accepted drafts, aligned with request_ids
+    opens_round: bool = True  # False: another observation of the same round (round_observations' tags)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -207,7 +226,7 @@ class DriftAlert:
     before: float
     after: float
     head_version: int
-    round: int  # index of the round (0-based count of update() calls) that raised it
+    round: int  # index of the round that raised it (0-based count of observations that open a round)
     time: float  # the round's timestamp
     title: str
     text: str
@@ -216,8 +235,11 @@ class DriftAlert:
         return asdict(self)
 
 
+MIX_TAG = "*"  # the tag of a slot's mix stream: every request of its rounds, whatever their tags
 COLLAPSE_SPAN = 32  # the collapse window may grow to this many times collapse_window rounds
 MIN_BLOCKS = 4  # block means the reference needs before the change test runs (fewer: too noisy)
+NOISE_MIN_REQUESTS = 32  # or request clusters, this reference's and earlier ones' (a re-warmed stream)
+NOISE_MEMORY = 2000  # request clusters of earlier references kept (beyond, the oldest halve)
 
 
 # --- the truncated-geometric model of one request's accept length ----------------------------
@@ -264,15 +286,17 @@ def fit_alpha(weight_by_k: dict[int, float], weighted_sum: float) -> float:
 def round_observations(batch_size: int, num_steps: int, accepted, tags, request_ids, head_version: int,
                        timestamp: float, spec_tokens_per_s: Optional[float] = None,
                        plain_tokens_per_s: Optional[float] = None) -> list[RoundObservation]:
-    """One verify round of a server as the detector's observations: one per traffic tag present,
-    slot = the round's batch size, accept_len = the mean over that tag's requests (bonus
-    excluded). The server (live) and `online-spec drift replay` (recorded rounds) both use this,
-    so a recorded round replays to the observations the live detector saw. Rounds with K = 0
-    or no requests give none."""
+    """One verify round of a server as the detector's observations: first the whole round (tag
+    `MIX_TAG`, the slot's mix stream), then one per traffic tag present; slot = the round's batch
+    size, accept_len = the mean over the requests (bonus excluded). The server (live) and
+    `online-spec drift replay` (recorded rounds) both use this, so a recorded round replays to the
+    observations the live detector saw. Rounds with K = 0 or no requests give none."""
     if num_steps == 0 or not accepted:
         return []
-    by_tag: dict[str, list[tuple[int, str]]] = {}  # tag -> (accepted, request id) per request
+    by_tag: dict[str, list[tuple[int, str]]] = {MIX_TAG: list(zip(accepted, request_ids))}
     for a, tag, rid in zip(accepted, tags, request_ids):
+        if tag == MIX_TAG:
+            raise ValueError(f"tags: {MIX_TAG!r} names a slot's mix stream and is not a traffic tag")
         by_tag.setdefault(tag, []).append((a, rid))
     out = []
     for tag, rows in by_tag.items():
@@ -280,16 +304,14 @@ def round_observations(batch_size: int, num_steps: int, accepted, tags, request_
         out.append(RoundObservation(slot=batch_size, tag=tag, accept_len=sum(acc) / len(acc), num_steps=num_steps,
                                     head_version=head_version, timestamp=timestamp,
                                     spec_tokens_per_s=spec_tokens_per_s, plain_tokens_per_s=plain_tokens_per_s,
-                                    num_requests=len(acc), request_ids=ids, accepted=acc))
+                                    num_requests=len(acc), request_ids=ids, accepted=acc, opens_round=not out))
     return out
 
 
-def _group_dispersion(alpha: float, groups: list[dict], pooled: bool = False) -> float:
-    """Variance inflation of sums over groups of request-rounds (each group: K -> [count, sum a]):
-    the mean over groups of z^2, z = sum_K (S1 - mu_K S0) / sqrt(sum_K S0 sd_K^2), which is 1 when
-    the groups' request-rounds are independent draws of the model. `pooled`: the ratio of the sums
-    instead (sum num^2 / sum var), which weighs a group by its size — for groups of very different
-    sizes (requests of 3 and of 90 rounds), where a mean of ratios would let the short ones rule."""
+def _group_sums(alpha: float, groups: list[dict]) -> tuple[float, float, float]:
+    """(sum num^2, sum var, sum num^2 / var) over groups of request-rounds (each group: K -> [count,
+    sum a]), num = sum_K (S1 - mu_K S0) and var = sum_K S0 sd_K^2 its variance when the group's
+    request-rounds are independent draws of the model."""
     moments = {int(k): accept_len_moments(alpha, int(k)) for g in groups for k in g}
     num2 = var = ratios = 0.0
     for g in groups:
@@ -298,6 +320,16 @@ def _group_dispersion(alpha: float, groups: list[dict], pooled: bool = False) ->
         num2 += num * num
         var += gvar
         ratios += num * num / gvar
+    return num2, var, ratios
+
+
+def _group_dispersion(alpha: float, groups: list[dict], pooled: bool = False) -> float:
+    """Variance inflation of sums over groups of request-rounds: the mean over groups of z^2,
+    z = num / sqrt(var) (`_group_sums`), which is 1 when the groups' request-rounds are independent
+    draws of the model. `pooled`: the ratio of the sums instead (sum num^2 / sum var), which weighs
+    a group by its size — for groups of very different sizes (requests of 3 and of 90 rounds),
+    where a mean of ratios would let the short ones rule."""
+    num2, var, ratios = _group_sums(alpha, groups)
     return num2 / var if pooled else ratios / len(groups)
 
 
@@ -331,6 +363,9 @@ class _Stream:
     alpha: Optional[float] = None
     prev_alpha: Optional[float] = None  # the reference before the last re-learn, for alert texts
     dispersion: float = 1.0
+    # The request clusters of earlier references (before re-learns), each against its own level:
+    # [sum num^2, sum var, requests] (`_group_sums`), the noise of the traffic across swaps.
+    noise: list = field(default_factory=lambda: [0.0, 0.0, 0])
     # Batch means of the reference rounds, per K: [requests, sum w*a]; `block` is the one filling.
     blocks: list = field(default_factory=list)
     block: dict = field(default_factory=dict)
@@ -352,6 +387,11 @@ class _Stream:
 
     def relearn(self) -> None:
         self.prev_alpha = self.alpha if self.alpha is not None else self.prev_alpha
+        if self.alpha is not None and self.requests:  # the traffic's noise outlives the level
+            num2, var, _ = _group_sums(self.alpha, list(self.requests.values()))
+            self.noise = [self.noise[0] + num2, self.noise[1] + var, self.noise[2] + len(self.requests)]
+            if self.noise[2] > NOISE_MEMORY:  # forget the oldest by halves
+                self.noise = [self.noise[0] / 2, self.noise[1] / 2, self.noise[2] // 2]
         self.ref, self.alpha, self.dispersion = {}, None, 1.0
         self.blocks, self.block, self.block_len = [], {}, 0
         self.requests = {}
@@ -368,7 +408,8 @@ class _Stream:
     def to_dict(self) -> dict:
         return {"head_version": self.head_version, "rounds": self.rounds,
                 "ref": {k: list(v) for k, v in self.ref.items()}, "alpha": self.alpha,
-                "prev_alpha": self.prev_alpha, "dispersion": self.dispersion, "up": asdict(self.up), "down": asdict(self.down),
+                "prev_alpha": self.prev_alpha, "dispersion": self.dispersion,
+                "noise": list(self.noise), "up": asdict(self.up), "down": asdict(self.down),
                 "up_large": asdict(self.up_large), "down_large": asdict(self.down_large),
                 "blocks": [{k: list(v) for k, v in b.items()} for b in self.blocks],
                 "block": {k: list(v) for k, v in self.block.items()}, "block_len": self.block_len,
@@ -380,7 +421,8 @@ class _Stream:
     def from_dict(cls, d: dict, cfg: DriftConfig) -> "_Stream":
         return cls(head_version=int(d["head_version"]), rounds=int(d["rounds"]),
                    ref={str(k): list(v) for k, v in d["ref"].items()}, alpha=d["alpha"],
-                   prev_alpha=d["prev_alpha"], dispersion=float(d["dispersion"]), up=_Side(**d["up"]), down=_Side(**d["down"]),
+                   prev_alpha=d["prev_alpha"], dispersion=float(d["dispersion"]),
+                   noise=list(d.get("noise", [0.0, 0.0, 0])), up=_Side(**d["up"]), down=_Side(**d["down"]),
                    up_large=_Side(**d.get("up_large", {})), down_large=_Side(**d.get("down_large", {})),
                    blocks=[{str(k): list(v) for k, v in b.items()} for b in d.get("blocks", [])],
                    block={str(k): list(v) for k, v in d.get("block", {}).items()}, block_len=int(d.get("block_len", 0)),
@@ -399,11 +441,16 @@ class DriftDetector:
         self.cfg = cfg or DriftConfig()
         self.round = -1
         self._streams: OrderedDict[tuple[int, str], _Stream] = OrderedDict()
+        self._slot_tags: dict[int, list[str]] = {}  # per slot the first two tags seen (two = mixed)
+        # per slot and alert kind: [side that spoke ("mix" | "tag"), the mix stream's rounds then]
+        self._said: dict[str, list] = {}
 
-    # one call per round ---------------------------------------------------------------------
+    # one call per observation (round_observations: the round's mix, then each tag) -------------
     def update(self, obs: RoundObservation) -> list[DriftAlert]:
         obs.validate()
-        self.round += 1
+        self.round += obs.opens_round
+        if not self._routed(obs):
+            return []
         s = self._stream(obs)
         if obs.num_steps == 0:  # plain decode: nothing about the head to learn
             return []
@@ -421,7 +468,8 @@ class DriftDetector:
             alert = self._losing(s, obs)
             if alert:
                 alerts.append(alert)
-        return alerts
+        side = "mix" if obs.tag == MIX_TAG else "tag"
+        return [a for a in alerts if not self._said_by_other_side(a, side)]
 
     def reference(self, slot: int, tag: str) -> Optional[float]:
         """The stream's learned per-position acceptance alpha, or None while it warms up."""
@@ -429,6 +477,31 @@ class DriftDetector:
         return None if s is None else s.alpha
 
     # streams ----------------------------------------------------------------------------------
+    def _routed(self, obs: RoundObservation) -> bool:
+        """Whether `obs` feeds a stream: a mix observation while mix streams are on; a tag's once
+        its slot has carried two tags, or at once where the slot has no mix stream (a caller that
+        feeds tags only, or mix streams off)."""
+        if obs.tag == MIX_TAG:
+            return self.cfg.mix_streams
+        seen = self._slot_tags.setdefault(obs.slot, [])
+        if obs.tag not in seen and len(seen) < 2:
+            seen.append(obs.tag)
+        return len(seen) >= 2 or (obs.slot, MIX_TAG) not in self._streams
+
+    def _said_by_other_side(self, alert: DriftAlert, side: str) -> bool:
+        """True when the other side of the slot (`side`: "mix" stream vs "tag" streams) raised this
+        kind within `cooldown_rounds` of the mix stream's rounds: the same change, said once. Else
+        records it."""
+        mix = self._streams.get((alert.slot, MIX_TAG))
+        if mix is None:
+            return False
+        key = f"{alert.slot}:{alert.kind}"
+        last = self._said.get(key)
+        if last is not None and last[0] != side and mix.rounds - last[1] < self.cfg.cooldown_rounds:
+            return True
+        self._said[key] = [side, mix.rounds]
+        return False
+
     def _new_stream(self, version: int) -> _Stream:
         return _Stream(head_version=version, collapse=deque(maxlen=COLLAPSE_SPAN * self.cfg.collapse_window),
                        losing=deque(maxlen=self.cfg.losing_window))
@@ -477,8 +550,8 @@ class DriftDetector:
                 # the level every round; the noise (sums over all blocks and requests) once a block
                 # completes, so a refining stream costs tens of microseconds a round, not hundreds
                 self._fit_reference(s, noise=block_done or s.alpha is None)
-        if s.alpha is None or len(s.blocks) < MIN_BLOCKS:  # the noise is not known yet
-            return None
+        if s.alpha is None or (len(s.blocks) < MIN_BLOCKS and s.noise[2] + len(s.requests) < NOISE_MIN_REQUESTS):
+            return None  # the noise is not known yet
         mu, sd = accept_len_moments(s.alpha, k)
         sd *= math.sqrt(s.dispersion)
         r = (obs.accept_len - mu) / max(sd, 1e-6)
@@ -524,8 +597,12 @@ class DriftDetector:
         # variance of a sum over rounds (cluster-robust); unlike blocks of a fixed length it does
         # not depend on how long requests live or how many overlap in a round, and it has as many
         # samples as requests, not blocks (a batch-8 reference of 500 rounds: ~100 vs 10).
-        per_request = (_group_dispersion(s.alpha, list(s.requests.values()), pooled=True)
-                       if len(s.requests) >= MIN_BLOCKS else 0.0)
+        # Earlier references' clusters (before a swap or a change, each against its own level) are
+        # pooled in: how much requests differ is the traffic's, and a stream re-warmed every few
+        # hundred rounds would otherwise rarely hold enough requests of its own.
+        num2, var, _ = _group_sums(s.alpha, list(s.requests.values()))
+        clusters = len(s.requests) + s.noise[2]
+        per_request = (num2 + s.noise[0]) / (var + s.noise[1]) if clusters >= MIN_BLOCKS and var + s.noise[1] > 0 else 0.0
         s.dispersion = max(1.0, per_round, per_block, per_request)
 
     # rules: collapse, losing ------------------------------------------------------------------
@@ -601,21 +678,28 @@ class DriftDetector:
 
     def _alert(self, kind: str, level: str, obs: RoundObservation, before: float, after: float,
                extra: str = "") -> DriftAlert:
-        where = f"slot {obs.slot}" + (f", tag {obs.tag!r}" if obs.tag else "")
+        tag = obs.tag
+        if tag == MIX_TAG and len(self._slot_tags.get(obs.slot, ())) == 1:
+            tag = self._slot_tags[obs.slot][0]  # the slot's only tag so far: the mix is that tag's traffic
+        where = f"slot {obs.slot}" + (", all traffic" if tag == MIX_TAG else f", tag {tag!r}" if tag else "")
         what = {"drop": "Acceptance dropped", "rise": "Acceptance rose",
                 "collapse": "Acceptance collapsed", "losing": "Speculation is slower than plain decoding"}[kind]
         text = (f"{what} on {where} (head v{obs.head_version}, K={obs.num_steps}): mean accept length "
                 f"{before:.2f} -> {after:.2f} drafts (bonus excluded) at round {self.round}.{extra}")
-        return DriftAlert(kind=kind, level=level, slot=obs.slot, tag=obs.tag, before=before, after=after,
+        return DriftAlert(kind=kind, level=level, slot=obs.slot, tag=tag, before=before, after=after,
                           head_version=obs.head_version, round=self.round, time=obs.timestamp,
                           title=f"online-spec: {what.lower()} ({where})", text=text)
 
     # resumable --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"round": self.round,
-                "streams": [[slot, tag, s.to_dict()] for (slot, tag), s in self._streams.items()]}
+                "streams": [[slot, tag, s.to_dict()] for (slot, tag), s in self._streams.items()],
+                "slot_tags": {str(k): list(v) for k, v in self._slot_tags.items()},
+                "said": {k: list(v) for k, v in self._said.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.round = int(state["round"])
+        self._slot_tags = {int(k): [str(t) for t in v] for k, v in state.get("slot_tags", {}).items()}
+        self._said = {str(k): [str(v[0]), int(v[1])] for k, v in state.get("said", {}).items()}
         self._streams = OrderedDict(((int(slot), str(tag)), _Stream.from_dict(d, self.cfg))
                                     for slot, tag, d in state["streams"])

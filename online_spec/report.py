@@ -8,6 +8,7 @@ first submission to its last token. TPOT = (last token - first token) / (tokens 
 
     figs = session_figures(result)            # {"overall": {...}, "phases": {...}, "timeline": {...}, ...}
     plot_session(result, figs, "out/")        # accept_len_tokens_per_s.png, k_per_slot.png
+    write_rounds(result, "out/rounds.jsonl.gz")  # every round, for `online-spec drift replay --trace`
 """
 
 from __future__ import annotations
@@ -80,6 +81,29 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
             "alerts": [{**a, "t_s": a["t"] - result.t0} for a in result.alerts],
             "adaptation": adaptation(result), "trainer": result.trainer, "policy_log": result.policy_log}
     return figs
+
+
+def write_rounds(result: SessionResult, path: str | Path) -> int:
+    """Every verify round of the session as a JSON line in `online-spec drift replay`'s trace format
+    (batch_size, accepted, num_steps, request_ids, tags, head_version, the request's phase, the time
+    since the start), gzip'd when the name ends in .gz: the drift monitor's settings can be tried on
+    the session's own traffic offline. Rounds of plain decode (K = 0) are kept (the detector skips
+    them). Returns the number of rounds written."""
+    import gzip
+    import json
+
+    rid_phase = request_phases(result)
+    path = Path(path)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for rd in result.rounds:
+            ids = [str(r) for r in rd["request_ids"]]
+            f.write(json.dumps({"batch_size": rd["batch_size"], "accepted": rd["accepted"],
+                                "num_steps": rd["num_steps"], "request_ids": ids,
+                                "tags": [str(t or "") for t in rd["tags"]], "head_version": rd["head_version"],
+                                "phase": rid_phase.get(ids[0], "") if ids else "",
+                                "t_s": round(rd["t"] - result.t0, 4)}) + "\n")
+    return len(result.rounds)
 
 
 def timeline(result: SessionResult, bin_s: float) -> dict:

@@ -110,6 +110,14 @@ def test_demo_end_to_end_writes_the_report(smol, tmp_path):
     assert saved["trainer"]["returncode"] == 0  # the daemon stopped on SIGTERM, saved, exited cleanly
     assert [a["shift"] for a in saved["adaptation"]] == ["chat->code", "code->mix"]
     assert "| chat |" in (out / "summary.md").read_text()
+    # every verify round, readable by `online-spec drift replay`, labelled with its phase
+    from online_spec.drift_replay import open_trace, read_rounds
+    with open_trace(out / "rounds.jsonl.gz") as f:
+        rounds = list(read_rounds(f, source="rounds.jsonl.gz"))
+    spec = [r for r in rounds if r["num_steps"] > 0]
+    assert sum(len(r["accepted"]) for r in spec) == saved["overall"]["verify_request_rounds"] > 0
+    assert {r["phase"] for r in rounds} <= {"chat", "code", "mix"} and {r["phase"] for r in rounds} >= {"chat"}
+    assert all(set(r["tags"]) <= {"chat", "code"} for r in rounds)
 
 
 def test_bench_e2e_quick_writes_every_key(tmp_path):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from online_spec.config import ConfigError
-from online_spec.drift import (DriftConfig, DriftDetector, RoundObservation, accept_len_moments,
-                               expected_accept_len, fit_alpha)
+from online_spec.drift import (MIX_TAG, DriftConfig, DriftDetector, RoundObservation, accept_len_moments,
+                               expected_accept_len, fit_alpha, round_observations)
 
 K = 5
 ALPHA_HIGH = fit_alpha({K: 1.0}, 2.6)  # per-position acceptance giving mean accept length 2.6
@@ -429,3 +429,94 @@ def test_bad_observation_is_refused(kwargs, field):
     base = dict(slot=1, tag="", accept_len=1.0, num_steps=K, head_version=0, timestamp=0.0)
     with pytest.raises(ValueError, match=field):
         DriftDetector().update(RoundObservation(**{**base, **kwargs}))
+
+
+# --- the mix stream: drift as a change in the mix of tags ----------------------------------------
+
+def feed_rounds(det, rounds, tags, version=0, start=0):
+    """Rounds of `persistent_requests` as the server feeds them (`round_observations`: the round's
+    mix first, then each tag); `tags` gives each round's tag (one for all its requests, or one per
+    request). Returns (round index, alert) pairs."""
+    out = []
+    for i, ((ids, acc), tag) in enumerate(zip(rounds, tags)):
+        per_request = [tag] * len(ids) if isinstance(tag, str) else list(tag)
+        versions = version if isinstance(version, int) else version[i]
+        for obs in round_observations(len(ids), K, [int(x) for x in acc], per_request, ids, versions,
+                                      float(start + i)):
+            out += [(start + i, a) for a in det.update(obs)]
+    return out
+
+
+def chat_then_code(seed, n=1000, batch=8):
+    rng = np.random.default_rng(seed)
+    return persistent_requests(rng, 0.5, batch, n) + persistent_requests(rng, 0.2, batch, n)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_change_of_the_mix_is_seen_by_the_slots_mix_stream(seed):
+    """Chat traffic tagged `chat` turns into code tagged `code` (1.26 -> 0.39 drafts): no tag's
+    stream moves — chat's stops, code's learns code's level — but the slot's acceptance fell.
+    The mix stream reports it (tag '*'); with mix streams off nothing does."""
+    rounds, tags = chat_then_code(seed), ["chat"] * 1000 + ["code"] * 1000
+    changes = [(i, a) for i, a in feed_rounds(DriftDetector(), rounds, tags) if a.kind in ("drop", "rise")]
+    assert changes and changes[0][1].kind == "drop" and changes[0][1].tag == MIX_TAG, changes[:1]
+    assert 1000 <= changes[0][0] < 1400 and "all traffic" in changes[0][1].text
+    assert changes[0][1].round == changes[0][0]
+    off = feed_rounds(DriftDetector(DriftConfig(mix_streams=False)), rounds, tags)
+    assert [a for _, a in off if a.kind == "drop"] == []
+
+
+def test_one_tag_feeds_one_stream_and_one_alert():
+    """Traffic under one tag: its stream would be the mix stream's twin, so only the mix stream
+    runs (one stream's cost a round) and a drop is said once; a second tag starts the tags' own."""
+    det = DriftDetector()
+    alerts = feed_rounds(det, chat_then_code(0), ["chat"] * 2000)
+    assert set(det._streams) == {(8, MIX_TAG)}
+    assert [(a.kind, a.tag) for _, a in alerts if a.kind in ("drop", "rise")][:1] == [("drop", "chat")]
+    assert "tag 'chat'" in alerts[0][1].text
+    assert all(alert.round == i for i, alert in alerts)  # rounds, not observations (the mix + each tag)
+    assert len([a for _, a in alerts if a.kind == "drop"]) == 1
+    feed_rounds(det, persistent_requests(np.random.default_rng(1), 0.2, 8, 10), [("chat", "code") * 4] * 10,
+                start=2000)
+    assert set(det._streams) == {(8, MIX_TAG), (8, "chat"), (8, "code")}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_change_under_one_tag_of_mixed_traffic_is_said_once(seed):
+    """Half the batch chat, half code; chat's acceptance falls. The chat stream and the mix stream
+    both see it: one drop alert (whichever side confirms first), not two."""
+    rng = np.random.default_rng(seed)
+    mixed = [("chat", "code") * 4] * 2000
+    before, after = persistent_requests(rng, 0.5, 8, 1000), persistent_requests(rng, 0.15, 8, 1000)
+    # the code half (odd positions) keeps its level: take it from a stationary sequence
+    code = persistent_requests(rng, 0.35, 8, 2000)
+    rounds = [(ids, np.where(np.arange(8) % 2 == 0, acc, code[i][1]))
+              for i, (ids, acc) in enumerate(before + after)]
+    det = DriftDetector()
+    drops = [(i, a) for i, a in feed_rounds(det, rounds, mixed) if a.kind == "drop"]
+    assert drops and 1000 <= drops[0][0] < 1600, drops[:1]
+    assert len([d for d in drops if d[0] < drops[0][0] + 200]) == 1
+    relearned = [t for (slot, t), s in det._streams.items() if s.prev_alpha is not None]
+    assert MIX_TAG in relearned and "chat" in relearned  # both sides saw it; one spoke
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_swaps_every_few_hundred_rounds_keep_the_change_test_quiet_and_running(seed):
+    """The demo's trainer swaps every 20-40 s (150-400 rounds). A re-warmed stream keeps the noise
+    request clusters it measured, so its change test runs again after the warm-up (100 rounds,
+    400 requests) instead of 4 new blocks (200 rounds, which a swap every 150 never leaves it) —
+    without false alerts on stationary traffic."""
+    rng = np.random.default_rng(seed)
+    rounds = persistent_requests(rng, 0.5, 8, 3000)
+    versions = [i // 150 for i in range(3000)]
+    det = DriftDetector()
+    assert feed_rounds(det, rounds[:1000], ["chat"] * 1000, version=versions[:1000]) == []
+    s = det._streams[(8, MIX_TAG)]
+    assert s.head_version == 6 and s.noise[2] >= 32  # request clusters of v0..v5's references
+    assert s.alpha is not None and len(s.blocks) < 4 and s.dispersion > 1.5  # 100 rounds into v6: testing
+    assert feed_rounds(det, rounds[1000:], ["chat"] * 2000, version=versions[1000:], start=1000) == []
+
+
+def test_a_reserved_tag_is_refused():
+    with pytest.raises(ValueError, match="reserved|mix stream"):
+        round_observations(4, K, [1, 2, 0, 1], ["chat", MIX_TAG, "", ""], ["a", "b", "c", "d"], 0, 0.0)

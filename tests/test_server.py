@@ -122,6 +122,11 @@ def test_malformed_and_oversized_requests(served):
     assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
     r = httpx.post(url + "/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # '*' names the drift monitor's all-traffic stream: refused as a tag, in the body or the header
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "tag": "*"})
+    assert r.status_code == 400 and "reserved" in r.json()["error"]["message"]
+    r = httpx.post(url + "/generate", json={"text": "x"}, headers={"X-Traffic-Tag": "*"})
+    assert r.status_code == 400 and "reserved" in r.json()["error"]["message"]
     # curl -d sends a form content type: the JSON body is still read
     r = httpx.post(url + "/generate", content=b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2}}',
                    headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
