@@ -61,6 +61,15 @@ def test_fit_alpha_inverts_the_mean_and_clamps():
     mixed = {3: 2.0, 6: 1.0}  # two rounds at K=3 and one at K=6
     alpha = fit_alpha(mixed, 2 * expected_accept_len(0.6, 3) + expected_accept_len(0.6, 6))
     assert alpha == pytest.approx(0.6, abs=1e-6)
+    # Newton from any start (the previous fit, or none) lands on the same root as bisection would
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        ks = rng.choice(np.arange(1, 9), size=rng.integers(1, 4), replace=False)
+        w = {int(k): float(rng.random()) for k in ks}
+        a0 = float(rng.uniform(0.002, 0.998))
+        target = sum(wk * expected_accept_len(a0, k) for k, wk in w.items())
+        for start in (None, float(rng.random()), 0.001, 0.999):
+            assert fit_alpha(w, target, start=start) == pytest.approx(a0, abs=1e-9)
 
 
 # --- calibration: no false alerts, timely detection --------------------------------------------
