@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from online_spec.config import check, doc
+from online_spec.drift import MIX_TAG
 from online_spec.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,9 @@ def summary_md(figs: dict) -> str:
         lines.append(f"| {name} | {p['requests']} | {p['completion_tokens']} | {_f(p['tokens_per_s'], 1)} | "
                      f"{_f(p['accept_len'])} | {_f(p['tpot_p50_s'], 3)} / {_f(p['tpot_p99_s'], 3)} |")
     lines += ["", "Swaps (s from start): " + (", ".join(f"{s['t_s']:.0f} (v{s['to']}{', rollback' if s['rollback'] else ''})" for s in figs["swaps"]) or "none"),
-              "Alerts: " + (", ".join(f"{a['t_s']:.0f} ({a.get('kind', '?')}, slot {a.get('slot')}, tag "
-                                      f"{a.get('tag')!r})" for a in figs["alerts"]) or "none"), "",
+              "Alerts: " + (", ".join(f"{a['t_s']:.0f} ({a.get('kind', '?')}, slot {a.get('slot')}, "
+                                      + ("all traffic" if a.get("tag") == MIX_TAG else f"tag {a.get('tag')!r}") + ")"
+                                      for a in figs["alerts"]) or "none"), "",
               "Adaptation after each shift:", ""]
     for a in figs["adaptation"]:
         lines.append(f"- {a['shift']} at {a['t_shift_s']:.0f}s: first swap after {_f(a['time_to_first_swap_s'], 0)} s "
