@@ -20,7 +20,7 @@ from online_spec.target import tiny_target
 from online_spec.wandb_run import init_wandb
 from serving.engine import EngineConfig
 from serving.server import HttpThread, ServerConfig, SpecServer
-from serving.server_drift import CallbackAlertSink
+from serving.server_drift import CallbackAlertSink, ServerDrift
 
 
 @contextmanager
@@ -98,3 +98,28 @@ def test_losing_rule_compares_with_the_cost_models_plain_round(smol, plain_round
     if losing:
         a = next(a for a in got if a.kind == "losing")
         assert "vs plain 100000.0 tok/s" in a.text
+
+
+def test_a_shift_between_tags_is_alerted_on_the_slots_mix_stream():
+    """ServerDrift as the server drives it (RoundStats, outputs, each request's tag): chat traffic
+    tagged `chat` turns into code tagged `code` and acceptance falls (1.26 -> 0.39 drafts, requests
+    of 48 rounds at batch 8, tests/test_drift.py's traffic). No tag's own stream can see that;
+    the slot's mix stream raises the drop, named "all traffic", and /server_info lists it."""
+    import numpy as np
+
+    from serving.engine import RequestOutput, RoundStats
+    from tests.test_drift import chat_then_code
+
+    drift = ServerDrift(DriftConfig())
+    raised = []
+    for i, (ids, acc) in enumerate(chat_then_code(0)):
+        tag = "chat" if i < 1000 else "code"
+        stats = RoundStats(batch_size=len(ids), num_steps=5, accepted=[int(a) for a in acc],
+                           committed=int(np.sum(acc)) + len(ids), draft_s=0.01, verify_s=0.02, total_s=0.03,
+                           head_version=0, ctx_len=200)
+        outs = [RequestOutput(request_id=r, new_token_ids=[], accept_len=int(a), num_steps=5, finished=False,
+                              finish_reason=None) for r, a in zip(ids, acc)]
+        raised += [(i, a) for a in drift.observe(stats, outs, [tag] * len(ids))]
+    drops = [(i, a) for i, a in raised if a.kind == "drop"]
+    assert drops and drops[0][0] >= 1000 and drops[0][1].tag == "*" and "all traffic" in drops[0][1].text
+    assert any(a["kind"] == "drop" and a["tag"] == "*" for a in drift.info()["recent_alerts"])
