@@ -9,6 +9,11 @@ switching to the second phase's requests. A request's acceptance, easy or hard f
 life, is kept exactly; what is synthetic is which requests overlap in a round (greedy decoding
 makes a request's accepts the same at any batch size, up to bf16 batching noise).
 
+`--tags chat,code` tags the two phases differently (the switch is then a change of the mix of
+tags, the demo's case); `--swap-every N` makes a new head version go live every N rounds from a
+random offset (a trainer's swaps, each re-warming the detector's streams; the recorded accepts
+stay those of the recorded head).
+
 Per batch size and seed: the alerts in the stationary part (each a false alert) and the rounds
 from the switch to the first drop alert. Prints a table and writes JSON.
 
@@ -50,18 +55,24 @@ def requests_by_phase(path: Path) -> tuple[dict[str, list[list[int]]], int]:
 
 
 def synthetic_rounds(rng: random.Random, pools: list[list[list[int]]], lengths: list[int], batch: int,
-                     num_steps: int):
-    """Rows for replay_rounds: `lengths[i]` rounds served from `pools[i]`, phases named p0, p1, ..."""
-    serial = 0
+                     num_steps: int, tags: list[str] | None = None, swap_every: int = 0):
+    """Rows for replay_rounds: `lengths[i]` rounds served from `pools[i]` under traffic tag `tags[i]`
+    (default untagged), phases named p0, p1, ...; with `swap_every`, a new head version every that
+    many rounds from a random offset (a trainer's swaps: each re-warms the detector's streams).
+    A request's accepts stay the recorded ones across a swap (a stand-in: a new head changes them)."""
+    serial, index = 0, 0
+    offset = rng.randrange(swap_every) if swap_every else 0
     for phase, (pool, n) in enumerate(zip(pools, lengths)):
+        tag = tags[phase] if tags else ""
         lanes = []
         for _ in range(batch):
             serial += 1
             lanes.append([f"r{serial}", rng.choice(pool), 0])
         for _ in range(n):
             yield {"batch_size": batch, "accepted": [seq[i] for _, seq, i in lanes], "num_steps": num_steps,
-                   "request_ids": [rid for rid, _, _ in lanes], "tags": [""] * batch, "head_version": 0,
-                   "phase": f"p{phase}"}
+                   "request_ids": [rid for rid, _, _ in lanes], "tags": [tag] * batch,
+                   "head_version": (index + offset) // swap_every if swap_every else 0, "phase": f"p{phase}"}
+            index += 1
             for lane in lanes:
                 lane[2] += 1
                 if lane[2] >= len(lane[1]):
@@ -69,9 +80,10 @@ def synthetic_rounds(rng: random.Random, pools: list[list[list[int]]], lengths: 
                     lane[0], lane[1], lane[2] = f"r{serial}", rng.choice(pool), 0
 
 
-def one_run(cfg: DriftConfig, pools, lengths, batch, num_steps, seed) -> dict:
+def one_run(cfg: DriftConfig, pools, lengths, batch, num_steps, seed, tags=None, swap_every: int = 0) -> dict:
     rng = random.Random(seed)
-    alerts = list(replay_rounds(DriftDetector(cfg), synthetic_rounds(rng, pools, lengths, batch, num_steps)))
+    alerts = list(replay_rounds(DriftDetector(cfg), synthetic_rounds(rng, pools, lengths, batch, num_steps, tags,
+                                                                     swap_every)))
     false = [a for a in alerts if a["phase"] == "p0"]
     drop = next((a for a in alerts if a["phase"] == "p1" and a["kind"] == "drop"), None)
     return {"false_alerts": len(false), "false_kinds": [a["kind"] for a in false],
@@ -86,6 +98,9 @@ def main() -> int:
     p.add_argument("--stationary", type=int, default=2000, help="stationary rounds per synthetic run")
     p.add_argument("--switched", type=int, default=2000, help="most rounds after the switch")
     p.add_argument("--phases", default="", help="first,second phase names in the trace (default: its first two)")
+    p.add_argument("--tags", default="", help="traffic tags of the two phases, e.g. chat,code (default: untagged: "
+                   "one stream; tagged differently, the switch is a change of the mix)")
+    p.add_argument("--swap-every", type=int, default=0, help="a new head version every N rounds (0 = none)")
     p.add_argument("--json", type=Path, default=None)
     add_config_args(p, DriftConfig, prefix="drift_")
     args = p.parse_args()
@@ -96,12 +111,15 @@ def main() -> int:
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "command": "python scripts/drift_bootstrap.py " + " ".join(sys.argv[1:]), "trace": str(args.trace), "phases": names, "requests": [len(x) for x in pools], "num_steps": k,
            "mean_accept_len": [statistics.fmean(a for s in pool for a in s) for pool in pools],
-           "stationary_rounds": args.stationary, "max_switched_rounds": args.switched,
+           "stationary_rounds": args.stationary, "max_switched_rounds": args.switched, "tags": args.tags,
+           "swap_every": args.swap_every,
            "drift_config": config_to_dict(cfg), "batches": {}}
     print(f"{args.trace}: {names[0]} {len(pools[0])} requests (accept {out['mean_accept_len'][0]:.2f}), "
           f"{names[1]} {len(pools[1])} requests (accept {out['mean_accept_len'][1]:.2f}), K={k}")
     for b in (int(x) for x in args.batches.split(",")):
-        runs = [one_run(cfg, pools, [args.stationary, args.switched], b, k, seed) for seed in range(args.seeds)]
+        tags = args.tags.split(",") if args.tags else None
+        runs = [one_run(cfg, pools, [args.stationary, args.switched], b, k, seed, tags, args.swap_every)
+                for seed in range(args.seeds)]
         delays = sorted(r["rounds_to_drop"] for r in runs if r["rounds_to_drop"] is not None)
         row = {"runs": runs, "false_alerts_total": sum(r["false_alerts"] for r in runs),
                "runs_with_false_alerts": sum(r["false_alerts"] > 0 for r in runs),
