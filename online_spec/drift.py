@@ -78,8 +78,18 @@ stream's rounds is not repeated (tag streams among themselves are not merged: `c
   at every crossing; and only once `cooldown_rounds` have passed.
 - A **head version change** re-warms the stream (`_Stream.rewarm`): the change test's
   reference level and CUSUM, and the collapse and losing windows, restart on the new head's rounds
-  only (its acceptance is a new baseline, so a swap never raises a drop or rise by itself, and
-  no window mixes two heads). What the stream has already reported stays: a rule's latch and
+  only (its acceptance is a new baseline, so a swap never raises a rise by itself, and no window
+  mixes two heads). Until the new level can be tested (the warm-up), the old head's reference
+  stands in for **drops** — lowered by `HANDOVER_Z` = 2 of its own standard errors, because a
+  level learned over the few hundred rounds between two swaps is not exact (on recorded real
+  requests at batch 8, handing it over as it was raised 5 false drops in 30 runs of 4,000
+  rounds with a swap every 200; lowered, none) — and a drop under way before the swap goes on
+  being tested: a trainer that swaps every few hundred rounds would otherwise leave the test
+  blind most of the time (a chat -> code shift with a swap every 300 rounds, batch 8: found in
+  2 runs of 20 without the hand-over, 6 with it; 20 of 20 without swaps). So a swap to a head
+  that accepts clearly less than the old one did on the same traffic is reported as a drop — the
+  gate publishes only heads it measured better, and acceptance that falls anyway is what the
+  monitor is for. What the stream has already reported stays: a rule's latch and
   cool-down carry over, so a condition that was alerted under the old head and persists under
   the new one (a weak head replaced by a still-weak one) is not reported again because a
   version went live. A new head that collapses where the old one did not is still reported.
@@ -240,6 +250,7 @@ COLLAPSE_SPAN = 32  # the collapse window may grow to this many times collapse_w
 MIN_BLOCKS = 4  # block means the reference needs before the change test runs (fewer: too noisy)
 NOISE_MIN_REQUESTS = 32  # or request clusters, this reference's and earlier ones' (a re-warmed stream)
 NOISE_MEMORY = 2000  # request clusters of earlier references kept (beyond, the oldest halve)
+HANDOVER_Z = 2.0  # a handed-over level is lowered by this many of its standard errors
 
 
 # --- the truncated-geometric model of one request's accept length ----------------------------
@@ -386,6 +397,10 @@ class _Stream:
     # The request clusters of earlier references (before re-learns), each against its own level:
     # [sum num^2, sum var, requests] (`_group_sums`), the noise of the traffic across swaps.
     noise: list = field(default_factory=lambda: [0.0, 0.0, 0])
+    # [alpha, dispersion, relative shift] of the previous head's reference while the new head's
+    # warms up after a swap: the change test goes on against it, lowered by its uncertainty, for
+    # drops only (`rewarm`)
+    handover: Optional[list] = None
     # Batch means of the reference rounds, per K: [requests, sum w*a]; `block` is the one filling.
     blocks: list = field(default_factory=list)
     block: dict = field(default_factory=dict)
@@ -416,12 +431,42 @@ class _Stream:
         self.blocks, self.block, self.block_len = [], {}, 0
         self.requests = {}
         self.up, self.down, self.up_large, self.down_large = _Side(), _Side(), _Side(), _Side()
+        self.handover = None
+
+    def level_shift(self) -> float:
+        """`HANDOVER_Z` standard errors of the reference's mean accept length, relative to it: the
+        requests' own residual sums where rounds carry ids (cluster-robust), else the model's noise
+        inflated by the dispersion. At most 0.5."""
+        n = var = mean = 0.0
+        for k, (_, s0, _, _) in self.ref.items():
+            mu, sd = accept_len_moments(self.alpha, int(k))
+            n += s0
+            var += s0 * sd * sd
+            mean += s0 * mu
+        if n <= 0 or mean <= 0:
+            return 0.5
+        se = (math.sqrt(_group_sums(self.alpha, list(self.requests.values()))[0]) / n if self.requests
+              else math.sqrt(self.dispersion * var) / n)
+        return min(0.5, HANDOVER_Z * se / (mean / n))
+
+    def testable(self) -> bool:
+        """The change test can run: a level, and a noise estimate (4 blocks, or enough request
+        clusters of this reference and earlier ones)."""
+        return self.alpha is not None and (len(self.blocks) >= MIN_BLOCKS
+                                           or self.noise[2] + len(self.requests) >= NOISE_MIN_REQUESTS)
 
     def rewarm(self, head_version: int) -> None:
         """A new head went live: relearn its level, judge windows on its rounds only; keep
-        `rounds`, `last_alert` and `latched` (what was reported, and when)."""
+        `rounds`, `last_alert` and `latched` (what was reported, and when). Until the new level
+        can be tested, the old head's reference, lowered by `HANDOVER_Z` of its standard errors,
+        stands in for drops (a swap during a hand-over keeps the first one), and a drop under way
+        goes on: the down CUSUMs are kept."""
+        handover = [self.alpha, self.dispersion, self.level_shift()] if self.testable() else self.handover
+        down, down_large = self.down, self.down_large
         self.head_version = head_version
         self.relearn()
+        if handover is not None:
+            self.handover, self.down, self.down_large = handover, down, down_large
         self.collapse.clear()
         self.losing.clear()
 
@@ -429,7 +474,7 @@ class _Stream:
         return {"head_version": self.head_version, "rounds": self.rounds,
                 "ref": {k: list(v) for k, v in self.ref.items()}, "alpha": self.alpha,
                 "prev_alpha": self.prev_alpha, "dispersion": self.dispersion,
-                "noise": list(self.noise), "up": asdict(self.up), "down": asdict(self.down),
+                "noise": list(self.noise), "handover": self.handover, "up": asdict(self.up), "down": asdict(self.down),
                 "up_large": asdict(self.up_large), "down_large": asdict(self.down_large),
                 "blocks": [{k: list(v) for k, v in b.items()} for b in self.blocks],
                 "block": {k: list(v) for k, v in self.block.items()}, "block_len": self.block_len,
@@ -442,7 +487,8 @@ class _Stream:
         return cls(head_version=int(d["head_version"]), rounds=int(d["rounds"]),
                    ref={str(k): list(v) for k, v in d["ref"].items()}, alpha=d["alpha"],
                    prev_alpha=d["prev_alpha"], dispersion=float(d["dispersion"]),
-                   noise=list(d.get("noise", [0.0, 0.0, 0])), up=_Side(**d["up"]), down=_Side(**d["down"]),
+                   noise=list(d.get("noise", [0.0, 0.0, 0])), handover=d.get("handover"),
+                   up=_Side(**d["up"]), down=_Side(**d["down"]),
                    up_large=_Side(**d.get("up_large", {})), down_large=_Side(**d.get("down_large", {})),
                    blocks=[{str(k): list(v) for k, v in b.items()} for b in d.get("blocks", [])],
                    block={str(k): list(v) for k, v in d.get("block", {}).items()}, block_len=int(d.get("block_len", 0)),
@@ -570,10 +616,17 @@ class DriftDetector:
                 # the level every round; the noise (sums over all blocks and requests) once a block
                 # completes, so a refining stream costs tens of microseconds a round, not hundreds
                 self._fit_reference(s, noise=block_done or s.alpha is None)
-        if s.alpha is None or (len(s.blocks) < MIN_BLOCKS and s.noise[2] + len(s.requests) < NOISE_MIN_REQUESTS):
-            return None  # the noise is not known yet
-        mu, sd = accept_len_moments(s.alpha, k)
-        sd *= math.sqrt(s.dispersion)
+        if s.testable():
+            if s.handover is not None:  # the new head's level takes over from the old head's
+                s.handover, s.down, s.down_large = None, _Side(), _Side()
+            alpha, dispersion, kinds, shift = s.alpha, s.dispersion, ("drop", "rise"), 0.0
+        elif s.handover is not None:  # after a swap: drops against the old head's level meanwhile
+            (alpha, dispersion, shift), kinds = s.handover, ("drop",)
+        else:
+            return None  # the level or the noise is not known yet
+        mu, sd = accept_len_moments(alpha, k)
+        mu *= 1.0 - shift  # a handed-over level, lowered by its own uncertainty
+        sd *= math.sqrt(dispersion)
         r = (obs.accept_len - mu) / max(sd, 1e-6)
         wc = min(w, cfg.max_round_weight)
         pairs = [(max(cfg.min_effect * mu, cfg.min_effect_abs), s.up, s.down)]
@@ -581,7 +634,8 @@ class DriftDetector:
             pairs.append((max(cfg.large_effect * mu, cfg.min_effect_abs), s.up_large, s.down_large))
         for delta, up, down in pairs:
             d = delta / max(sd, 1e-6)
-            up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu)
+            if "rise" in kinds:
+                up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu)
             down.add(wc * d * (-r - 0.5 * d), w, obs.accept_len, mu)
         for kind, side in ((kind, side) for _, up, down in pairs for kind, side in (("drop", down), ("rise", up))):
             if side.stat > limits[kind]:
