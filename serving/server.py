@@ -32,7 +32,7 @@ import torch
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.controller.cost import CostModel
-from online_spec.drift import DriftConfig
+from online_spec.drift import MIX_TAG, DriftConfig
 from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.head import EagleHead
 from online_spec.sampling import SamplingParams
@@ -135,6 +135,9 @@ class SpecServer:
     # -- the hooks ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:
         """Queue one request (event loop thread); refusals become ApiError with a status."""
+        if tag == MIX_TAG:  # the HTTP layer refuses it too; here for callers of the Python API
+            raise ApiError(400, f"tag {MIX_TAG!r} is reserved: it names the drift monitor's stream of all traffic",
+                           param="tag")
         try:
             return self.loop.submit(Request(prompt_ids, params, request_id, tag))
         except EngineFull as e:

@@ -22,7 +22,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from online_spec.drift import MIX_TAG
 from serving import api
 from serving.api import ApiError
 from serving.server_detok import TextStream
@@ -134,11 +133,7 @@ def _validation_message(errors) -> str:
 
 
 def _tag(request: Request, body_tag: str | None) -> str:
-    tag = body_tag or request.headers.get(TAG_HEADER, "") or ""
-    if tag == MIX_TAG:
-        raise ApiError(400, f"tag {MIX_TAG!r} is reserved: it names the drift monitor's stream of all traffic",
-                       param="tag")
-    return tag
+    return body_tag or request.headers.get(TAG_HEADER, "") or ""
 
 
 def _sse_stream(job: _Job, chunks: AsyncIterator[str]) -> StreamingResponse:

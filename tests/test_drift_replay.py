@@ -84,6 +84,7 @@ def test_replay_settings_change_the_verdict(tmp_path, capsys):
     ('{"batch_size": 2, "accepted": [1, 7], "num_steps": 5}', "more than num_steps"),
     ('{"batch_size": 2, "accepted": [1, 2], "num_steps": 5, "request_ids": ["a"]}', "request_ids"),
     ('{"batch_size": 2, "accepted": [1, 2], "num_steps": 5, "tags": [1, 2]}', "tags"),
+    ('{"batch_size": 2, "accepted": [1, 2], "num_steps": 5, "tags": ["chat", "*"]}', "all-traffic stream"),
     ('{"batch_size": 2, "accepted": [1, 2], "num_steps": 5, "phase": 3}', "phase"),
     ('{"batch_size": 0, "accepted": [], "num_steps": 5}', "batch_size"),
     ('not json', "not valid JSON"),
