@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
+from online_spec.drift import MIX_TAG
+
 log = logging.getLogger(__name__)
 
 KEYS = {"messages", "prompt", "tag", "max_tokens", "phase"}
@@ -80,6 +82,8 @@ def parse_line(raw: str, index: int, where: str = "<trace>") -> TraceItem:
     tag = obj.get("tag", "")
     if not isinstance(tag, str):
         raise TraceError(f"{at}: 'tag' must be a string")
+    if tag == MIX_TAG:  # the server refuses it
+        raise TraceError(f"{at}: 'tag' {MIX_TAG!r} is reserved (the drift monitor's stream of all traffic)")
     phase = obj.get("phase", tag)
     if not isinstance(phase, str):
         raise TraceError(f"{at}: 'phase' must be a string")

@@ -135,7 +135,7 @@ class SpecServer:
     # -- the hooks ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:
         """Queue one request (event loop thread); refusals become ApiError with a status."""
-        if tag == MIX_TAG:  # the HTTP layer refuses it too; here for callers of the Python API
+        if tag == MIX_TAG:  # here, not in the HTTP layer: one check for HTTP and Python callers alike
             raise ApiError(400, f"tag {MIX_TAG!r} is reserved: it names the drift monitor's stream of all traffic",
                            param="tag")
         try:

@@ -46,6 +46,7 @@ def test_trace_parses_in_file_order_with_phases(tmp_path):
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
     ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
     ('{"prompt": "x", "tag": 3}', "'tag'"),
+    ('{"prompt": "x", "tag": "*"}', "reserved"),
     ('{"prompt": "x", "temperature": 0.5}', "unknown key"),
 ])
 def test_trace_errors_name_the_line(tmp_path, line, needle):
