@@ -90,19 +90,18 @@ def write_rounds(result: SessionResult, path: str | Path) -> int:
     the session's own traffic offline. Rounds of plain decode (K = 0) are kept (the detector skips
     them). Returns the number of rounds written."""
     import gzip
-    import json
+
+    from online_spec.controller.replay import TraceRecorder
 
     rid_phase = request_phases(result)
     path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "wt", encoding="utf-8") as f:
+    stream = (gzip.open if path.name.endswith(".gz") else open)(path, "wt", encoding="utf-8")
+    with TraceRecorder(stream, owns_stream=True) as rec:
         for rd in result.rounds:
             ids = [str(r) for r in rd["request_ids"]]
-            f.write(json.dumps({"batch_size": rd["batch_size"], "accepted": rd["accepted"],
-                                "num_steps": rd["num_steps"], "request_ids": ids,
-                                "tags": [str(t or "") for t in rd["tags"]], "head_version": rd["head_version"],
-                                "phase": rid_phase.get(ids[0], "") if ids else "",
-                                "t_s": round(rd["t"] - result.t0, 4)}) + "\n")
+            rec.record(rd["batch_size"], rd["accepted"], num_steps=rd["num_steps"], request_ids=ids,
+                       tags=[str(t or "") for t in rd["tags"]], head_version=rd["head_version"],
+                       phase=rid_phase.get(ids[0], "") if ids else "", t_s=round(rd["t"] - result.t0, 4))
     return len(result.rounds)
 
 
