@@ -16,7 +16,7 @@ from online_spec.config import ConfigError
 from online_spec.controller import (AdaptiveConfig, CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig,
                                     StepPolicy, measure_decision_cost_us)
 from online_spec.controller.cost import (AcceptanceEstimate, ConfidenceCalibrator, _RidgeLeastSquares, draft_row,
-                                        verify_features)
+                                         small_rows, verify_features)
 
 # Synthetic costs of the model's own form (seconds): draft phase and verify.
 TRUE_DRAFT = (0.002, 0.0001, 0.00005, 0.0015, 0.00002)  # per step: 1, b, b*ctx/1000; once if K > 0: 1, b
@@ -295,32 +295,62 @@ def test_calibrator_counts_judged_drafts_only():
             for i, c in enumerate(r[: a + 1]):
                 trials[min(9, int(c * 10))] += 1
                 hits[min(9, int(c * 10))] += i < a
-        assert cal.hits.tolist() == hits and cal.trials.tolist() == trials
+        assert cal.hits == hits and cal.trials == trials
 
 
 def test_calibrator_engine_arrays_match_a_per_draft_tally():
-    """The engine's case, every row K drafts in one float32 array, is counted in one bincount of
-    verdict-offset bins: it equals a per-draft tally (bins taken in float32 as the array holds
-    them), with confidences at and beyond the ends of [0, 1] and accepted counts above K."""
+    """The engine's case, every row K drafts in one float32 array: counted in one bincount of
+    verdict-offset bins (more than SMALL_BATCH confidences) or per draft in Python (up to it),
+    it equals a per-draft tally of floor(c * bins) on the float64 value of each float32
+    confidence, with confidences at and beyond the ends of [0, 1] and accepted counts above K."""
     rng = np.random.default_rng(4)
-    for k in range(1, 8):
-        b = int(rng.integers(1, 65))
+    paths = set()
+    for trial in range(40):
+        k = 1 + trial % 7
+        b = int(rng.integers(1, 65 if trial % 2 else 5))
         conf = rng.random((b, k)).astype(np.float32)
         ends = rng.random((b, k)) < 0.3  # 0.7 * 10 is 7.0 in float32, 6.99... in float64
         conf[ends] = rng.choice(np.array([0.0, 0.7, 1.0, -0.3, 1.7], dtype=np.float32), size=int(ends.sum()))
         accepted = rng.integers(0, k + 2, size=b).tolist()  # k + 1: more than drafted, all accepted
         cal = ConfidenceCalibrator(bins=10, prior_weight=4.0)
-        cal.trials += 0.37  # fractional counts, as soften leaves them
+        cal.load(None, [0.37] * 10)  # fractional counts, as soften leaves them
         cal.observe(conf, accepted)
+        paths.add(small_rows(conf) is None)
         hits, trials = [0] * 10, [0] * 10
-        for row, a in zip(conf, accepted):
+        for row, a in zip(conf.tolist(), accepted):
             for i, c in enumerate(row[: a + 1]):
-                j = min(9, max(0, int(c * np.float32(10))))
+                j = min(9, max(0, int(c * 10)))
                 trials[j] += 1
                 hits[j] += i < a
-        assert cal.hits.tolist() == hits and cal.trials.tolist() == [0.37 + t for t in trials]
-        assert cal.bin_of(conf).tolist() == [[min(9, max(0, int(c * np.float32(10)))) for c in r] for r in conf]
-        assert cal.calibrated(conf).tolist() == [[cal._values()[j] for j in r] for r in cal.bin_of(conf).tolist()]
+        assert cal.hits == hits and cal.trials == [0.37 + t for t in trials]
+        assert cal.bin_of(conf).tolist() == [[cal.bin(c) for c in r] for r in conf.tolist()]
+        assert cal.calibrated(conf).tolist() == [[cal(c) for c in r] for r in conf.tolist()]
+        col = conf[:, 0]
+        assert cal.mean(col) == pytest.approx(sum(cal(c) for c in col.tolist()) / b, rel=1e-12)
+    assert paths == {True, False}  # both the numpy and the Python path ran
+
+
+def test_small_batches_decide_as_the_numpy_path(monkeypatch):
+    """Up to SMALL_BATCH confidences the in-round calls run on Python floats; every decision and
+    count equals the numpy path's (forced by SMALL_BATCH = 0) on the same rounds."""
+    import online_spec.controller.cost as cost_mod
+
+    rng = random.Random(11)
+    for _ in range(60):
+        b, k = rng.randint(1, 4), rng.randint(1, 4)
+        rows = [[rng.random() ** 0.3 for _ in range(k)] for _ in range(b)]
+        arr = np.array(rows, dtype=np.float32)
+        accepted = [rng.randint(0, k) for _ in range(b)]
+        out = []
+        for small in (cost_mod.SMALL_BATCH, 0):
+            monkeypatch.setattr(cost_mod, "SMALL_BATCH", small)
+            p = policy([k], 0.5, draft=(0.01, 0, 0), verify=(0.1, 0, 0.02, 0))
+            for _ in range(3):
+                p.update(b, accepted, num_steps=k, confidences=arr)
+            out.append((p.verify_lengths(arr, padded=True), p.should_continue(1, arr[:, 0], b),
+                         p._calib.hits[:], p._calib.trials[:],
+                         round(p._calib.mean(arr[:, 0]), 12)))
+        assert out[0] == out[1]
 
 
 def test_policy_reads_the_engines_array_like_lists():
@@ -739,3 +769,33 @@ def test_is_a_step_policy_and_cheap():
     p = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 3, 5, 7]}}))
     assert isinstance(p, StepPolicy)
     assert 0 < measure_decision_cost_us(p, n=300, batch_size=8) < 1000  # tens of µs at most; loose for CI
+
+
+def test_timed_policy_decides_as_its_policy_and_times_each_round():
+    """`TimedPolicy` (the bench's in-engine decision cost) changes no decision: driven like the
+    engine drives a policy, the wrapped cost policy and a bare copy choose the same K, stop and
+    cut the same drafts; one timing per round, steps_for to update; the in-round calls exist on
+    the wrapper only where the policy has them (the engine asks with hasattr)."""
+    from online_spec.controller import EmaTierPolicy, TimedPolicy
+
+    rng = random.Random(2)
+    bare = policy([0, 1, 3, 5], 0.6, draft=(0.01, 0, 0), verify=(0.1, 0, 0.02, 0))
+    timed = TimedPolicy(copy.deepcopy(bare))
+    for _ in range(200):
+        b = rng.choice([1, 2, 8])
+        drafts = np.array([[rng.random() ** 0.3 for _ in range(5)] for _ in range(b)], dtype=np.float32)
+        decisions = []
+        for p in (bare, timed):
+            k = p.steps_for(b, 300)
+            conf = drafts[:, :k]
+            stops = [p.should_continue(i, conf[:, i - 1], b, 300) for i in range(1, k)]
+            lens = p.verify_lengths(conf, 300, padded=True) if k else [0] * b
+            p.update(b, [min(n, 2) for n in lens], num_steps=lens, ctx_len=300, draft_s=0.01 * k, verify_s=0.1,
+                     confidences=conf)
+            decisions.append((k, stops, lens))
+        assert decisions[0] == decisions[1]
+    assert len(timed.round_ns) == 200 and all(ns > 0 for ns in timed.round_ns) and timed.median_us() > 0
+    assert timed.info()["slots"] == bare.info()["slots"]
+    ema = TimedPolicy(EmaTierPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 3]}}), initial_steps=1))
+    assert not hasattr(ema, "should_continue") and not hasattr(ema, "verify_lengths")
+    assert hasattr(timed, "should_continue") and copy.deepcopy(ema).median_us() is None

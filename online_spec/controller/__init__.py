@@ -5,14 +5,15 @@
 - `cost`: `CostModelPolicy`, K maximizing expected committed tokens per predicted second, with
   in-round early stop and per-request verify lengths.
 - `static`: `StaticSteps`, K fixed (baselines).
-- `base`: the `StepPolicy` protocol both implement and `measure_decision_cost_us`.
+- `base`: the `StepPolicy` protocol both implement, `measure_decision_cost_us` (a hot loop) and
+  `TimedPolicy` (the same calls timed inside the engine's rounds).
 - `replay`: `online-spec controller replay` and the `TraceRecorder` the engine writes rounds with.
 
 Policies are pure (no I/O, no torch): the engine calls `steps_for` before drafting, `update`
 after verify and `rewarm` when a new head goes live. See docs/controller.md.
 """
 
-from online_spec.controller.base import StepPolicy, measure_decision_cost_us
+from online_spec.controller.base import StepPolicy, TimedPolicy, measure_decision_cost_us
 from online_spec.controller.config import (AdaptiveConfig, SlotConfig, adaptive_config_path, configs_dir,
                                            load_adaptive_config)
 from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig
@@ -21,4 +22,4 @@ from online_spec.controller.static import StaticSteps
 
 __all__ = ["StaticSteps", "AdaptiveConfig", "SlotConfig", "StepPolicy", "EmaTierPolicy", "CostModel", "CostModelConfig",
            "CostModelPolicy", "CostPolicyConfig", "adaptive_config_path", "configs_dir", "load_adaptive_config",
-           "measure_decision_cost_us"]
+           "TimedPolicy", "measure_decision_cost_us"]

@@ -448,6 +448,22 @@ class AcceptanceEstimate:
         self._filled = None
 
 
+SMALL_BATCH = 16  # confidences in a call up to which the policy's in-round work runs on Python floats
+
+
+def small_rows(confidences) -> list[list[float]] | None:
+    """The confidences as Python rows when the batch holds at most `SMALL_BATCH` of them, else
+    None (numpy's turn). `confidences`: a 1-D or 2-D array, or a sequence of rows."""
+    if isinstance(confidences, np.ndarray):
+        if confidences.size > SMALL_BATCH:
+            return None
+        rows = confidences.tolist()
+        return [rows] if confidences.ndim == 1 else rows
+    if sum(len(r) for r in confidences) > SMALL_BATCH:
+        return None
+    return [r.tolist() if isinstance(r, np.ndarray) else list(r) for r in confidences]
+
+
 def confidence_array(confidences) -> tuple[np.ndarray, np.ndarray | None]:
     """(array [B, K] of the drafts' confidences, row lengths or None when every row has K).
 
@@ -470,8 +486,12 @@ class ConfidenceCalibrator:
     """Draft confidence -> P(accepted | earlier drafts accepted), per confidence bin.
 
     Each bin starts at its midpoint with `prior_weight` pseudo-observations (the identity map).
-    Batches of confidences go through numpy: the engine calibrates B x K of them twice a round,
-    and the decision cost is part of every round.
+    A confidence c falls in bin floor(c * bins) taken in float64 (1.0 and above: the top bin,
+    below 0 or NaN: the first). Batches of more than `SMALL_BATCH` confidences go through numpy;
+    smaller ones (batch 1-4 rounds, where speculation pays most) through Python floats: inside
+    an engine round each numpy call costs several microseconds (2026-11-24: the calibrator's
+    numpy calls were 70 of the ~150 us the cost policy spent in a batch-1 round of a tiny
+    model, against ~17 us for the same calls in a hot loop).
     """
 
     def __init__(self, bins: int, prior_weight: float):
@@ -480,27 +500,49 @@ class ConfidenceCalibrator:
         self._verdict_tables: dict[int, np.ndarray] = {}
         self.load(None, None)
 
-    def _values(self) -> np.ndarray:
-        """Calibrated value of every bin, recomputed only after new observations."""
-        if self._table is None:
+    def table(self) -> list[float]:
+        """Calibrated value of every bin (a list), recomputed only after new observations."""
+        if self._list is None:
             w, n = self.prior_weight, self.bins
-            self._table = (self.hits + w * (np.arange(n) + 0.5) / n) / (self.trials + w)
+            self._list = [(h + w * (j + 0.5) / n) / (t + w)
+                          for j, (h, t) in enumerate(zip(self.hits, self.trials))]
+        return self._list
+
+    def _values(self) -> np.ndarray:
+        """`table` as an array, for the numpy path."""
+        if self._table is None:
+            self._table = np.array(self.table())
         return self._table
 
+    def bin(self, confidence: float) -> int:
+        """Bin index of one confidence (Python float)."""
+        n = self.bins
+        if not confidence > 0.0:  # below 0, or NaN
+            return 0
+        j = int(confidence * n) if confidence < 1.0 else n - 1
+        return j if j < n else n - 1  # c * n rounds up to n for c just below 1
+
     def bin_of(self, confidences: np.ndarray) -> np.ndarray:
-        """Bin index of each confidence of an array (a probability; 1.0 falls in the top bin,
-        anything outside [0, 1] the nearest end bin)."""
+        """Bin index of each confidence of an array (`bin`, elementwise)."""
         # take(mode="clip") clamps the index as it gathers: one numpy call where np.minimum and
         # np.maximum were two (~0.5 us each; numpy's per-call cost is most of the policy's round)
-        return self._bin_ids.take((np.asarray(confidences) * self.bins).astype(np.int64), mode="clip")
+        return self._bin_ids.take((np.asarray(confidences, dtype=np.float64) * self.bins).astype(np.int64), mode="clip")
 
     def __call__(self, confidence: float) -> float:
-        return float(self.calibrated(np.array([confidence]))[0])
+        return self.table()[self.bin(float(confidence))]
+
+    def mean(self, confidences) -> float:
+        """Mean calibrated value of a sequence or 1-D array of confidences (0 if empty)."""
+        if len(confidences) <= SMALL_BATCH:
+            tbl = self.table()
+            row = confidences.tolist() if isinstance(confidences, np.ndarray) else confidences
+            return sum(tbl[self.bin(c)] for c in row) / len(row) if len(row) else 0.0
+        vals = self.calibrated(confidences)
+        return float(vals.sum()) / vals.size if vals.size else 0.0  # .sum() / size: np.mean costs more
 
     def calibrated(self, confidences: np.ndarray) -> np.ndarray:
         """`self(c)` for every element of an array of confidences."""
-        # _values()[bin_of(c)], clamping and gathering in one take
-        return self._values().take((np.asarray(confidences) * self.bins).astype(np.int64), mode="clip")
+        return self._values().take(self.bin_of(confidences))
 
     def _verdicts(self, k: int) -> np.ndarray:
         """[k + 1, k]: row a holds, per draft position, 0 where a request that accepted a drafts
@@ -514,6 +556,19 @@ class ConfidenceCalibrator:
     def observe(self, confidences, accepted: Sequence[int]) -> None:
         """One round: request r's drafts had `confidences[r]` and the first accepted[r] were
         accepted; draft accepted[r] (if drafted) was rejected, later ones were never judged."""
+        if isinstance(confidences, np.ndarray) and confidences.size == 0:
+            return  # a K = 0 round (the engine passes its [B, 0] array)
+        rows = small_rows(confidences)
+        if rows is not None:
+            hits, trials = self.hits, self.trials
+            for row, a in zip(rows, accepted):
+                for i, c in enumerate(row[:a + 1]):
+                    j = self.bin(c)
+                    trials[j] += 1
+                    if i < a:
+                        hits[j] += 1
+            self._changed()
+            return
         conf, lens = confidence_array(confidences)
         if conf.size == 0:
             return
@@ -525,19 +580,26 @@ class ConfidenceCalibrator:
             code = self._verdicts(conf.shape[1]).take(accepted, axis=0, mode="clip")
             code += bins
             counts = np.bincount(code.ravel(), minlength=3 * n)
-            self.hits += counts[:n]
-            self.trials += counts[:n] + counts[n:2 * n]  # summed as ints first: trials may be fractional (soften)
+            hit, tried = counts[:n].tolist(), (counts[:n] + counts[n:2 * n]).tolist()
         else:
             pos = np.arange(conf.shape[1])
             a = np.asarray(accepted)[:, None]
-            self.trials += np.bincount(bins[(pos <= a) & (pos < lens[:, None])], minlength=n)
-            self.hits += np.bincount(bins[pos < a], minlength=n)  # accepted drafts exist, so never padding
-        self._table = None
+            tried = np.bincount(bins[(pos <= a) & (pos < lens[:, None])], minlength=n).tolist()
+            hit = np.bincount(bins[pos < a], minlength=n).tolist()  # accepted drafts exist, so never padding
+        # counts summed as ints first: the totals may be fractional (soften)
+        self.hits = [h + c for h, c in zip(self.hits, hit)]
+        self.trials = [t + c for t, c in zip(self.trials, tried)]
+        self._changed()
+
+    def _changed(self) -> None:
+        self._list: list[float] | None = None
+        self._table: np.ndarray | None = None
 
     def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:
-        self.hits = np.zeros(self.bins) if hits is None else np.array(hits, dtype=np.float64)
-        self.trials = np.zeros(self.bins) if trials is None else np.array(trials, dtype=np.float64)
-        self._table: np.ndarray | None = None
+        """Hits and trials per bin (floats; None: none)."""
+        self.hits = [0.0] * self.bins if hits is None else [float(h) for h in hits]
+        self.trials = [0.0] * self.bins if trials is None else [float(t) for t in trials]
+        self._changed()
 
     def reset(self) -> None:
         self.load(None, None)
@@ -547,8 +609,8 @@ class ConfidenceCalibrator:
         if trials <= 0:
             self.reset()
             return
-        scale = np.minimum(1.0, trials / np.maximum(self.trials, 1e-12))
-        self.load(self.hits * scale, self.trials * scale)
+        scale = [min(1.0, trials / max(t, 1e-12)) for t in self.trials]
+        self.load([h * f for h, f in zip(self.hits, scale)], [t * f for t, f in zip(self.trials, scale)])
 
 
 @dataclass(frozen=True)
@@ -701,8 +763,7 @@ class CostModelPolicy:
         if isinstance(draft_confidence, (int, float)):
             p_last = self._calib(draft_confidence)
         else:
-            vals = self._calib.calibrated(draft_confidence)
-            p_last = float(vals.sum()) / vals.size if vals.size else 0.0  # .sum() / size: np.mean costs more
+            p_last = self._calib.mean(draft_confidence)
         expected, surv = 1.0, 1.0
         for j in range(step_index - 1):
             surv *= a[j]
@@ -724,21 +785,35 @@ class CostModelPolicy:
         engine's batch is rectangular), so a request cut shorter than the longest saves nothing
         and only loses drafts; then one common length is chosen for the whole batch (see
         `_padded_cut`). Per-request lengths pay only where the verify packs ragged rows."""
-        conf, lens = confidence_array(confidences)
-        b, k = conf.shape
+        rows = small_rows(confidences) if padded else None  # a small padded batch: Python floats
+        if rows is not None:
+            full = [len(r) for r in rows]
+            b, k = len(rows), max(full, default=0)
+        else:
+            conf, lens = confidence_array(confidences)
+            b, k = conf.shape
+            full = [k] * b if lens is None else lens.tolist()
         if b == 0:
             return []
-        full = [k] * b if lens is None else lens.tolist()
         if k == 0 or self.cost.verify_token_s() <= 0 or self._probing[self.adaptive.slot_index(b)]:
             return full
+        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(b, ctx_len)
+        draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
+        if rows is not None:
+            # gain[m] = sum_r S_rm, the survival S_rm = prod_{j<=m} p(conf_rj) (rows end at their length)
+            calib, tbl, gain = self._calib, self._calib.table(), [0.0] * k
+            for row in rows:
+                sv = 1.0
+                for m, c in enumerate(row):
+                    sv *= tbl[calib.bin(c)]
+                    gain[m] += sv
+            return self._padded_cut(gain, full, draft_s, base, per_token, v_extra)
         # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
         surv = self._calib.calibrated(conf).cumprod(axis=1)  # the method: np.cumprod's dispatch costs ~1 us more
         if lens is not None:
             surv[np.arange(k) >= lens[:, None]] = 0.0
-        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(b, ctx_len)
-        draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
         if padded:
-            return self._padded_cut(surv, None if lens is None else full, draft_s, base, per_token, v_extra)
+            return self._padded_cut(surv.sum(axis=0).tolist(), full, draft_s, base, per_token, v_extra)
         # S_rm never rises along a row, so every throughput threshold keeps a prefix of each
         # row, and the rows' kept drafts together are the largest survivals of the batch: sort
         # them once and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie
@@ -761,26 +836,25 @@ class CostModelPolicy:
         return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
 
     @staticmethod
-    def _padded_cut(surv: np.ndarray, lens: list[int] | None, draft_s: float, base: float, per_token: float,
+    def _padded_cut(gain: list[float], full: list[int], draft_s: float, base: float, per_token: float,
                     v_extra: float = 0.0) -> list[int]:
         """One verify length L for every request (fewer where a row has fewer drafts): the L
-        maximizing (b + sum_r sum_{m<=L} S_rm) / (draft seconds + verify(b, L)); a tie keeps
-        the longer L. surv: the survivals [b, K], 0 past a row's last draft; base, per_token:
-        the verify line of `CostModel.verify_terms`; v_extra: a verify of drafts (L > 0) costs
-        that much more than the line; lens: each row's drafts, None where every row has K."""
-        b, k = surv.shape
-        gain = surv.sum(axis=0).tolist()  # gain[m]: expected tokens the batch gains from verifying draft m+1
-        best_n, best_rate, tokens = 0, -1.0, float(b)
-        for n in range(k + 1):
+        maximizing (b + sum_{m<=L} gain[m]) / (draft seconds + verify(b, L)); a tie keeps the
+        longer L. gain[m]: the expected tokens the batch gains from verifying draft m + 1 (the
+        sum over requests of the survivals S_rm, 0 past a row's last draft); full: each row's
+        drafts; base, per_token: the verify line of `CostModel.verify_terms`; v_extra: a verify
+        of drafts (L > 0) costs that much more than the line."""
+        best_n, best_rate, tokens = 0, -1.0, float(len(full))
+        for n in range(len(gain) + 1):
             if n:
                 tokens += gain[n - 1]
             v = base + per_token * (n + 1) + (v_extra if n else 0.0)
             rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
             if rate >= best_rate:
                 best_n, best_rate = n, rate
-        if lens is None or best_n <= min(lens):  # the usual case: every row drafted at least L
-            return [best_n] * b
-        return [min(best_n, m) for m in lens]
+        if best_n <= min(full):  # the usual case: every row drafted at least L
+            return [best_n] * len(full)
+        return [min(best_n, m) for m in full]
 
     # -- after verify ------------------------------------------------------------------------
 
@@ -833,7 +907,7 @@ class CostModelPolicy:
 
     def state_dict(self) -> dict:
         return {"policy": self.name, "cost": self.cost.state_dict(),
-                "calibrator": {"hits": self._calib.hits.tolist(), "trials": self._calib.trials.tolist()},
+                "calibrator": {"hits": self._calib.hits[:], "trials": self._calib.trials[:]},
                 "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:],
                                                   "weight": acc.weight[:], "steps": last,
                                                   "decisions": n, "below": below}
