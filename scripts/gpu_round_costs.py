@@ -9,7 +9,9 @@ predicted round seconds at each K against the measured median of its rounds at t
 controller can only choose well if these agree. Per K (verified), `drafted` counts the rounds by
 the drafts made before the verify-length cut: drafts made and not verified are drafting time
 spent for nothing. `cost_policy_choice_only` is the same calibrated policy without its in-round
-decisions (no early stop, no verify cut): K per round only. Every policy serves on one engine
+decisions (no early stop, no verify cut): K per round only. Both run wrapped in `TimedPolicy`:
+`policy_in_engine_us_p50` is the median time of the policy's own calls per round inside the
+engine's rounds (host time the GPU waits through at batch 1). Every policy serves on one engine
 (`set_policy`), warmed up at every K first, so no CUDA graph is captured inside a timed run
 (`graph_captures` says so; a fresh engine per run, as before, timed each run's captures, the
 more of them the more K a policy tried). The policies run interleaved,
@@ -123,17 +125,23 @@ def compare_policies(engine, calibrated, prompts, args) -> dict:
     """Static K = 0..max_k, the calibrated cost policy and its choice-only variant, interleaved."""
     from online_spec.controller.static import StaticSteps
 
+    from online_spec.controller.base import TimedPolicy
+
     policies = {f"static_{k}": lambda k=k: StaticSteps(k) for k in range(args.max_k + 1)}
-    policies["cost_policy"] = lambda: copy.deepcopy(calibrated)  # each repeat starts from the calibration
-    policies["cost_policy_choice_only"] = lambda: ChoiceOnly(copy.deepcopy(calibrated))
+    # each repeat starts from the calibration; TimedPolicy: the policy's own calls per round, in the engine
+    policies["cost_policy"] = lambda: TimedPolicy(copy.deepcopy(calibrated))
+    policies["cost_policy_choice_only"] = lambda: TimedPolicy(ChoiceOnly(copy.deepcopy(calibrated)))
+    policies.update(getattr(args, "extra_policies", {}))  # a job script's variants (name -> factory)
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     names = list(policies)
     for rep in range(args.repeats):  # interleaved, the order rotated each repeat: runs compared are seconds apart
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             policy = policies[name]()
             r = serve(engine, policy, prompts, args.new_tokens)
-            if name.startswith("cost"):
-                r["policy"] = (policy._policy if isinstance(policy, ChoiceOnly) else policy).info()
+            if isinstance(policy, TimedPolicy):
+                inner = policy.policy
+                r["policy"] = (inner._policy if isinstance(inner, ChoiceOnly) else inner).info()
+                r["policy_in_engine_us_p50"] = policy.median_us()
             runs[name].append(r)
             print(f"repeat {rep} {name}: {r['tokens_per_s']:.1f} tok/s, K {r['k_histogram']}", flush=True)
     out = {"policies": {}}
@@ -141,6 +149,8 @@ def compare_policies(engine, calibrated, prompts, args) -> dict:
         med = statistics.median(r["tokens_per_s"] for r in rs)
         out["policies"][name] = {"tokens_per_s": med, "repeat_tokens_per_s": [r["tokens_per_s"] for r in rs],
                                  "last_repeat": rs[-1]}
+        if rs[0].get("policy_in_engine_us_p50") is not None:
+            out["policies"][name]["policy_in_engine_us_p50"] = statistics.median(r["policy_in_engine_us_p50"] for r in rs)
     best = max((n for n in runs if n.startswith("static")), key=lambda n: out["policies"][n]["tokens_per_s"])
     out["best_static"] = best
     for name in ("cost_policy", "cost_policy_choice_only"):
