@@ -748,7 +748,8 @@ class CostModelPolicy:
         request), is drafting one more predicted to raise tokens per second? The next draft
         adds P(drafts 1..step_index accepted) * a_{step_index+1} tokens per request and costs
         one draft step plus one verified token per request."""
-        check(isinstance(step_index, int) and step_index >= 1, "step_index", f"must be an int >= 1, got {step_index!r}")
+        if not (isinstance(step_index, int) and step_index >= 1):  # no check(): its message is built every call
+            raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
         i = self.adaptive.slot_index(batch_size)
         if self._probing[i]:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < (self._last[i] or 0)
