@@ -96,7 +96,7 @@ class TimedPolicy:
     (`steps_for` opens a round, `update` closes it): the decision cost *inside* the engine,
     where each call runs between torch ops on cold caches. `measure_decision_cost_us` times
     the same calls in a hot loop; in the engine they cost several times more (2026-11-24, the
-    cost policy at batch 1 on a tiny model: ~290 us a round against ~17 us in the loop). The
+    cost policy at batch 1 on a tiny model: 160-290 us a round against ~17 us in the loop). The
     optional in-round calls are offered only where the policy has them (the engine asks with
     `hasattr`); everything else is the policy's own."""
 

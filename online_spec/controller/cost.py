@@ -486,8 +486,8 @@ class ConfidenceCalibrator:
     """Draft confidence -> P(accepted | earlier drafts accepted), per confidence bin.
 
     Each bin starts at its midpoint with `prior_weight` pseudo-observations (the identity map).
-    A confidence c falls in bin floor(c * bins) taken in float64 (1.0 and above: the top bin,
-    below 0 or NaN: the first). Batches of more than `SMALL_BATCH` confidences go through numpy;
+    A confidence (a probability) c falls in bin floor(c * bins) taken in float64 (1.0 and
+    above: the top bin, below 0 or NaN: the first). Batches of more than `SMALL_BATCH` confidences go through numpy;
     smaller ones (batch 1-4 rounds, where speculation pays most) through Python floats: inside
     an engine round each numpy call costs several microseconds (2026-11-24: the calibrator's
     numpy calls were 70 of the ~150 us the cost policy spent in a batch-1 round of a tiny
