@@ -123,15 +123,14 @@ def warm_engine(target, head, prompts):
 
 def compare_policies(engine, calibrated, prompts, args) -> dict:
     """Static K = 0..max_k, the calibrated cost policy and its choice-only variant, interleaved."""
-    from online_spec.controller.static import StaticSteps
-
     from online_spec.controller.base import TimedPolicy
+    from online_spec.controller.static import StaticSteps
 
     policies = {f"static_{k}": lambda k=k: StaticSteps(k) for k in range(args.max_k + 1)}
     # each repeat starts from the calibration; TimedPolicy: the policy's own calls per round, in the engine
     policies["cost_policy"] = lambda: TimedPolicy(copy.deepcopy(calibrated))
     policies["cost_policy_choice_only"] = lambda: TimedPolicy(ChoiceOnly(copy.deepcopy(calibrated)))
-    policies.update(getattr(args, "extra_policies", {}))  # a job script's variants (name -> factory)
+    policies.update(getattr(args, "extra_policies", {}))  # more variants, name -> factory (scripts/gpu_policy_ab.py)
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     names = list(policies)
     for rep in range(args.repeats):  # interleaved, the order rotated each repeat: runs compared are seconds apart
