@@ -246,6 +246,7 @@ class DriftAlert:
 
 
 MIX_TAG = "*"  # the tag of a slot's mix stream: every request of its rounds, whatever their tags
+MIX_TAG_RESERVED = f"tag {MIX_TAG!r} is reserved: it names the drift monitor's all-traffic stream (a slot's mix stream)"
 COLLAPSE_SPAN = 32  # the collapse window may grow to this many times collapse_window rounds
 MIN_BLOCKS = 4  # block means the reference needs before the change test runs (fewer: too noisy)
 NOISE_MIN_REQUESTS = 32  # or request clusters, this reference's and earlier ones' (a re-warmed stream)
@@ -327,7 +328,7 @@ def round_observations(batch_size: int, num_steps: int, accepted, tags, request_
     by_tag: dict[str, list[tuple[int, str]]] = {MIX_TAG: list(zip(accepted, request_ids))}
     for a, tag, rid in zip(accepted, tags, request_ids):
         if tag == MIX_TAG:
-            raise ValueError(f"tags: {MIX_TAG!r} names a slot's mix stream and is not a traffic tag")
+            raise ValueError(f"tags: {MIX_TAG_RESERVED}")
         by_tag.setdefault(tag, []).append((a, rid))
     out = []
     for tag, rows in by_tag.items():

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.controller.replay import TraceError, read_trace_rows, run_replay_command, write_json_lines
-from online_spec.drift import MIX_TAG, DriftConfig, DriftDetector, round_observations
+from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig, DriftDetector, round_observations
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def read_rounds(lines: Iterable[str], source: str = "trace") -> Iterator[dict]:
             if v is not None and not (isinstance(v, list) and len(v) == n and all(isinstance(x, kind) for x in v)):
                 raise TraceError(f"{where}: {key}: must be a list of {n} strings (one per request), got {v!r}")
         if MIX_TAG in (row.get("tags") or ()):
-            raise TraceError(f"{where}: tags: {MIX_TAG!r} names the drift monitor's all-traffic stream, not a tag")
+            raise TraceError(f"{where}: tags: {MIX_TAG_RESERVED}")
         version = row.get("head_version", 0)
         if not isinstance(version, int) or isinstance(version, bool):
             raise TraceError(f"{where}: head_version: must be an int, got {version!r}")

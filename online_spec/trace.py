@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from online_spec.drift import MIX_TAG
+from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def parse_line(raw: str, index: int, where: str = "<trace>") -> TraceItem:
     if not isinstance(tag, str):
         raise TraceError(f"{at}: 'tag' must be a string")
     if tag == MIX_TAG:  # the server refuses it
-        raise TraceError(f"{at}: 'tag' {MIX_TAG!r} is reserved (the drift monitor's stream of all traffic)")
+        raise TraceError(f"{at}: {MIX_TAG_RESERVED}")
     phase = obj.get("phase", tag)
     if not isinstance(phase, str):
         raise TraceError(f"{at}: 'phase' must be a string")

@@ -116,8 +116,8 @@ def main() -> int:
            "drift_config": config_to_dict(cfg), "batches": {}}
     print(f"{args.trace}: {names[0]} {len(pools[0])} requests (accept {out['mean_accept_len'][0]:.2f}), "
           f"{names[1]} {len(pools[1])} requests (accept {out['mean_accept_len'][1]:.2f}), K={k}")
+    tags = args.tags.split(",") if args.tags else None
     for b in (int(x) for x in args.batches.split(",")):
-        tags = args.tags.split(",") if args.tags else None
         runs = [one_run(cfg, pools, [args.stationary, args.switched], b, k, seed, tags, args.swap_every)
                 for seed in range(args.seeds)]
         delays = sorted(r["rounds_to_drop"] for r in runs if r["rounds_to_drop"] is not None)

@@ -32,7 +32,7 @@ import torch
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.controller.cost import CostModel
-from online_spec.drift import MIX_TAG, DriftConfig
+from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig
 from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.head import EagleHead
 from online_spec.sampling import SamplingParams
@@ -136,8 +136,7 @@ class SpecServer:
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:
         """Queue one request (event loop thread); refusals become ApiError with a status."""
         if tag == MIX_TAG:  # here, not in the HTTP layer: one check for HTTP and Python callers alike
-            raise ApiError(400, f"tag {MIX_TAG!r} is reserved: it names the drift monitor's stream of all traffic",
-                           param="tag")
+            raise ApiError(400, MIX_TAG_RESERVED, param="tag")
         try:
             return self.loop.submit(Request(prompt_ids, params, request_id, tag))
         except EngineFull as e:
