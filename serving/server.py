@@ -130,7 +130,7 @@ class SpecServer:
         round-time model (calibrated on this engine, refined from its rounds); None under a
         policy without one, where the drift monitor's "losing" rule has nothing to compare."""
         cost = getattr(self.engine.policy, "cost", None)  # looked up per round: set_policy may change it
-        return cost.verify_s(batch_size, 0, ctx_len) if isinstance(cost, CostModel) else None
+        return cost.predict_round_s(batch_size, 0, ctx_len) if isinstance(cost, CostModel) else None
 
     # -- the hooks ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:

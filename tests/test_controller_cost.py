@@ -8,6 +8,8 @@ import itertools
 import json
 import math
 import random
+import statistics
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -145,6 +147,118 @@ def test_cost_model_state_round_trip():
         a.observe(*row)
         b.observe(*row)
     assert b.predict_round_s(5, 3, 900) == a.predict_round_s(5, 3, 900)
+
+
+def bent_times(b, k, ctx):
+    """Costs the line cannot fit: a draft phase that grows as b ** 0.5 (a CPU running small
+    matmuls below its peak), and a verify that costs 30 % less per request above batch 8."""
+    d, v = true_times(b, k, ctx)
+    return d * b ** -0.5 if k else 0.0, v * (0.7 if b > 8 else 1.0)
+
+
+def test_time_factors_correct_the_line_where_rounds_were_measured():
+    """Each (batch bucket, K) measured takes measured / predicted seconds of its rounds, the
+    prediction as the line now makes it: sums checked against a naive reference, the corrected
+    predictions of measured points near their times where the line alone misses by > 10 %."""
+    rows = [(b, k, 256, *bent_times(b, k, 256)) for b in (1, 4, 16, 64) for k in (0, 1, 3, 7)]
+    model = CostModel().fit(rows)
+    line = [model.predict_round_s(b, k, ctx, measured=False) for b, k, ctx, _, _ in rows]
+    assert max(abs(p / (d + v) - 1) for p, (_, _, _, d, v) in zip(line, rows)) > 0.1
+    for (b, k, ctx, d, v), pred in zip(rows, line):
+        assert model.predict_round_s(b, k, ctx) == pytest.approx(d + v, rel=1e-9)
+        assert model.time_factors(b, 7)[k] == pytest.approx((d + v) / pred, rel=1e-9)
+    # online rounds at batch 16, K = 1 and a context of their own: the factor becomes their
+    # decayed measured seconds over the same rounds as the line now predicts them
+    online = [(16, 1, 300 + 10 * i, *bent_times(16, 1, 300 + 10 * i)) for i in range(48)]
+    for row in online:
+        model.observe(*row)
+    decay, n = model.config.decay, len(online)
+    weights = [4.0 * decay ** n] + [decay ** (n - 1 - i) for i in range(n)]  # the calibration row, then the rounds
+    pts = [rows[9]] + online
+    assert pts[0][:2] == (16, 1)
+    measured = sum(w * (d + v) for w, (_, _, _, d, v) in zip(weights, pts))
+    predicted = sum(w * model.predict_round_s(b, k, ctx, measured=False) for w, (b, k, ctx, _, _) in zip(weights, pts))
+    assert model.time_factors(16, 7)[1] == pytest.approx(measured / predicted, rel=1e-9)
+    def error(measured_):
+        return statistics.mean(abs(model.predict_round_s(b, k, ctx, measured=measured_) / (d + v) - 1)
+                               for b, k, ctx, d, v in online)
+    assert error(True) < error(False)
+
+
+def test_time_factors_of_k_without_rounds():
+    """K = 0 has only its own factor; a K > 0 without rounds is interpolated between the nearest
+    measured K's, or takes the nearest one beyond them; a bucket without rounds has factor 1."""
+    model = CostModel(CostModelConfig(refit_interval=1))
+    model.observe(4, 0, 100, 0.0, 0.03)
+    model.observe(4, 2, 100, 0.01, 0.03)
+    model.observe(4, 6, 100, 0.03, 0.06)
+    f = model.time_factors(4, 8)
+    measured = {k: f[k] for k in (0, 2, 6)}
+    assert len(set(measured.values())) == 3
+    assert f[1] == f[2] and f[7] == f[8] == f[6]
+    for k in (3, 4, 5):
+        assert f[k] == pytest.approx(f[2] + (f[6] - f[2]) * (k - 2) / 4)
+    assert model.time_factors(5, 8) is f  # one bucket: 4-7
+    assert model.time_factors(8, 8) == [1.0] * 9
+    only_plain = CostModel(CostModelConfig(refit_interval=1))
+    only_plain.observe(2, 0, 100, 0.0, 0.05)
+    g = only_plain.time_factors(2, 3)
+    assert g[0] != 1.0 and g[1:] == [1.0] * 3
+    off = CostModel(CostModelConfig(refit_interval=1, time_factors=False))
+    off.observe(4, 2, 100, 0.01, 0.03)
+    assert off.time_factors(4, 3) == [1.0] * 4 and off.predict_round_s(4, 2, 100) == off.predict_round_s(
+        4, 2, 100, measured=False)
+
+
+def test_time_factors_wait_for_the_refit_and_survive_a_state_round_trip():
+    model = CostModel(CostModelConfig(refit_interval=4))
+    assert model.time_factors(16, 3) == [1.0] * 4
+    for _ in range(3):
+        model.observe(16, 1, 200, *bent_times(16, 1, 200))
+    assert model.time_factors(16, 3) == [1.0] * 4  # the rounds wait for the next refit, as the line does
+    model.observe(16, 1, 200, *bent_times(16, 1, 200))
+    assert model.time_factors(16, 3)[1] != 1.0
+    copy_ = CostModel()
+    copy_.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    assert copy_.time_factors(16, 3) == model.time_factors(16, 3)
+    state = model.state_dict()
+    del state["tally"]  # a state written before the factors
+    old = CostModel()
+    old.load_state_dict(state)
+    assert old.time_factors(16, 3) == [1.0] * 4
+    state["tally"] = {"5:1": [1.0] * 3}
+    with pytest.raises(ConfigError, match=r"state.tally\['5:1'\]"):
+        CostModel().load_state_dict(state)
+
+
+def test_policy_runs_the_k_its_measured_rounds_favour():
+    """A line fitted across batch sizes 1-64 to costs it cannot fit (draft steps cheaper per
+    request above batch 4, verifies of drafts 40 % cheaper above batch 8) misprices batch 16's
+    rounds, and with 0.55 acceptance the policy runs K = 1 where K = 3 is best by the true costs.
+    With the factors (the calibration's own batch-16 points, then the rounds served) it runs K = 3."""
+    def truth(b, k, ctx):
+        d, v = true_times(b, k, ctx)
+        return (d * (4 / b) if b > 4 else d) if k else 0.0, v * (0.6 if b > 8 and k else 1.0)
+
+    tiers, accept = [0, 1, 3], 0.55
+    rows = [(b, k, 200, *truth(b, k, 200)) for b in (1, 4, 16, 64) for k in (0, 1, 3, 7)]
+    rate = {k: (1 + sum(accept ** (i + 1) for i in range(k))) / sum(truth(16, k, 200)) for k in tiers}
+    assert max(rate, key=rate.get) == 3
+    ks = {}
+    for on in (True, False):
+        p = CostModelPolicy(AdaptiveConfig.from_dict({"16": {"candidate_steps": tiers}}),
+                            CostPolicyConfig(prior_accept=accept, probe_interval=8),
+                            CostModel(CostModelConfig(time_factors=on)).fit(rows))
+        rng, ks[on] = random.Random(0), []
+        for _ in range(400):
+            k = p.steps_for(16, 200)
+            ks[on].append(k)
+            accepted = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < accept, range(k)))
+                        for _ in range(16)]
+            p.update(16, accepted, num_steps=k, ctx_len=200, draft_s=truth(16, k, 200)[0],
+                     verify_s=truth(16, k, 200)[1])
+    assert Counter(ks[True][-100:])[3] >= 90
+    assert Counter(ks[False][-100:])[1] >= 50
 
 
 def lstsq_of_the_decayed_system(rows, anchors, prior, ridge, decay, anchor_weight):

@@ -406,13 +406,16 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
                                   cfg.calib_rounds, max_len=stationary_max_len(traffic, cfg))
     model = calibrate_cost_model(target, head, timings=calib)
     out["calibration"] = {**cost_model_report(model), "seconds": time.perf_counter() - t0,
-                          "median_rel_error_on_calibration": median_relative_error(model, calib)}
+                          "median_rel_error_on_calibration": median_relative_error(model, calib),
+                          "median_rel_error_on_calibration_line": median_relative_error(model, calib, factors=False)}
     factories = policy_factories(cfg, model)
 
     log.info("stationary traffic")
     out["stationary"], static_timings = run_stationary(target, head, traffic, cfg, factories)
     # the start-up model against rounds it never saw (real traffic, static K, later in the run)
     out["calibration"]["median_rel_error_on_stationary_rounds"] = median_relative_error(model, static_timings)
+    out["calibration"]["median_rel_error_on_stationary_rounds_line"] = median_relative_error(model, static_timings,
+                                                                                           factors=False)
 
     log.info("phase-change trace")
     phase = run_phase_change(target, head, traffic, cfg, factories, trace_path)

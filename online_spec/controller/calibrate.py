@@ -131,18 +131,21 @@ def calibration_points(timings: Sequence[RoundTiming]) -> list[RoundTiming]:
     return points
 
 
-def prediction_errors(model: CostModel, timings: Sequence[RoundTiming]) -> list[float]:
-    """|predicted - measured| / measured of each round's draft + verify seconds."""
+def prediction_errors(model: CostModel, timings: Sequence[RoundTiming], factors: bool = True) -> list[float]:
+    """|predicted - measured| / measured of each round's draft + verify seconds (predicted with
+    the model's time factors, or by its line alone)."""
     errs = []
     for t in timings:
         measured = t.draft_s + t.verify_s
         if measured > 0:
-            errs.append(abs(model.predict_round_s(t.batch_size, t.num_steps, t.ctx_len) - measured) / measured)
+            predicted = model.predict_round_s(t.batch_size, t.num_steps, t.ctx_len, measured=factors)
+            errs.append(abs(predicted - measured) / measured)
     return errs
 
 
-def median_relative_error(model: CostModel, timings: Sequence[RoundTiming]) -> float:
-    errs = prediction_errors(model, timings)
+def median_relative_error(model: CostModel, timings: Sequence[RoundTiming], factors: bool = True) -> float:
+    """The median of `prediction_errors`; factors=False: the least-squares line's alone."""
+    errs = prediction_errors(model, timings, factors)
     return statistics.median(errs) if errs else float("nan")
 
 
@@ -153,6 +156,7 @@ def cost_model_report(model: CostModel) -> dict:
             "verify_s": dict(zip(("const", "per_request", "per_token", "per_request_per_kctx",
                                   "drafts_extra_per_request"), model.verify_coef)),
             "draft_coef": list(model.draft_coef), "verify_coef": list(model.verify_coef),
+            "time_factors": model.factors_info(),
             "observations": model.observations, "calibration_points": model.calibration_points}
 
 
@@ -205,7 +209,7 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
     points = calibration_points(timings)
     model = CostModel().fit(points)
     report = {**cost_model_report(model), "source": "calibrated", "seconds": time.perf_counter() - t0,
-              "median_rel_error": median_relative_error(model, points),
+              "median_rel_error": median_relative_error(model, points, factors=False),
               "batch_sizes": batch_sizes, "ks": ks}
     log.info("cost model calibrated in %.1f s (batch sizes %s, K %s): median error %.1f%%", report["seconds"],
              batch_sizes, ks, 100 * report["median_rel_error"])

@@ -16,7 +16,9 @@ Three parts:
     below its measured round and every further step at 0.47 ms against 0.37 measured, so it
     chose K and stopped drafting below the best static K. The calibration (`fit`) is an anchor
     that never decays, the rounds served refine it with exponential forgetting, and a prior
-    holds where neither says anything.
+    holds where neither says anything. What the line cannot fit is corrected by a measured
+    factor per (batch-size bucket, K) (`time_factors`): the rounds of that batch and K measured
+    against the line's prediction for them.
   - `AcceptanceEstimate` (one per batch-size slot): a_i = P(draft i accepted | drafts < i
     accepted), hits over trials with exponential forgetting per trial (a window of
     `accept_window` request-drafts, so one request at batch 1 moves it as little as one of 16
@@ -45,6 +47,7 @@ from online_spec.config import ConfigError, check, doc
 from online_spec.controller.config import AdaptiveConfig
 
 CTX_SCALE = 1000.0  # context length enters the model in thousands of tokens (conditioning)
+FACTOR_RANGE = (0.25, 4.0)  # a time factor outside it is a broken measurement, not a misfit of the line
 PRIOR_TRIALS = 4.0  # the acceptance prior counts as this many trials: one lucky draft at a rarely
                     # tried position must not read as certainty (1/1 = 1.0 made K = 7 look free)
 
@@ -52,6 +55,9 @@ PRIOR_TRIALS = 4.0  # the acceptance prior counts as this many trials: one lucky
 def draft_features(batch_size: float, ctx_len: float) -> tuple[float, float, float]:
     """Features of one draft step's time."""
     return (1.0, batch_size, batch_size * ctx_len / CTX_SCALE)
+
+
+NO_DRAFT = (0.0,) * 5  # the draft row of a round without drafts
 
 
 def draft_row(batch_size: float, num_steps: int, ctx_len: float) -> list[float]:
@@ -65,6 +71,11 @@ def verify_features(batch_size: float, tokens_per_request: float, ctx_len: float
     forward verifies drafts, its extra over a plain decode step is the last feature)."""
     return (1.0, batch_size, batch_size * tokens_per_request, batch_size * ctx_len / CTX_SCALE,
             batch_size if tokens_per_request > 1 else 0.0)
+
+
+def batch_bucket(batch_size: float) -> int:
+    """The time-factor bucket of a batch size: 1 | 2-3 | 4-7 | 8-15 | ... (bit length)."""
+    return max(1, int(batch_size)).bit_length()
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
@@ -180,6 +191,8 @@ class CostModelConfig:
     refit_interval: int = doc("observations between two online refits of the coefficients", 16)
     anchor_weight: float = doc("rounds each calibration point (`fit`) counts as, for good: online rounds decay, "
                                "the calibration does not, so a K the policy stops running keeps its measured cost", 4.0)
+    time_factors: bool = doc("correct the line by a measured factor per (batch-size bucket, K) "
+                             "(`CostModel.time_factors`); off = the least-squares line alone", True)
 
     def __post_init__(self) -> None:
         for f in ("prior_draft_step_s", "prior_verify_s"):
@@ -200,6 +213,13 @@ class CostModel:
         self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._memo: tuple | None = None  # (batch_size, ctx_len, round_terms) of the last round asked
+        # bucket -> K -> sums over that bucket's rounds of K drafts: draft row (5), verify features
+        # (5), measured seconds, then the online round count they were decayed to. A prediction is
+        # linear in the coefficients, so the sums give those rounds' predicted seconds under the
+        # coefficients of now; they decay as the line's rows do (`decay` per online round, of any
+        # bucket and K), so factor and line describe the same rounds.
+        self._tally: dict[int, dict[int, list[float]]] = {}
+        self._factors: dict[int, list[float]] = {}  # bucket -> factor per K under the current coefficients
         self.draft_coef = list(self._draft.prior)
         self.verify_coef = list(self._verify.prior)
         self._pending = 0
@@ -210,7 +230,7 @@ class CostModel:
 
     @draft_coef.setter
     def draft_coef(self, coef: Sequence[float]) -> None:
-        self._draft_coef, self._memo = list(coef), None
+        self._draft_coef, self._memo, self._factors = list(coef), None, {}
 
     @property
     def verify_coef(self) -> list[float]:
@@ -218,7 +238,7 @@ class CostModel:
 
     @verify_coef.setter
     def verify_coef(self, coef: Sequence[float]) -> None:
-        self._verify_coef, self._memo = list(coef), None
+        self._verify_coef, self._memo, self._factors = list(coef), None, {}
 
     @classmethod
     def with_coefficients(cls, draft_coef: Sequence[float], verify_coef: Sequence[float],
@@ -239,11 +259,16 @@ class CostModel:
         """One measured round; `verify_tokens` = total tokens verified if not batch_size * (K + 1)."""
         if batch_size <= 0:
             return
+        d_row = NO_DRAFT
         if draft_s is not None and num_steps > 0:
-            self._draft.add(draft_row(batch_size, num_steps, ctx_len), draft_s)
+            d_row = draft_row(batch_size, num_steps, ctx_len)
+            self._draft.add(d_row, draft_s)
         if verify_s is not None:
             per_req = (verify_tokens / batch_size) if verify_tokens is not None else num_steps + 1
-            self._verify.add(verify_features(batch_size, per_req, ctx_len), verify_s)
+            v_row = verify_features(batch_size, per_req, ctx_len)
+            self._verify.add(v_row, verify_s)
+            if num_steps <= 0 or draft_s is not None:
+                self._tally_round(batch_size, num_steps, d_row, v_row, verify_s + (draft_s or 0.0), 1.0)
         self._pending += 1
         if self._pending >= self.config.refit_interval:
             self.refit()
@@ -258,8 +283,71 @@ class CostModel:
             if k > 0:
                 self._draft.add_anchor(draft_row(b, k, ctx), d, w)
             self._verify.add_anchor(verify_features(b, k + 1, ctx), v, w)
+            self._tally_round(b, k, draft_row(b, k, ctx), verify_features(b, k + 1, ctx), d + v, w)
         self.refit()
         return self
+
+    def _tally_round(self, batch_size: float, num_steps: int, d_row: Sequence[float], v_row: Sequence[float],
+                     seconds: float, weight: float) -> None:
+        """Add one round (its draft row and verify features, draft + verify seconds) to its
+        (bucket, K) sums; the factors follow at the next refit."""
+        if not self.config.time_factors or not seconds > 0:
+            return
+        per_k = self._tally.setdefault(batch_bucket(batch_size), {})
+        old, now = per_k.get(num_steps), self._verify.count
+        x = (*d_row, *v_row, seconds)
+        # a new list, not an update in place: `info` reads the sums from another thread
+        if old is None:
+            per_k[num_steps] = [weight * v for v in x] + [now]
+        else:
+            keep = self.config.decay ** (now - old[11])  # a ratio of two sums: decayed alike only when added to
+            per_k[num_steps] = [keep * a + weight * v for a, v in zip(old, x)] + [now]
+
+    def time_factors(self, batch_size: float, max_steps: int) -> list[float]:
+        """Measured over predicted seconds of this batch size's rounds (as the line now predicts
+        them), per K = 0..max_steps (or more): the line's misfit where it was measured. The line (one set of coefficients for every
+        batch size and K) missed CPU rounds by 13-18 % in the median, and by more where it
+        mattered: at batch 16 it priced K = 1 at 1.6x a plain round, measured 1.3x, and the policy
+        ran K = 0 in 91 % of the rounds, 15-20 % below static K = 1 (2026-11-24). A K without
+        rounds of its own takes the factor interpolated between the nearest measured K > 0 (the
+        nearest one beyond them); K = 0 only its own. Rebuilt when the coefficients change
+        (every refit), so between refits a bucket's factors stay fixed."""
+        bucket = int(batch_size).bit_length() if batch_size >= 1 else 1  # batch_bucket, inline: a hot path
+        table = self._factors.get(bucket)
+        if table is None or len(table) <= max_steps:
+            table = self._factor_table(bucket, max_steps)
+            self._factors[bucket] = table
+        return table
+
+    def factors_info(self) -> dict[str, list[float]]:
+        """The time factors of every bucket with rounds, K = 0.. the deepest measured, keyed by the
+        bucket's smallest batch size; built afresh (for readers on other threads)."""
+        return {str(1 << (b - 1)): [round(f, 4) for f in self._factor_table(b, 0)] for b in sorted(list(self._tally))}
+
+    def _factor_table(self, bucket: int, max_steps: int) -> list[float]:
+        dc, vc = self.draft_coef, self.verify_coef
+        lo, hi = FACTOR_RANGE
+        measured = {}
+        for k, t in list(self._tally.get(bucket, {}).items()):
+            predicted = _dot(t[:5], dc) + _dot(t[5:10], vc)
+            if predicted > 0:
+                measured[k] = min(max(t[10] / predicted, lo), hi)
+        drafted = sorted(k for k in measured if k > 0)
+        table = [measured.get(0, 1.0)]
+        j = 0  # drafted[j - 1] < k <= drafted[j]
+        for k in range(1, max(max_steps, drafted[-1] if drafted else 0) + 1):
+            while j < len(drafted) and drafted[j] < k:
+                j += 1
+            if not drafted:
+                table.append(1.0)
+            elif j == len(drafted):
+                table.append(measured[drafted[-1]])
+            elif drafted[j] == k or j == 0:
+                table.append(measured[drafted[j]])
+            else:
+                k0, k1 = drafted[j - 1], drafted[j]
+                table.append(measured[k0] + (measured[k1] - measured[k0]) * (k - k0) / (k1 - k0))
+        return table
 
     def refit(self) -> None:
         self.draft_coef = self._draft.solve()
@@ -316,9 +404,13 @@ class CostModel:
         """Extra verify seconds for one more token in the batch."""
         return max(0.0, self.verify_coef[2])
 
-    def predict_round_s(self, batch_size: float, k: float, ctx_len: float = 0) -> float:
-        """Draft K steps then verify K + 1 tokens per request."""
-        return self.draft_s(batch_size, k, ctx_len) + self.verify_s(batch_size, k, ctx_len)
+    def predict_round_s(self, batch_size: float, k: float, ctx_len: float = 0, *, measured: bool = True) -> float:
+        """Draft K steps then verify K + 1 tokens per request; with `measured`, times the
+        `time_factors` of (batch size, K) when K is a whole number (the line alone otherwise)."""
+        line = self.draft_s(batch_size, k, ctx_len) + self.verify_s(batch_size, k, ctx_len)
+        if not measured or k != int(k) or k < 0:
+            return line
+        return line * self.time_factors(batch_size, int(k))[int(k)]
 
     @property
     def observations(self) -> int:
@@ -332,7 +424,8 @@ class CostModel:
 
     def state_dict(self) -> dict:
         return {"draft": self._draft.state_dict(), "verify": self._verify.state_dict(),
-                "draft_coef": self.draft_coef[:], "verify_coef": self.verify_coef[:], "pending": self._pending}
+                "draft_coef": self.draft_coef[:], "verify_coef": self.verify_coef[:], "pending": self._pending,
+                "tally": {f"{b}:{k}": t[:] for b, per_k in self._tally.items() for k, t in per_k.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._draft.load_state_dict(state["draft"])
@@ -340,6 +433,11 @@ class CostModel:
         self.draft_coef = [float(c) for c in state["draft_coef"]]
         self.verify_coef = [float(c) for c in state["verify_coef"]]
         self._pending = int(state["pending"])
+        self._tally = {}
+        for key, sums in state.get("tally", {}).items():  # states written before the time factors have none
+            b, k = (int(x) for x in key.split(":"))
+            check(len(sums) == 12, f"state.tally[{key!r}]", f"needs 11 sums and a round count, got {len(sums)}")
+            self._tally.setdefault(b, {})[k] = [float(x) for x in sums]
 
 
 def fill_untried(rates: Sequence[float], tried: Sequence, prior: float) -> list[float]:
@@ -685,31 +783,33 @@ class CostModelPolicy:
         i = self.adaptive.slot_index(batch_size)
         a = self._accept[i].estimates()
         terms = self.cost.round_terms(batch_size, ctx_len)
+        tiers = self._slots[i].candidate_steps
+        factor = self.cost.time_factors(batch_size, tiers[-1])
         memo = self._choice
-        if memo is not None and memo[0] is a and memo[1] is terms:
-            return memo[2]  # the same cached estimates and round terms: update's choice, asked again by steps_for
+        if memo is not None and memo[0] is a and memo[1] is terms and memo[3] is factor:
+            return memo[2]  # the same cached estimates, round terms and factors: update's choice, asked again
         slo = self.config.tpot_slo_s
         step_s, base, per_token, d_extra, v_extra = terms
         best_k, best_rate = None, -1.0
         expected, surv, pos = 1.0, 1.0, 0
-        for k in self._slots[i].candidate_steps:
+        for k in tiers:
             while pos < k:
                 surv *= a[pos]
                 expected += surv
                 pos += 1
             if k:
                 v = base + per_token * (k + 1) + v_extra
-                t = max(0.0, k * step_s + d_extra) + (v if v > 0.0 else 0.0)
+                t = (max(0.0, k * step_s + d_extra) + (v if v > 0.0 else 0.0)) * factor[k]
             else:
                 v = base + per_token
-                t = v if v > 0.0 else 0.0
+                t = (v if v > 0.0 else 0.0) * factor[0]
             if slo is not None and t > slo:
                 continue
             rate = expected / max(t, 1e-12)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        best_k = self._slots[i].candidate_steps[0] if best_k is None else best_k
-        self._choice = (a, terms, best_k)  # holds both objects, so `is` cannot match a recycled id
+        best_k = tiers[0] if best_k is None else best_k
+        self._choice = (a, terms, best_k, factor)  # holds the objects, so `is` cannot match a recycled id
         return best_k
 
     def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
@@ -757,8 +857,11 @@ class CostModelPolicy:
         if step_index >= len(a):
             return False
         step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(batch_size, ctx_len)
-        t_now = max(0.0, step_index * step_s + d_extra) + max(0.0, base + v_extra + per_token * (step_index + 1))
-        t_next = max(0.0, (step_index + 1) * step_s + d_extra) + max(0.0, base + v_extra + per_token * (step_index + 2))
+        factor = self.cost.time_factors(batch_size, step_index + 1)
+        t_now = (max(0.0, step_index * step_s + d_extra)
+                 + max(0.0, base + v_extra + per_token * (step_index + 1))) * factor[step_index]
+        t_next = (max(0.0, (step_index + 1) * step_s + d_extra)
+                  + max(0.0, base + v_extra + per_token * (step_index + 2))) * factor[step_index + 1]
         if self.config.tpot_slo_s is not None and t_next > self.config.tpot_slo_s:
             return False
         if isinstance(draft_confidence, (int, float)):
@@ -904,7 +1007,7 @@ class CostModelPolicy:
                                     for k in slot.candidate_steps}}
         return {"policy": self.name, "slots": slots,
                 "cost": {"draft_coef": list(self.cost.draft_coef), "verify_coef": list(self.cost.verify_coef),
-                         "observations": self.cost.observations}}
+                         "observations": self.cost.observations, "time_factors": self.cost.factors_info()}}
 
     def state_dict(self) -> dict:
         return {"policy": self.name, "cost": self.cost.state_dict(),
