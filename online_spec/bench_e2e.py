@@ -39,6 +39,18 @@ online-spec server's threads, so the ratio of online-spec to static falls into t
   online_spec         -> `training` = online_spec / online_no_training (the trainer's CPU and
                       memory traffic beside the server, and whatever its swapped heads gained)
 
+`--ceiling-heads code,...` measures what online adaptation could reach at best with heads of
+the pretrained kind: each named head (`online_spec.heads`) serves the whole trace with the
+cost-model controller and no trainer (`ceiling_<head>`, beside `cost_policy`: the static head
+the same way), and the last phase's batch-1 requests (`bs1_ceiling_<head>`). `ceiling` then
+takes, phase by phase, the fastest of these heads, as a system that had the in-domain head
+live from each phase's first token and paid nothing to train would:
+  tokens/s   sum_p tokens_p / sum_p (tokens_p / max_h tokens/s_{h,p})   (tokens_p: the
+             adaptive configuration's; the same weighting gives the reference its own figure)
+  ceiling_vs_static_sglang_adaptive   that over static + SGLang adaptive weighted alike
+  ceiling_speedup_vs_plain_bs1        the best head's batch-1 tokens/s over plain's
+A head better than these (one trained on the very replies the trace repeats) is not bounded.
+
     online-spec bench e2e --quick --json results/bench_e2e.json
     online-spec bench e2e --json results/bench_e2e.json --head runs/sharegpt-100k
 """
@@ -84,6 +96,9 @@ class E2EConfig:
                                 "--server-threads)", 0)
     overhead_split: bool = doc("also run cost_policy and online_no_training (see the module doc): where "
                                "online-spec's tokens/s go against static", False)
+    ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
+                             "controller and no trainer, for the per-phase ceiling (see the module doc); "
+                             "empty = none", "")
 
     def __post_init__(self):
         check(self.requests_per_phase >= 1, "requests_per_phase", "must be >= 1")
@@ -93,6 +108,13 @@ class E2EConfig:
         check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
+        names = self.ceiling_names
+        check(len(set(names)) == len(names) and all(n != "day0" for n in names), "ceiling_heads",
+              f"must be distinct head names or paths (not day0), got {self.ceiling_heads!r}")
+
+    @property
+    def ceiling_names(self) -> list[str]:
+        return [s.strip() for s in self.ceiling_heads.split(",") if s.strip()]
 
 
 def _ratio(a, b):
@@ -147,6 +169,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                               "best tokens/s wins"}
 
     last = runs[-1][1][:cfg.bs1_requests]
+    ceiling = {name: resolve_head(name, target, cfg.head_tokens) for name in cfg.ceiling_names}
     repeats = []
     for rep in range(cfg.repeats):
         pre = f"rep{rep}/" if cfg.repeats > 1 else ""
@@ -154,8 +177,9 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                    "static": session(f"{pre}static", items, num_steps=best_k, **alone),
                    "sglang_adaptive": session(f"{pre}sglang_adaptive", items, policy="sglang_default",
                                               num_steps=best_k, **alone)}
-        if cfg.overhead_split:
+        if cfg.overhead_split or ceiling:
             configs["cost_policy"] = session(f"{pre}cost_policy", items, policy="cost", num_steps=best_k)
+        if cfg.overhead_split:
             configs["online_no_training"] = session(
                 f"{pre}online_no_training", items, policy="cost", num_steps=best_k, online=True,
                 trainer_args=targs + ["--min-buffer-tokens", str(NEVER_TRAIN_TOKENS)])
@@ -169,6 +193,11 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                              concurrency=1)
         bs1 = {"phase": runs[-1][0], "requests": len(last), "adapted_head": adapted_head or "day0 (random)",
                "adapted_version": live, "plain": bs1_plain["overall"], "online_spec": bs1_online["overall"]}
+        for name, path in ceiling.items():
+            configs[f"ceiling_{name}"] = session(f"{pre}ceiling_{name}", items, head=path, policy="cost",
+                                                 num_steps=best_k)
+            bs1[f"ceiling_{name}"] = session(f"{pre}bs1_ceiling_{name}", last, head=path, policy="cost",
+                                             num_steps=best_k, concurrency=1)["overall"]
         repeats.append((configs, bs1))
 
     configs, res["bs1"] = repeats[0]
@@ -216,6 +245,8 @@ def median_headline(heads: list[dict]) -> dict:
     out["per_phase"] = _median_tree([h["per_phase"] for h in heads])
     if "overhead_split" in out:
         out["overhead_split"] = _median_tree([h["overhead_split"] for h in heads])
+    if "ceiling" in out:
+        out["ceiling"] = _median_tree([h["ceiling"] for h in heads])
     out["overall"] = _median_tree([h["overall"] for h in heads])
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
     return out
@@ -259,6 +290,8 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
            "adaptation_online_spec": configs["online_spec"]["adaptation"],
            "swaps_online_spec": len(configs["online_spec"]["swaps"]),
            "alerts_online_spec": len(configs["online_spec"]["alerts"])}
+    if any(name.startswith("ceiling_") for name in configs):
+        out["ceiling"] = ceiling_figures(configs, bs1, phases)
     if "cost_policy" in configs and "online_no_training" in configs:
         out["overhead_split"] = {"controller": _ratio(tps("cost_policy"), tps("static")),
                                  "capture": _ratio(tps("online_no_training"), tps("cost_policy")),
@@ -267,6 +300,31 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
     out["targets"] = dict(TARGETS)
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
     return out
+
+
+def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
+    """The per-phase ceiling of `--ceiling-heads` (module doc): the fastest head per phase among
+    `cost_policy` (the static head) and the `ceiling_<head>` configurations, weighted by the
+    adaptive configuration's tokens per phase, and the best head's batch-1 speedup over plain."""
+    heads = ["cost_policy"] + [n for n in configs if n.startswith("ceiling_")]
+    ref = configs["sglang_adaptive"]["phases"]
+    best, ceiling_s, ref_s, tokens = {}, 0.0, 0.0, 0
+    for p in phases:
+        rates = {h: (configs[h]["phases"].get(p) or {}).get("tokens_per_s") for h in heads}
+        n, ref_tps = (ref.get(p) or {}).get("completion_tokens"), (ref.get(p) or {}).get("tokens_per_s")
+        if not n or not ref_tps or not all(rates.values()):
+            return {"error": f"phase {p!r} lacks tokens/s in some configuration: no ceiling"}
+        h = max(rates, key=rates.get)
+        best[p] = {"head": h, "tokens_per_s": rates[h]}
+        ceiling_s += n / rates[h]
+        ref_s += n / ref_tps
+        tokens += n
+    bs1_best = max((n for n in bs1 if n.startswith("ceiling_")), key=lambda n: bs1[n]["tokens_per_s"] or 0)
+    return {"best_per_phase": best, "tokens_per_s": tokens / ceiling_s,
+            "static_sglang_adaptive_tokens_per_s": tokens / ref_s,
+            "ceiling_vs_static_sglang_adaptive": ref_s / ceiling_s,
+            "bs1_best": bs1_best,
+            "ceiling_speedup_vs_plain_bs1": _ratio(bs1[bs1_best]["tokens_per_s"], bs1["plain"]["tokens_per_s"])}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -293,6 +351,6 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(text + "\n")
     print(json.dumps({k: report.get(k) for k in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted",
                                                   "tokens_to_beat_plain_from_day0", "static_k", "overall",
-                                                  "overhead_split", "met")},
+                                                  "overhead_split", "ceiling", "met")},
                      indent=2, default=str))
     return 0

@@ -129,14 +129,17 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
     # one calibration K (no calibration sessions) and no day-0 run keep this short
     assert main(["bench", "e2e", "--quick", "--head", "day0", "--trace", str(trace), "--max-tokens", "3",
                  "--calib-steps", "2", "--bs1-requests", "1", "--no-day0", "--overhead-split",
-                 "--out", str(tmp_path / "runs"), "--json", str(path)]) == 0
+                 "--ceiling-heads", "code", "--out", str(tmp_path / "runs"), "--json", str(path)]) == 0
     rep = json.loads(path.read_text())
     for key in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted", "tokens_to_beat_plain_from_day0",
                 "speedup_vs_static", "speedup_vs_plain", "static_k", "per_phase", "overall", "adaptation_online_spec",
                 "bs1", "machine", "targets", "met"):
         assert key in rep, key
     assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "cost_policy", "online_no_training",
-                                   "online_spec"}
+                                   "online_spec", "ceiling_code"}
+    assert rep["bs1"]["ceiling_code"]["tokens_per_s"] and rep["configs"]["ceiling_code"]["overall"]["accept_len"] is not None
+    assert rep["ceiling"]["bs1_best"] == "ceiling_code" and rep["ceiling"]["ceiling_vs_static_sglang_adaptive"] > 0
+    assert set(rep["ceiling"]["best_per_phase"]) == {"chat", "code", "mix"}
     # the split's factors multiply to online-spec over static; the no-training daemon never trained
     split, tps = rep["overhead_split"], {n: f["tokens_per_s"] for n, f in rep["overall"].items()}
     assert split["controller"] * split["capture"] * split["training"] == pytest.approx(tps["online_spec"] / tps["static"])
@@ -148,6 +151,31 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
     assert set(rep["per_phase"]) == {"chat", "code", "mix"}
     assert rep["overall"]["plain"]["accept_len"] is None and rep["overall"]["static"]["accept_len"] is not None
     assert rep["speedup_vs_static_sglang_adaptive"] > 0 and rep["speedup_vs_plain_bs1_adapted"] > 0
+
+
+def test_e2e_ceiling_takes_the_fastest_head_per_phase():
+    """The ceiling serves each phase with its fastest head (the static head under the cost
+    controller, or a --ceiling-heads head), weighted by the adaptive configuration's tokens: a
+    hand-computed case, and a phase without tokens/s somewhere gives no ceiling."""
+    from online_spec.bench_e2e import ceiling_figures
+
+    def conf(chat, code, chat_tokens=0, code_tokens=0):
+        return {"phases": {"chat": {"tokens_per_s": chat, "completion_tokens": chat_tokens},
+                           "code": {"tokens_per_s": code, "completion_tokens": code_tokens}}}
+
+    configs = {"sglang_adaptive": conf(10.0, 5.0, 100, 200), "cost_policy": conf(12.0, 5.0),
+               "ceiling_code": conf(8.0, 10.0), "online_spec": conf(50.0, 50.0)}  # online-spec is no ceiling head
+    bs1 = {"plain": {"tokens_per_s": 10.0}, "online_spec": {"tokens_per_s": 30.0}, "ceiling_code": {"tokens_per_s": 19.0}}
+    out = ceiling_figures(configs, bs1, ["chat", "code"])
+    assert out["best_per_phase"] == {"chat": {"head": "cost_policy", "tokens_per_s": 12.0},
+                                     "code": {"head": "ceiling_code", "tokens_per_s": 10.0}}
+    # 300 tokens in 100/12 + 200/10 s against 100/10 + 200/5 s
+    assert out["tokens_per_s"] == pytest.approx(300 / (100 / 12 + 20))
+    assert out["static_sglang_adaptive_tokens_per_s"] == pytest.approx(300 / 50)
+    assert out["ceiling_vs_static_sglang_adaptive"] == pytest.approx(50 / (100 / 12 + 20))
+    assert out["bs1_best"] == "ceiling_code" and out["ceiling_speedup_vs_plain_bs1"] == pytest.approx(1.9)
+    configs["ceiling_code"]["phases"]["code"]["tokens_per_s"] = None
+    assert "error" in ceiling_figures(configs, bs1, ["chat", "code"])
 
 
 def test_e2e_repeats_report_medians_of_per_repeat_ratios():
