@@ -57,9 +57,6 @@ def draft_features(batch_size: float, ctx_len: float) -> tuple[float, float, flo
     return (1.0, batch_size, batch_size * ctx_len / CTX_SCALE)
 
 
-NO_DRAFT = (0.0,) * 5  # the draft row of a round without drafts
-
-
 def draft_row(batch_size: float, num_steps: int, ctx_len: float) -> list[float]:
     """Features of a round's draft phase: K steps, plus the once-a-round extra of K > 0."""
     on = 1.0 if num_steps > 0 else 0.0
@@ -213,11 +210,11 @@ class CostModel:
         self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._memo: tuple | None = None  # (batch_size, ctx_len, round_terms) of the last round asked
-        # bucket -> K -> sums over that bucket's rounds of K drafts: draft row (5), verify features
-        # (5), measured seconds, then the online round count they were decayed to. A prediction is
-        # linear in the coefficients, so the sums give those rounds' predicted seconds under the
-        # coefficients of now; they decay as the line's rows do (`decay` per online round, of any
-        # bucket and K), so factor and line describe the same rounds.
+        # bucket -> K -> sums over that bucket's rounds of K drafts (TALLY: what the draft row and
+        # verify features are made of, and the measured seconds), then the online round count they
+        # were decayed to. A prediction is linear in the coefficients, so the sums give those
+        # rounds' predicted seconds under the coefficients of now; they decay as the line's rows do
+        # (`decay` per online round, of any bucket and K), so factor and line describe the same rounds.
         self._tally: dict[int, dict[int, list[float]]] = {}
         self._factors: dict[int, list[float]] = {}  # bucket -> factor per K under the current coefficients
         self.draft_coef = list(self._draft.prior)
@@ -259,16 +256,13 @@ class CostModel:
         """One measured round; `verify_tokens` = total tokens verified if not batch_size * (K + 1)."""
         if batch_size <= 0:
             return
-        d_row = NO_DRAFT
         if draft_s is not None and num_steps > 0:
-            d_row = draft_row(batch_size, num_steps, ctx_len)
-            self._draft.add(d_row, draft_s)
+            self._draft.add(draft_row(batch_size, num_steps, ctx_len), draft_s)
         if verify_s is not None:
             per_req = (verify_tokens / batch_size) if verify_tokens is not None else num_steps + 1
-            v_row = verify_features(batch_size, per_req, ctx_len)
-            self._verify.add(v_row, verify_s)
+            self._verify.add(verify_features(batch_size, per_req, ctx_len), verify_s)
             if num_steps <= 0 or draft_s is not None:
-                self._tally_round(batch_size, num_steps, d_row, v_row, verify_s + (draft_s or 0.0), 1.0)
+                self._tally_round(batch_size, num_steps, ctx_len, per_req, verify_s + (draft_s or 0.0), 1.0)
         self._pending += 1
         if self._pending >= self.config.refit_interval:
             self.refit()
@@ -283,25 +277,31 @@ class CostModel:
             if k > 0:
                 self._draft.add_anchor(draft_row(b, k, ctx), d, w)
             self._verify.add_anchor(verify_features(b, k + 1, ctx), v, w)
-            self._tally_round(b, k, draft_row(b, k, ctx), verify_features(b, k + 1, ctx), d + v, w)
+            self._tally_round(b, k, ctx, k + 1, d + v, w)
         self.refit()
         return self
 
-    def _tally_round(self, batch_size: float, num_steps: int, d_row: Sequence[float], v_row: Sequence[float],
+    def _tally_round(self, batch_size: float, num_steps: int, ctx_len: float, tokens_per_request: float,
                      seconds: float, weight: float) -> None:
-        """Add one round (its draft row and verify features, draft + verify seconds) to its
-        (bucket, K) sums; the factors follow at the next refit."""
+        """Add one round (draft + verify seconds) to its (bucket, K) sums; the factors follow at the next refit."""
         if not self.config.time_factors or not seconds > 0:
             return
-        per_k = self._tally.setdefault(batch_bucket(batch_size), {})
+        b = batch_size
+        per_k = self._tally.get(int(b).bit_length() if b >= 1 else 1)  # batch_bucket, inline: once a round
+        if per_k is None:
+            per_k = self._tally[batch_bucket(b)] = {}
         old, now = per_k.get(num_steps), self._verify.count
-        x = (*d_row, *v_row, seconds)
+        w_b = weight * b
         # a new list, not an update in place: `info` reads the sums from another thread
         if old is None:
-            per_k[num_steps] = [weight * v for v in x] + [now]
+            per_k[num_steps] = [weight, w_b, w_b * ctx_len, w_b * tokens_per_request,
+                                w_b if tokens_per_request > 1 else 0.0, weight * seconds, now]
         else:
-            keep = self.config.decay ** (now - old[11])  # a ratio of two sums: decayed alike only when added to
-            per_k[num_steps] = [keep * a + weight * v for a, v in zip(old, x)] + [now]
+            keep = self.config.decay ** (now - old[6])  # a ratio of two sums: decayed alike only when added to
+            per_k[num_steps] = [keep * old[0] + weight, keep * old[1] + w_b, keep * old[2] + w_b * ctx_len,
+                                keep * old[3] + w_b * tokens_per_request,
+                                keep * old[4] + (w_b if tokens_per_request > 1 else 0.0),
+                                keep * old[5] + weight * seconds, now]
 
     def time_factors(self, batch_size: float, max_steps: int) -> list[float]:
         """Measured over predicted seconds of this batch size's rounds (as the line now predicts
@@ -325,13 +325,15 @@ class CostModel:
         return {str(1 << (b - 1)): [round(f, 4) for f in self._factor_table(b, 0)] for b in sorted(list(self._tally))}
 
     def _factor_table(self, bucket: int, max_steps: int) -> list[float]:
-        dc, vc = self.draft_coef, self.verify_coef
+        (d0, d1, d2, d3, d4), (v0, v1, v2, v3, v4) = self.draft_coef, self.verify_coef
         lo, hi = FACTOR_RANGE
         measured = {}
-        for k, t in list(self._tally.get(bucket, {}).items()):
-            predicted = _dot(t[:5], dc) + _dot(t[5:10], vc)
+        for k, (n, sb, sbc, sbn, sbv, secs, _) in list(self._tally.get(bucket, {}).items()):
+            # the sums of draft_row and verify_features over the rounds, dotted with the coefficients
+            drafted = k * (d0 * n + d1 * sb + d2 * sbc / CTX_SCALE) + (d3 * n + d4 * sb if k > 0 else 0.0)
+            predicted = drafted + v0 * n + v1 * sb + v2 * sbn + v3 * sbc / CTX_SCALE + v4 * sbv
             if predicted > 0:
-                measured[k] = min(max(t[10] / predicted, lo), hi)
+                measured[k] = min(max(secs / predicted, lo), hi)
         drafted = sorted(k for k in measured if k > 0)
         table = [measured.get(0, 1.0)]
         j = 0  # drafted[j - 1] < k <= drafted[j]
@@ -436,7 +438,7 @@ class CostModel:
         self._tally = {}
         for key, sums in state.get("tally", {}).items():  # states written before the time factors have none
             b, k = (int(x) for x in key.split(":"))
-            check(len(sums) == 12, f"state.tally[{key!r}]", f"needs 11 sums and a round count, got {len(sums)}")
+            check(len(sums) == 7, f"state.tally[{key!r}]", f"needs 6 sums and a round count, got {len(sums)}")
             self._tally.setdefault(b, {})[k] = [float(x) for x in sums]
 
 
