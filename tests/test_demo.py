@@ -137,7 +137,8 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
         assert key in rep, key
     assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "cost_policy", "online_no_training",
                                    "online_spec", "ceiling_code"}
-    assert rep["bs1"]["ceiling_code"]["tokens_per_s"] and rep["configs"]["ceiling_code"]["overall"]["accept_len"] is not None
+    assert rep["bs1"]["ceiling_code"]["tokens_per_s"]
+    assert rep["configs"]["ceiling_code"]["overall"]["accept_len"] is not None
     assert rep["ceiling"]["bs1_best"] == "ceiling_code" and rep["ceiling"]["ceiling_vs_static_sglang_adaptive"] > 0
     assert set(rep["ceiling"]["best_per_phase"]) == {"chat", "code", "mix"}
     # the split's factors multiply to online-spec over static; the no-training daemon never trained
@@ -165,7 +166,8 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
 
     configs = {"sglang_adaptive": conf(10.0, 5.0, 100, 200), "cost_policy": conf(12.0, 5.0),
                "ceiling_code": conf(8.0, 10.0), "online_spec": conf(50.0, 50.0)}  # online-spec is no ceiling head
-    bs1 = {"plain": {"tokens_per_s": 10.0}, "online_spec": {"tokens_per_s": 30.0}, "ceiling_code": {"tokens_per_s": 19.0}}
+    bs1 = {"plain": {"tokens_per_s": 10.0}, "online_spec": {"tokens_per_s": 30.0},
+           "ceiling_code": {"tokens_per_s": 19.0}}
     out = ceiling_figures(configs, bs1, ["chat", "code"])
     assert out["best_per_phase"] == {"chat": {"head": "cost_policy", "tokens_per_s": 12.0},
                                      "code": {"head": "ceiling_code", "tokens_per_s": 10.0}}

@@ -72,7 +72,7 @@ def verify_features(batch_size: float, tokens_per_request: float, ctx_len: float
 
 def batch_bucket(batch_size: float) -> int:
     """The time-factor bucket of a batch size: 1 | 2-3 | 4-7 | 8-15 | ... (bit length)."""
-    return max(1, int(batch_size)).bit_length()
+    return int(batch_size).bit_length() or 1
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
@@ -286,12 +286,9 @@ class CostModel:
         """Add one round (draft + verify seconds) to its (bucket, K) sums; the factors follow at the next refit."""
         if not self.config.time_factors or not seconds > 0:
             return
-        b = batch_size
-        per_k = self._tally.get(int(b).bit_length() if b >= 1 else 1)  # batch_bucket, inline: once a round
-        if per_k is None:
-            per_k = self._tally[batch_bucket(b)] = {}
+        per_k = self._tally.setdefault(batch_bucket(batch_size), {})
         old, now = per_k.get(num_steps), self._verify.count
-        w_b = weight * b
+        w_b = weight * batch_size
         # a new list, not an update in place: `info` reads the sums from another thread
         if old is None:
             per_k[num_steps] = [weight, w_b, w_b * ctx_len, w_b * tokens_per_request,
@@ -305,14 +302,14 @@ class CostModel:
 
     def time_factors(self, batch_size: float, max_steps: int) -> list[float]:
         """Measured over predicted seconds of this batch size's rounds (as the line now predicts
-        them), per K = 0..max_steps (or more): the line's misfit where it was measured. The line (one set of coefficients for every
-        batch size and K) missed CPU rounds by 13-18 % in the median, and by more where it
-        mattered: at batch 16 it priced K = 1 at 1.6x a plain round, measured 1.3x, and the policy
-        ran K = 0 in 91 % of the rounds, 15-20 % below static K = 1 (2026-11-24). A K without
-        rounds of its own takes the factor interpolated between the nearest measured K > 0 (the
-        nearest one beyond them); K = 0 only its own. Rebuilt when the coefficients change
-        (every refit), so between refits a bucket's factors stay fixed."""
-        bucket = int(batch_size).bit_length() if batch_size >= 1 else 1  # batch_bucket, inline: a hot path
+        them), per K = 0..max_steps (or more): the line's misfit where it was measured. One line
+        for every batch size and K missed CPU rounds by 7-18 % in the median, and by more where it
+        mattered: at batch 16 it priced K = 1 at 1.6x a plain round, measured 1.32x, and the policy
+        ran K = 0 in 91 % of the rounds, 0.79x of static K = 1 (2026-11-24, docs/controller.md). A
+        K without rounds of its own takes the factor interpolated between the nearest measured
+        K > 0 (the nearest one beyond them); K = 0 only its own. Rebuilt when the coefficients
+        change (every refit), so between refits a bucket's factors stay fixed."""
+        bucket = batch_bucket(batch_size)
         table = self._factors.get(bucket)
         if table is None or len(table) <= max_steps:
             table = self._factor_table(bucket, max_steps)
