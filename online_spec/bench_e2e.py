@@ -108,13 +108,15 @@ class E2EConfig:
         check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
-        names = self.ceiling_names
-        check(len(set(names)) == len(names) and all(n != "day0" for n in names), "ceiling_heads",
-              f"must be distinct head names or paths (not day0), got {self.ceiling_heads!r}")
+        names = [s.strip() for s in self.ceiling_heads.split(",") if s.strip()]
+        check(len(self.ceiling_labels) == len(names) and "day0" not in names, "ceiling_heads",
+              f"must be head names or paths with distinct last parts (not day0), got {self.ceiling_heads!r}")
 
     @property
-    def ceiling_names(self) -> list[str]:
-        return [s.strip() for s in self.ceiling_heads.split(",") if s.strip()]
+    def ceiling_labels(self) -> dict[str, str]:
+        """label -> --head value of each ceiling head; the label (a path's last part) names its
+        configurations, `ceiling_<label>`."""
+        return {Path(s.strip()).name: s.strip() for s in self.ceiling_heads.split(",") if s.strip()}
 
 
 def _ratio(a, b):
@@ -169,7 +171,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                               "best tokens/s wins"}
 
     last = runs[-1][1][:cfg.bs1_requests]
-    ceiling = {name: resolve_head(name, target, cfg.head_tokens) for name in cfg.ceiling_names}
+    ceiling = {label: resolve_head(name, target, cfg.head_tokens) for label, name in cfg.ceiling_labels.items()}
     repeats = []
     for rep in range(cfg.repeats):
         pre = f"rep{rep}/" if cfg.repeats > 1 else ""

@@ -180,6 +180,16 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
     assert "error" in ceiling_figures(configs, bs1, ["chat", "code"])
 
 
+@pytest.mark.parametrize("heads", ["code,code", "runs/a/head,runs/b/head", "day0"])
+def test_e2e_ceiling_heads_must_be_distinct_real_heads(heads):
+    from online_spec.bench_e2e import E2EConfig
+    from online_spec.config import ConfigError
+
+    assert E2EConfig(ceiling_heads="code, runs/a/head").ceiling_labels == {"code": "code", "head": "runs/a/head"}
+    with pytest.raises(ConfigError, match="ceiling_heads"):
+        E2EConfig(ceiling_heads=heads)
+
+
 def test_e2e_repeats_report_medians_of_per_repeat_ratios():
     """With --repeats, each ratio is the median of the repeats' own ratios (not a ratio of
     medians), per-phase and overall figures are element-wise medians, and a figure missing
