@@ -41,8 +41,9 @@ online-spec server's threads, so the ratio of online-spec to static falls into t
 
 `--ceiling-heads code,...` measures what online adaptation could reach at best with heads of
 the pretrained kind: each named head (`online_spec.heads`) serves the whole trace with the
-cost-model controller and no trainer (`ceiling_<head>`, beside `cost_policy`: the static head
-the same way), and the last phase's batch-1 requests (`bs1_ceiling_<head>`). `ceiling` then
+cost-model controller and no trainer (`ceiling_<label>`, a path labelled by its last part;
+beside `cost_policy`: the static head the same way), and the last phase's batch-1 requests
+(`bs1_ceiling_<label>`). `ceiling` then
 takes, phase by phase, the fastest of these heads, as a system that had the in-domain head
 live from each phase's first token and paid nothing to train would:
   tokens/s   sum_p tokens_p / sum_p (tokens_p / max_h tokens/s_{h,p})   (tokens_p: the
