@@ -162,7 +162,7 @@ def test_time_factors_correct_the_line_where_rounds_were_measured():
     predictions of measured points near their times where the line alone misses by > 10 %."""
     rows = [(b, k, 256, *bent_times(b, k, 256)) for b in (1, 4, 16, 64) for k in (0, 1, 3, 7)]
     model = CostModel().fit(rows)
-    line = [model.predict_round_s(b, k, ctx, measured=False) for b, k, ctx, _, _ in rows]
+    line = [model.predict_round_s(b, k, ctx, factors=False) for b, k, ctx, _, _ in rows]
     assert max(abs(p / (d + v) - 1) for p, (_, _, _, d, v) in zip(line, rows)) > 0.1
     for (b, k, ctx, d, v), pred in zip(rows, line):
         assert model.predict_round_s(b, k, ctx) == pytest.approx(d + v, rel=1e-9)
@@ -177,10 +177,10 @@ def test_time_factors_correct_the_line_where_rounds_were_measured():
     pts = [rows[9]] + online
     assert pts[0][:2] == (16, 1)
     measured = sum(w * (d + v) for w, (_, _, _, d, v) in zip(weights, pts))
-    predicted = sum(w * model.predict_round_s(b, k, ctx, measured=False) for w, (b, k, ctx, _, _) in zip(weights, pts))
+    predicted = sum(w * model.predict_round_s(b, k, ctx, factors=False) for w, (b, k, ctx, _, _) in zip(weights, pts))
     assert model.time_factors(16, 7)[1] == pytest.approx(measured / predicted, rel=1e-9)
-    def error(measured_):
-        return statistics.mean(abs(model.predict_round_s(b, k, ctx, measured=measured_) / (d + v) - 1)
+    def error(factors_):
+        return statistics.mean(abs(model.predict_round_s(b, k, ctx, factors=factors_) / (d + v) - 1)
                                for b, k, ctx, d, v in online)
     assert error(True) < error(False)
 
@@ -207,7 +207,7 @@ def test_time_factors_of_k_without_rounds():
     off = CostModel(CostModelConfig(refit_interval=1, time_factors=False))
     off.observe(4, 2, 100, 0.01, 0.03)
     assert off.time_factors(4, 3) == [1.0] * 4 and off.predict_round_s(4, 2, 100) == off.predict_round_s(
-        4, 2, 100, measured=False)
+        4, 2, 100, factors=False)
 
 
 def test_time_factors_wait_for_the_refit_and_survive_a_state_round_trip():

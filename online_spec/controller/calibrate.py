@@ -138,7 +138,7 @@ def prediction_errors(model: CostModel, timings: Sequence[RoundTiming], factors:
     for t in timings:
         measured = t.draft_s + t.verify_s
         if measured > 0:
-            predicted = model.predict_round_s(t.batch_size, t.num_steps, t.ctx_len, measured=factors)
+            predicted = model.predict_round_s(t.batch_size, t.num_steps, t.ctx_len, factors=factors)
             errs.append(abs(predicted - measured) / measured)
     return errs
 

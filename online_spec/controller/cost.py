@@ -210,11 +210,12 @@ class CostModel:
         self._draft = _RidgeLeastSquares((cfg.prior_draft_step_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._verify = _RidgeLeastSquares((cfg.prior_verify_s, 0.0, 0.0, 0.0, 0.0), cfg.ridge, cfg.decay)
         self._memo: tuple | None = None  # (batch_size, ctx_len, round_terms) of the last round asked
-        # bucket -> K -> sums over that bucket's rounds of K drafts (TALLY: what the draft row and
-        # verify features are made of, and the measured seconds), then the online round count they
-        # were decayed to. A prediction is linear in the coefficients, so the sums give those
-        # rounds' predicted seconds under the coefficients of now; they decay as the line's rows do
-        # (`decay` per online round, of any bucket and K), so factor and line describe the same rounds.
+        # bucket -> K -> [sum 1, sum b, sum b*ctx, sum b*n, sum b*[n > 1], sum seconds, online round
+        # count they were decayed to] over that bucket's rounds of K drafts (n: tokens verified per
+        # request): what draft_row and verify_features are made of. A prediction is linear in the
+        # coefficients, so the sums give those rounds' predicted seconds under the coefficients of
+        # now; they decay as the line's rows do (`decay` per online round, of any bucket and K), so
+        # factor and line describe the same rounds.
         self._tally: dict[int, dict[int, list[float]]] = {}
         self._factors: dict[int, list[float]] = {}  # bucket -> factor per K under the current coefficients
         self.draft_coef = list(self._draft.prior)
@@ -403,11 +404,11 @@ class CostModel:
         """Extra verify seconds for one more token in the batch."""
         return max(0.0, self.verify_coef[2])
 
-    def predict_round_s(self, batch_size: float, k: float, ctx_len: float = 0, *, measured: bool = True) -> float:
-        """Draft K steps then verify K + 1 tokens per request; with `measured`, times the
+    def predict_round_s(self, batch_size: float, k: float, ctx_len: float = 0, *, factors: bool = True) -> float:
+        """Draft K steps then verify K + 1 tokens per request; with `factors`, times the
         `time_factors` of (batch size, K) when K is a whole number (the line alone otherwise)."""
         line = self.draft_s(batch_size, k, ctx_len) + self.verify_s(batch_size, k, ctx_len)
-        if not measured or k != int(k) or k < 0:
+        if not factors or k != int(k) or k < 0:
             return line
         return line * self.time_factors(batch_size, int(k))[int(k)]
 
