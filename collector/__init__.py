@@ -19,7 +19,6 @@
 - `shards`     the on-disk schema (HF datasets), `save_spans`/`load_spans` for offline data too
 - `replay`     `ReplayBuffer`, `ReplayConfig`: byte-bounded, held-out slice, survives kill -9
 - `endpoint`   the default ipc endpoint and endpoint validation
-- `bench`      `online-spec bench collector`
 
 See docs/collector.md for the wire table, drop semantics and the buffer layout.
 """

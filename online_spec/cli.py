@@ -14,7 +14,7 @@ import sys
 # name -> (module, one-line help); modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("online_spec.target", "convert the SmolLM2 GGUF to a cached bf16 model"),
-    "serve": ("serving.server", "serve the model over HTTP (OpenAI API, /generate, /metrics)"),
+    "serve": ("serving.server_app", "serve the model over HTTP (OpenAI API, /generate, /metrics)"),
     "pretrain": ("trainer.pretrain", "build records, distill a head offline, evaluate, write a checkpoint"),
     "controller": ("online_spec.controller.replay", "adaptive step controller tools"),
     "drift": ("online_spec.drift_replay", "drift monitor tools: replay recorded rounds through the detector"),
@@ -22,19 +22,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollback": ("serving.swap_cli", "roll a running server back to its previous head"),
     "status": ("serving.swap_cli", "a running server's head version, K per slot, acceptance, swaps"),
     "train": ("trainer.train_cli", "the sidecar trainer daemon: learn from the stream, publish heads"),
-    "demo": ("online_spec.demo", "server + trainer + drifting traffic, live, with a report"),
+    "demo": ("bench.demo", "server + trainer + drifting traffic, live, with a report"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
-    "engine": ("serving.bench_engine", "engine throughput, verify/draft cost ratios, lossless check"),
-    "server": ("serving.bench_server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
-    "distill": ("trainer.bench", "distillation throughput, held-out and real accept lengths, speedup"),
-    "collector": ("collector.bench", "capture stream throughput, drops and serving overhead"),
-    "swap": ("serving.bench_swap", "live head swaps under load: stall, failures, lossless"),
-    "drift-alerts": ("serving.bench_drift", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
-    "controller": ("online_spec.controller.bench", "static K vs EMA vs cost-model policy, stationary and phase-change"),
-    "e2e": ("online_spec.bench_e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
-    "adapt": ("trainer.bench_adapt", "ShareGPT -> HumanEval shift: served tokens until the online head nears an in-domain head"),
+    "engine": ("bench.engine", "engine throughput, verify/draft cost ratios, lossless check"),
+    "server": ("bench.server", "64 concurrent streaming clients: TTFT, TPOT, tokens/s"),
+    "distill": ("bench.distill", "distillation throughput, held-out and real accept lengths, speedup"),
+    "collector": ("bench.collector", "capture stream throughput, drops and serving overhead"),
+    "swap": ("bench.swap", "live head swaps under load: stall, failures, lossless"),
+    "drift-alerts": ("bench.drift_alerts", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
+    "controller": ("bench.controller", "static K vs EMA vs cost-model policy, stationary and phase-change"),
+    "e2e": ("bench.e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
+    "adapt": ("bench.adapt", "ShareGPT -> HumanEval shift: served tokens until the online head nears an in-domain head"),
 }
 
 

@@ -12,7 +12,7 @@ and the code reference on the same tasks. If no setting gets past 90 % of the re
 no trainer speed will in that many tokens.
 
     PYTHONPATH=$PWD python scripts/adapt_ceiling.py --train-tokens 1500 3000 --lr 3e-4 1e-3 \\
-        --steps 30 100 --json docs/results/adapt_ceiling_2026-11-24.json
+        --steps 30 100 --json bench/results/adapt_ceiling_2026-11-24.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head", default="shipped", help="starting head (online_spec.heads)")
+    ap.add_argument("--head", default="shipped", help="starting head (bench.heads)")
     ap.add_argument("--reference", default="code", help="in-domain reference head")
     ap.add_argument("--train-tokens", type=int, nargs="+", default=[1500, 3000])
     ap.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks after the training ones")
@@ -47,7 +47,7 @@ def main() -> None:
 
     from online_spec.checkpoint import load_head
     from online_spec.data import humaneval_conversations
-    from online_spec.heads import resolve_head
+    from bench.heads import resolve_head
     from online_spec.target import load_target
     from trainer.batch import collate
     from trainer.data import generate_records
@@ -58,7 +58,7 @@ def main() -> None:
 
     t0 = time.time()
     target = load_target(dtype=torch.bfloat16)
-    # bench adapt's order of the held-out tasks (trainer/bench_adapt.py build_trace)
+    # bench adapt's order of the held-out tasks (bench/adapt.py build_trace)
     tasks = humaneval_conversations(split="heldout", seed=a.seed)
     prompts = [target.encode_chat(c[:1]) for c in tasks]
     spans = list(generate_records(target, prompts, a.max_new, tag="code", id_prefix="he", max_batch=8))

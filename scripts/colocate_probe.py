@@ -3,7 +3,7 @@
 The e2e bench's `overhead_split.training` factor mixes two things: the trainer's CPU and memory
 traffic beside the server, and whatever its swapped heads gained or lost. This probe measures
 the first alone: the same static head serves the same requests (capture off, no swaps) while a
-real trainer daemon (`python -m online_spec.demo_trainer`, the demo's flags) trains back to back
+real trainer daemon (`python -m bench.demo_trainer`, the demo's flags) trains back to back
 on a copy of a finished run's trainer directory (its replay buffer and optimizer state reload
 from disk; it gets no new traffic and publishes nothing), under each setting in turn:
 
@@ -41,14 +41,14 @@ sys.path.insert(0, str(REPO))
 def start_trainer(src: Path, work: Path, flags: list[str], head: str) -> tuple[subprocess.Popen, int, float]:
     """A daemon resuming from a copy of `src`, started and past its first steps; returns (process,
     its optimizer step when it started, time.monotonic() when it was ready)."""
-    from online_spec.demo import DEMO_TRAINER_ARGS
-    from online_spec.demo_trainer import READY_FILE
+    from bench.demo import DEMO_TRAINER_ARGS
+    from bench.demo_trainer import READY_FILE
 
     run_dir = work / "trainer"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(src, run_dir, ignore=shutil.ignore_patterns(READY_FILE, "wandb"))
     step0 = json.loads((run_dir / "state.json").read_text())["step"]
-    args = [sys.executable, "-m", "online_spec.demo_trainer", "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", "bench.demo_trainer", "--run-dir", str(run_dir),
             "--capture-endpoint", f"ipc://{work}/unused.sock", "--threads", "1", "--wandb-mode", "disabled",
             "--init-head", head, *DEMO_TRAINER_ARGS, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -95,12 +95,12 @@ def main() -> int:
 
     import torch
 
-    from online_spec.benchutil import machine_info
-    from online_spec.heads import resolve_head
-    from online_spec.report import session_figures
-    from online_spec.session import SessionConfig, run_session
+    from bench.common import machine_info
+    from bench.heads import resolve_head
+    from bench.report import session_figures
+    from bench.session import SessionConfig, run_session
     from online_spec.target import load_target
-    from online_spec.trace import load_trace
+    from bench.trace import load_trace
 
     target = load_target()
     head = resolve_head(args.head, target, 0)

@@ -54,7 +54,7 @@ def main() -> None:
 
     from collector.replay import ReplayBuffer, ReplayConfig
     from online_spec.checkpoint import load_head
-    from online_spec.heads import resolve_head
+    from bench.heads import resolve_head
     from online_spec.target import load_target
     from trainer.batch import collate
     from trainer.distill import DistillConfig, Distiller

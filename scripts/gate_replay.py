@@ -45,7 +45,7 @@ def main() -> None:
 
     from collector.replay import ReplayBuffer, ReplayConfig, fill_rows, is_heldout
     from online_spec.checkpoint import load_head
-    from online_spec.heads import resolve_head
+    from bench.heads import resolve_head
     from online_spec.target import load_target
     from trainer.evaluate import simulate_acceptance
 

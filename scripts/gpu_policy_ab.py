@@ -49,9 +49,9 @@ def main() -> None:
 
     from online_spec.checkpoint import load_head
     from online_spec.controller.base import TimedPolicy
-    from online_spec.controller.calibrate import engine_cost_policy
+    from serving.calibrate import engine_cost_policy
     from online_spec.controller.static import StaticSteps
-    from online_spec.heads import SHIPPED_HEAD
+    from bench.heads import SHIPPED_HEAD
     from online_spec.target import load_target
 
     other = load_module(args.other)

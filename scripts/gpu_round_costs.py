@@ -36,7 +36,7 @@ from pathlib import Path
 
 
 def load_prompts(path: str, n: int, target) -> list[list[int]]:
-    from online_spec.trace import load_trace
+    from bench.trace import load_trace
 
     out = [target.encode_chat(it.messages) if it.messages else target.tokenizer(it.prompt)["input_ids"]
            for it in load_trace(path)]
@@ -47,7 +47,7 @@ def load_prompts(path: str, n: int, target) -> list[list[int]]:
 def serve(engine, policy, prompts, new_tokens: int) -> dict:
     """Serve `prompts` one at a time with `policy` on the long-lived `engine` (its CUDA graphs
     captured by the warm-up: a fresh engine per run would capture them inside the timed run)."""
-    from online_spec.controller.bench import RoundLog
+    from bench.controller import RoundLog
     from online_spec.sampling import SamplingParams
     from serving.engine import Request
 
@@ -112,7 +112,7 @@ MAX_LEN, MAX_STEPS = 1024, 7  # the engine every part serves on (batch 1)
 def warm_engine(target, head, prompts):
     """The one engine every part serves on, warmed at every K: its CUDA graphs (verify, draft
     step, catch-ups) captured and the allocator grown before anything is timed."""
-    from online_spec.controller.bench import new_engine
+    from bench.controller import new_engine
     from online_spec.controller.static import StaticSteps
 
     engine = new_engine(target, head, StaticSteps(0), max_batch=1, max_len=MAX_LEN, max_steps=MAX_STEPS)
@@ -222,7 +222,7 @@ def main() -> None:
     ap.add_argument("--max-k", type=int, default=4, help="static K baselines 0..max-k")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians reported)")
     ap.add_argument("--capture-overhead", action="store_true",
-                    help="also the capture stream's serving overhead on this device (collector.bench's engine run: "
+                    help="also the capture stream's serving overhead on this device (bench.collector's engine run: "
                          "random head, K = 3, capture at 100 %% to a live subscriber process vs off, batch 1 and 16)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
@@ -233,9 +233,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from online_spec.checkpoint import load_head
-    from online_spec.controller.calibrate import engine_cost_policy
+    from serving.calibrate import engine_cost_policy
     from online_spec.controller.static import StaticSteps
-    from online_spec.heads import SHIPPED_HEAD
+    from bench.heads import SHIPPED_HEAD
     from online_spec.target import load_target
 
     target = load_target(device=args.device)
@@ -261,7 +261,7 @@ def main() -> None:
     if args.capture_overhead:
         import tempfile
 
-        from collector.bench import CollectorBenchConfig, measure_engine_overhead
+        from bench.collector import CollectorBenchConfig, measure_engine_overhead
 
         with tempfile.TemporaryDirectory() as tmp:
             cap = measure_engine_overhead(CollectorBenchConfig(serving_device=args.device, serving_repeats=5),

@@ -8,7 +8,7 @@ drafted by each published version, and prints each decision. What the live daemo
 the run's trainer.log; this shows what the current rules decide on the same traffic.
 
     PYTHONPATH=$PWD python scripts/rollback_replay.py --out /tmp/runs/e2e_lr2 \
-        --json docs/results/bench_e2e_lr3e-4_guard15_2026-11-23.json
+        --json bench/results/bench_e2e_lr3e-4_guard15_2026-11-23.json
 """
 
 from __future__ import annotations

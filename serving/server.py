@@ -1,9 +1,10 @@
-"""`online-spec serve`: the model over HTTP — OpenAI API, SGLang's /generate, /server_info, /metrics.
+"""The server behind `online-spec serve`: engine, engine thread, metrics, drift monitor, control.
 
 In: a `ServerConfig` (flags derived from it and from `EngineConfig`), a target (SmolLM2 by
-default) and a draft head (`--draft DIR`, else a random day-0 head). Out: a FastAPI app served
-by uvicorn; one background thread (`EngineLoop`) runs the engine's rounds for every client
-(continuous batching), HTTP handlers receive tokens through per-request asyncio queues.
+default) and a draft head (`--draft DIR`, else a random day-0 head). Out: a `SpecServer`; one
+background thread (`EngineLoop`) runs the engine's rounds for every client (continuous
+batching). Its HTTP face (routes, uvicorn, the `serve` command) is serving/server_app.py, which
+builds on this module; this module knows nothing of HTTP beyond the `ApiError` it raises.
 
 Hooks for the rest of the system (a control plane, the trainer daemon, the drift monitor):
   - `server.engine`                      the live `Engine` (publisher, policy, head_version)
@@ -15,28 +16,30 @@ Hooks for the rest of the system (a control plane, the trainer daemon, the drift
   - `server.drift.sinks`                 where drift alerts go; append e.g.
                                          `CallbackAlertSink(daemon.on_drift)` (serving/server_drift.py)
 
-    online-spec serve --host 127.0.0.1 --port 30000 [--draft DIR] [--num-steps 3] [--max-batch 16]
+    server = build_server(cfg); server.start(); ...; server.close()
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
+from collector.publisher import CapturePublisher, PublisherConfig
+from online_spec.checkpoint import load_head
+from online_spec.config import check, config_to_dict, doc
+from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
 from online_spec.controller.cost import CostModel
 from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig
-from collector.publisher import CapturePublisher, PublisherConfig
-from online_spec.head import EagleHead
+from online_spec.head import EagleHead, new_head
 from online_spec.sampling import SamplingParams
+from online_spec.target import load_target
 from serving.api import ApiError
+from serving.calibrate import engine_cost_policy
 from serving.control import ControlConfig, ControlServer
 from serving.engine import Engine, EngineConfig, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 from serving.metrics import ServerMetrics
@@ -102,8 +105,6 @@ class SpecServer:
 
     def __init__(self, cfg: ServerConfig, target, head: EagleHead | None, head_version: int = 0,
                  policy=None, publisher=None, wandb_run=None):
-        from serving.server_app import build_app
-
         self.cfg = cfg
         self.engine = Engine(target, head, cfg.engine, policy=policy, publisher=publisher, head_version=head_version)
         self.tokenizer = target.tokenizer
@@ -121,7 +122,6 @@ class SpecServer:
             self.drift = ServerDrift(cfg.drift, registry=self.metrics.registry, wandb_run=wandb_run,
                                      plain_round_s=self._plain_round_s)
             self.round_observers.append(self.drift.observe)
-        self.app = build_app(self)
         self.started_at = time.time()
         self.control = ControlServer(self, cfg.control) if cfg.control.enabled else None
 
@@ -222,10 +222,6 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
     """The step policy the config names: SGLang's EMA tier policy over an adaptive JSON, the
     cost-model policy (calibrated on `target` and `head`, stored in the run directory), or None
     (the engine's fixed K)."""
-    from pathlib import Path
-
-    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-
     policy = cfg.policy if cfg.policy != "auto" else ("ema" if cfg.adaptive else "static")
     if policy == "static":
         return None
@@ -235,8 +231,6 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
         adaptive = load_adaptive_config(path)
     if policy == "ema":
         return EmaTierPolicy(adaptive, initial_steps=cfg.engine.num_steps or None)
-    from online_spec.controller.calibrate import engine_cost_policy
-
     check(target is not None and head is not None, "policy", "cost needs the target and head to calibrate on")
     cost_policy, report = engine_cost_policy(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
                                              store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive,
@@ -247,10 +241,6 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
 
 def build_server(cfg: ServerConfig) -> SpecServer:
     """Load the target and head the config names and build the server (not started)."""
-    from online_spec.checkpoint import load_head
-    from online_spec.head import new_head
-    from online_spec.target import load_target
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target or None, dtype=cfg.dtype)
@@ -268,67 +258,3 @@ def build_server(cfg: ServerConfig) -> SpecServer:
     publisher = CapturePublisher(cfg.publisher) if cfg.capture else None
     return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg, target, head),
                       publisher=publisher, wandb_run=run)
-
-
-class HttpThread:
-    """uvicorn serving `server.app` in a background thread (tests, benches)."""
-
-    def __init__(self, server: SpecServer, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import socket
-
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind((host, port))
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.uvicorn = uvicorn.Server(uvicorn.Config(server.app, log_level=log_level, timeout_graceful_shutdown=2,
-                                                     limit_concurrency=None, backlog=2048))
-        self._thread = threading.Thread(target=lambda: asyncio.run(self.uvicorn.serve(sockets=[self.sock])),
-                                        name="uvicorn", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> "HttpThread":
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.uvicorn.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.uvicorn.should_exit = True
-        self._thread.join(10)
-        self.sock.close()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, ServerConfig)
-    add_config_args(parser, EngineConfig)
-    add_config_args(parser, DriftConfig, prefix="drift_")
-    add_config_args(parser, PublisherConfig, prefix="capture_")
-    add_config_args(parser, ControlConfig)
-
-
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    engine_cfg = config_from_args(EngineConfig, args)
-    drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
-    publisher_cfg = config_from_args(PublisherConfig, args, prefix="capture_")
-    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg,
-                           control=config_from_args(ControlConfig, args))
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server = build_server(cfg)
-    try:
-        server.start()
-        policy = getattr(server.engine.policy, "name", None) or f"static K={cfg.engine.num_steps}"
-        log.info("serving %s (head version %d, K policy %s, %d torch threads) on http://%s:%d", server.model_name,
-                 server.engine.head_version, policy, torch.get_num_threads(), cfg.host, cfg.port)
-        uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
-    finally:
-        server.close()
-    return 0

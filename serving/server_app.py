@@ -1,5 +1,5 @@
-"""The HTTP routes: OpenAI `/v1/completions` and `/v1/chat/completions`, SGLang's `/generate`,
-`/health`, `/server_info`, `/metrics`, `/v1/models`.
+"""`online-spec serve` and its HTTP routes: OpenAI `/v1/completions` and `/v1/chat/completions`,
+SGLang's `/generate`, `/health`, `/server_info`, `/metrics`, `/v1/models`.
 
 In: a `SpecServer` (serving/server.py), which owns the engine, its thread and the metrics. Out:
 a FastAPI app. Every generating route does the same three things: parse and validate (400 with a
@@ -7,28 +7,44 @@ message on anything we cannot honour), `server.submit` (503 when the queue is fu
 prompt too long), then read the request's outputs from its queue — as SSE events when streaming,
 into one body otherwise. A client that goes away (stream closed, or disconnect noticed while a
 non-streaming request waits) has its request aborted, which frees its engine slot.
+`HttpThread` serves the app from a background thread (tests, benches).
+
+    online-spec serve --host 127.0.0.1 --port 30000 [--draft DIR] [--num-steps 3] [--max-batch 16]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import logging
+import socket
+import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
+
+import torch
+import uvicorn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from collector.publisher import PublisherConfig
+from online_spec.config import add_config_args, config_from_args
+from online_spec.drift import DriftConfig
 from serving import api
 from serving.api import ApiError
+from serving.control import ControlConfig
+from serving.engine import EngineConfig
+from serving.server import ServerConfig, SpecServer, build_server
 from serving.server_detok import TextStream
 from serving.server_loop import EngineError, RequestStream
 
-if TYPE_CHECKING:
-    from serving.server import SpecServer
+log = logging.getLogger(__name__)
+
 
 TAG_HEADER = "x-traffic-tag"
 DISCONNECT_POLL_S = 1.0
@@ -37,7 +53,7 @@ DISCONNECT_POLL_S = 1.0
 class _Job:
     """One generating request as the route sees it: its stream, text and bookkeeping."""
 
-    def __init__(self, server: "SpecServer", endpoint: str, stream: RequestStream, stop: list[str]):
+    def __init__(self, server: SpecServer, endpoint: str, stream: RequestStream, stop: list[str]):
         self.server, self.endpoint, self.stream = server, endpoint, stream
         self.text = TextStream(server.tokenizer, stop)
         self.done = False
@@ -148,7 +164,7 @@ def _sse_stream(job: _Job, chunks: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
 
 
-def build_app(server: "SpecServer") -> FastAPI:
+def build_app(server: SpecServer) -> FastAPI:
     app = FastAPI(title="online-spec", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -261,3 +277,62 @@ def build_app(server: "SpecServer") -> FastAPI:
                                  "/server_info, /metrics\n")
 
     return app
+
+
+class HttpThread:
+    """uvicorn serving `build_app(server)` in a background thread (tests, benches)."""
+
+    def __init__(self, server: SpecServer, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = build_app(server)
+        self.sock = socket.socket()
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2,
+                                                     limit_concurrency=None, backlog=2048))
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.uvicorn.serve(sockets=[self.sock])),
+                                        name="uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "HttpThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self._thread.join(10)
+        self.sock.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, ServerConfig)
+    add_config_args(parser, EngineConfig)
+    add_config_args(parser, DriftConfig, prefix="drift_")
+    add_config_args(parser, PublisherConfig, prefix="capture_")
+    add_config_args(parser, ControlConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_cfg = config_from_args(EngineConfig, args)
+    drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
+    publisher_cfg = config_from_args(PublisherConfig, args, prefix="capture_")
+    cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg,
+                           control=config_from_args(ControlConfig, args))
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = build_server(cfg)
+    try:
+        server.start()
+        policy = getattr(server.engine.policy, "name", None) or f"static K={cfg.engine.num_steps}"
+        log.info("serving %s (head version %d, K policy %s, %d torch threads) on http://%s:%d", server.model_name,
+                 server.engine.head_version, policy, torch.get_num_threads(), cfg.host, cfg.port)
+        uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    finally:
+        server.close()
+    return 0

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from online_spec.session import SessionResult
-from online_spec.traffic import RequestResult
-from trainer.bench_adapt import (ACCEPTED, CLOSED, UNDRAFTED, accept_len, blocks, swaps_in_tokens, token_stream,
+from bench.session import SessionResult
+from bench.traffic import RequestResult
+from bench.adapt import (ACCEPTED, CLOSED, UNDRAFTED, accept_len, blocks, swaps_in_tokens, token_stream,
                                  tokens_to, window_ratios)
 
 
@@ -65,7 +65,7 @@ def test_bench_adapt_quick_end_to_end(tmp_path):
     control, and the shipped head as its own 'reference' (so on the same tokens, the control and
     the reference must label identically: batch 1 makes both runs compute the same)."""
     from online_spec.cli import main
-    from online_spec.heads import SHIPPED_HEAD
+    from bench.heads import SHIPPED_HEAD
 
     path = tmp_path / "adapt.json"
     assert main(["bench", "adapt", "--quick", "--reference", str(SHIPPED_HEAD), "--sharegpt-requests", "1",

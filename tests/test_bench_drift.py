@@ -13,11 +13,11 @@ from collections import Counter, defaultdict
 
 import torch
 
-from online_spec.benchutil import write_report
+from bench.common import write_report
 from online_spec.drift import DriftConfig
 from online_spec.head import EagleHead, new_head
 from online_spec.sampling import SamplingParams
-from serving.bench_drift import REPORT_KEYS, DriftBenchConfig, load_prompts, measure
+from bench.drift_alerts import REPORT_KEYS, DriftBenchConfig, load_prompts, measure
 from serving.engine import Engine, EngineConfig
 
 

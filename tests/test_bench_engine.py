@@ -2,7 +2,7 @@
 one prompt's), and a run on the tiny model with more prompts than slots."""
 
 from online_spec.head import new_head
-from serving.bench_engine import run_prompts, tokens_per_s
+from bench.engine import run_prompts, tokens_per_s
 
 
 def test_run_prompts_cover_several_prompts_and_rotate_per_repeat():

@@ -24,7 +24,8 @@ from online_spec.head import build_vocab_map, new_head
 from online_spec.sampling import SamplingParams
 from serving.control import ControlClient, ControlConfig, ControlError
 from serving.engine import Engine, EngineConfig
-from serving.server import HttpThread, ServerConfig, SpecServer
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
 
 pytestmark = pytest.mark.slow
 ENGINE = EngineConfig(max_batch=4, max_len=512, num_steps=3)

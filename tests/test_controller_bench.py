@@ -19,8 +19,8 @@ from online_spec.checkpoint import save_head
 from online_spec.cli import BENCHES, main
 from online_spec.config import ConfigError
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-from online_spec.controller.bench import ControllerBenchConfig, Phase, Traffic, run_bench
-from online_spec.controller.calibrate import (calibrate_cost_model, engine_cost_model, measure_round_timings,
+from bench.controller import ControllerBenchConfig, Phase, Traffic, run_bench
+from serving.calibrate import (calibrate_cost_model, engine_cost_model, measure_round_timings,
                                               median_per_point, prediction_errors)
 from online_spec.controller.replay import attach_trace_recorder
 from online_spec.head import new_head
@@ -214,7 +214,7 @@ def test_recorded_trace_replays_to_the_live_ema_decisions(tiny8, tmp_path):
 
 
 def test_bench_is_registered():
-    assert BENCHES["controller"][0] == "online_spec.controller.bench"
+    assert BENCHES["controller"][0] == "bench.controller"
     with pytest.raises(SystemExit) as e:
         main(["bench", "controller", "--help"])
     assert e.value.code == 0
@@ -282,7 +282,7 @@ def test_policy_learns_steady_round_times_without_one_off_catch_ups(tiny8, monke
 def test_a_round_with_a_graph_capture_teaches_no_time():
     """A CUDA graph captured inside a phase (a new shape, a new head's first round) makes that
     phase's time a one-off: neither the policy nor a calibration learns from it."""
-    from online_spec.controller.calibrate import RoundTiming
+    from serving.calibrate import RoundTiming
     from serving.engine import RoundStats
 
     base = dict(batch_size=1, num_steps=3, accepted=[1], committed=2, draft_s=0.012, verify_s=0.004, total_s=0.017,

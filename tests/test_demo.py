@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from online_spec.trace import TraceError, build_drift_trace, load_trace, parse_line, phases
+from bench.trace import TraceError, build_drift_trace, load_trace, parse_line, phases
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -78,7 +78,7 @@ def test_the_demo_default_trace_builds(tmp_path, caplog):
     """The default demo (10 minutes x 60 lines per phase per minute) asks for 600 chat + 300 mix chat
     conversations; 639 held-out chat conversations fit (the chat-only filter of 2026-11-24 made the
     default demo fail here with "only 639 ... fit"). The mix keeps its own, the chat phase is cut."""
-    from online_spec.demo import DemoConfig, trace_items
+    from bench.demo import DemoConfig, trace_items
 
     items = trace_items(DemoConfig(), tmp_path)
     runs = dict((n, r) for n, r in phases(items))
@@ -90,7 +90,7 @@ def test_the_demo_default_trace_builds(tmp_path, caplog):
 
 
 def test_demo_end_to_end_writes_the_report(smol, tmp_path):
-    from online_spec.demo import DemoConfig, run_demo
+    from bench.demo import DemoConfig, run_demo
 
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     out = tmp_path / "demo"
@@ -158,7 +158,7 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
     """The ceiling serves each phase with its fastest head (the static head under the cost
     controller, or a --ceiling-heads head), weighted by the adaptive configuration's tokens: a
     hand-computed case, and a phase without tokens/s somewhere gives no ceiling."""
-    from online_spec.bench_e2e import ceiling_figures
+    from bench.e2e import ceiling_figures
 
     def conf(chat, code, chat_tokens=0, code_tokens=0):
         return {"phases": {"chat": {"tokens_per_s": chat, "completion_tokens": chat_tokens},
@@ -182,7 +182,7 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
 
 @pytest.mark.parametrize("heads", ["code,code", "runs/a/head,runs/b/head", "day0"])
 def test_e2e_ceiling_heads_must_be_distinct_real_heads(heads):
-    from online_spec.bench_e2e import E2EConfig
+    from bench.e2e import E2EConfig
     from online_spec.config import ConfigError
 
     assert E2EConfig(ceiling_heads="code, runs/a/head").ceiling_labels == {"code": "code", "head": "runs/a/head"}
@@ -194,7 +194,7 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
     """With --repeats, each ratio is the median of the repeats' own ratios (not a ratio of
     medians), per-phase and overall figures are element-wise medians, and a figure missing
     from any repeat is None rather than a median of the others."""
-    from online_spec.bench_e2e import median_headline
+    from bench.e2e import median_headline
 
     def head(r_adapt, r_bs1, tps_online, acc):
         return {"speedup_vs_static_sglang_adaptive": r_adapt, "speedup_vs_static": 1.0, "speedup_vs_plain": 1.1,

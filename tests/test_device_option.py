@@ -6,8 +6,8 @@ import argparse
 import pytest
 import torch
 
-from online_spec.bench_e2e import E2EConfig
-from online_spec.session import SessionConfig, _start_trainer
+from bench.e2e import E2EConfig
+from bench.session import SessionConfig, _start_trainer
 from trainer.train_cli import add_arguments
 
 
@@ -27,7 +27,7 @@ def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, devic
         def __init__(self, args, **kw):
             seen["args"], seen["env"] = args, kw["env"]
 
-    monkeypatch.setattr("online_spec.session.subprocess.Popen", FakePopen)
+    monkeypatch.setattr("bench.session.subprocess.Popen", FakePopen)
     monkeypatch.setenv("MASTER_PORT", "1234")
     proc = _start_trainer(SessionConfig(device=device, trainer_args=["--eval-every-s", "5"]), tmp_path, tmp_path,
                           "http://127.0.0.1:1", False)
@@ -42,7 +42,7 @@ def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, devic
 
 
 def test_e2e_trainer_args_are_appended_to_the_demo_flags():
-    from online_spec.demo import DEMO_TRAINER_ARGS
+    from bench.demo import DEMO_TRAINER_ARGS
 
     cfg = E2EConfig(trainer_args="--eval-every-s 5")
     assert (DEMO_TRAINER_ARGS + cfg.trainer_args.split())[-2:] == ["--eval-every-s", "5"]

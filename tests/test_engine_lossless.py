@@ -14,7 +14,7 @@ import torch
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from serving.engine import Engine, EngineConfig
-from serving.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
+from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

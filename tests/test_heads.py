@@ -1,4 +1,4 @@
-"""online_spec.heads: the one rule that turns a --head / --draft value into a checkpoint directory."""
+"""bench.heads: the one rule that turns a --head / --draft value into a checkpoint directory."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 
 from online_spec.checkpoint import load_head, save_head
 from online_spec.config import ConfigError
-from online_spec.heads import CODE_HEAD, SHIPPED_HEAD, resolve_head
+from bench.heads import CODE_HEAD, SHIPPED_HEAD, resolve_head
 
 
 def test_resolve_names_and_directories(tiny, tmp_path):

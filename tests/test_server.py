@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from serving.engine import Engine, EngineConfig
-from serving.server import HttpThread, ServerConfig, SpecServer
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
 
 pytestmark = pytest.mark.slow
 ENGINE = EngineConfig(max_batch=4, max_len=512, num_steps=3)

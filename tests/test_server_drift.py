@@ -19,7 +19,8 @@ from online_spec.head import new_head
 from online_spec.target import tiny_target
 from online_spec.wandb_run import init_wandb
 from serving.engine import EngineConfig
-from serving.server import HttpThread, ServerConfig, SpecServer
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
 from serving.server_drift import CallbackAlertSink, ServerDrift
 
 

@@ -19,7 +19,8 @@ from online_spec.config import ConfigError
 from online_spec.head import new_head
 from online_spec.target import tiny_target
 from serving.engine import EngineConfig
-from serving.server import HttpThread, ServerConfig, SpecServer
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
 from serving.server_detok import TextStream
 
 
@@ -189,7 +190,7 @@ def test_cost_policy_calibrates_stores_and_reports(tiny_smol, tmp_path):
 
 def test_bench_server_runs_the_cost_policy_under_load(tiny_smol):
     """`bench server --policy cost`: the spec mode is served by the calibrated cost policy."""
-    from serving.bench_server import ServerBenchConfig, run_mode
+    from bench.server import ServerBenchConfig, run_mode
 
     cfg = ServerBenchConfig(clients=8, requests=8, max_tokens=4, max_batch=4, max_len=256, policy="cost")
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]

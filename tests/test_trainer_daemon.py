@@ -30,8 +30,9 @@ from online_spec.data import sharegpt_conversations
 from online_spec.head import new_head
 from serving.control import ControlClient, ControlConfig
 from serving.engine import EngineConfig
-from serving.lossless import wrong_head
-from serving.server import HttpThread, ServerConfig, SpecServer
+from bench.lossless import wrong_head
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
 from collector.publisher import CapturePublisher, PublisherConfig
 from tests.distill_helpers import greedy_records, tiny8
 from trainer.batch import collate

@@ -21,10 +21,12 @@ import json
 import time
 from pathlib import Path
 
+import online_spec
 from online_spec.config import ConfigError, check
 
-SHIPPED_HEAD = Path(__file__).resolve().parent / "pretrained" / "sharegpt-chat-h100"
-CODE_HEAD = Path(__file__).resolve().parent / "pretrained" / "code-h100"
+PRETRAINED = Path(online_spec.__file__).resolve().parent / "pretrained"  # the heads that ship with the package
+SHIPPED_HEAD = PRETRAINED / "sharegpt-chat-h100"
+CODE_HEAD = PRETRAINED / "code-h100"
 PACKAGED = {"shipped": SHIPPED_HEAD, "code": CODE_HEAD}
 HEAD_CHOICES = "shipped | code | sharegpt | day0 | a head checkpoint or pretrain run directory"
 

@@ -53,7 +53,7 @@ import httpx
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.controller.replay import TraceRecorder
 from online_spec.drift import DriftAlert, DriftConfig, accept_len_moments
-from online_spec.heads import HEAD_CHOICES, resolve_head
+from bench.heads import HEAD_CHOICES, resolve_head
 from serving.engine import EngineConfig, RequestOutput, RoundStats
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,8 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
     With `rounds_out`, every round the detector sees is written there as a trace line."""
     from online_spec.alerts import read_alerts_from_offline_run
     from online_spec.wandb_run import init_wandb
-    from serving.server import HttpThread, ServerConfig, SpecServer
+    from serving.server import ServerConfig, SpecServer
+    from serving.server_app import HttpThread
     from serving.server_drift import CallbackAlertSink
 
     chat, code = load_prompts(cfg, target.tokenizer)
@@ -381,7 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from online_spec.benchutil import write_report, quick_overrides
+    from bench.common import write_report, quick_overrides
     from online_spec.checkpoint import load_head
     from online_spec.target import load_target
 

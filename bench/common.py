@@ -7,8 +7,6 @@ assert timings. Each writes a JSON with `date`, `command` and `machine` beside i
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -17,24 +15,7 @@ from typing import Callable
 
 import torch
 
-
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "platform": platform.platform(),
-            "load_avg_at_start": os.getloadavg()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+from online_spec.machine import machine_info
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

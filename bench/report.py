@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from online_spec.session import SessionResult
-from online_spec.traffic import CANCELLED
+from bench.session import SessionResult
+from bench.traffic import CANCELLED
 
 
 def percentile(xs: list[float], q: float) -> float | None:

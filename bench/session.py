@@ -7,7 +7,7 @@ version), the drift alerts, the head versions that went live and the trainer's s
 
 Process layout (2-core CPU): the server (engine thread + uvicorn + the replaying clients, all
 on loopback) stays in this process with `server_threads` torch threads; the trainer daemon runs
-in a child process (`python -m online_spec.demo_trainer`) with `trainer_threads` torch threads
+in a child process (`python -m bench.demo_trainer`) with `trainer_threads` torch threads
 and OMP_NUM_THREADS to match, so neither starves the other. They talk over ZMQ ipc sockets in
 a private temporary directory: the capture stream (server -> trainer) and the control endpoint
 (trainer -> server swaps, `serving.control`). Drift alerts reach the daemon by its polling
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from online_spec.config import check, doc
-from online_spec.trace import TraceItem
-from online_spec.traffic import RequestResult, replay
+from bench.trace import TraceItem
+from bench.traffic import RequestResult, replay
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
     cost` builds it (every K from 0 to max_steps; round-time model calibrated on this engine,
     stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
     from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-    from online_spec.controller.calibrate import engine_cost_policy
+    from serving.calibrate import engine_cost_policy
 
     if cfg.policy == "static":
         return None
@@ -139,7 +139,8 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
     from online_spec.checkpoint import load_head
     from online_spec.head import new_head
     from serving.engine import EngineConfig
-    from serving.server import HttpThread, ServerConfig, SpecServer
+    from serving.server import ServerConfig, SpecServer
+    from serving.server_app import HttpThread
     from trainer.distill import init_from_target
 
     torch.set_num_threads(cfg.server_threads)
@@ -220,7 +221,7 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, 
     # every session starts from its own head, fresh; the daemon numbers its versions after the
     # server's live one (control `info`, else the head's metadata), so they never collide
     shutil.rmtree(run_dir / "trainer", ignore_errors=True)
-    args = [sys.executable, "-m", "online_spec.demo_trainer", "--run-dir", str(run_dir / "trainer"),
+    args = [sys.executable, "-m", "bench.demo_trainer", "--run-dir", str(run_dir / "trainer"),
             "--capture-endpoint", f"ipc://{sock_dir}/capture.sock", "--alerts-url", url + "/server_info",
             "--threads", str(cfg.trainer_threads), "--wandb-mode", "disabled",
             "--max-seconds", str(cfg.deadline_s + 120)]
@@ -246,7 +247,7 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, 
 
 def _wait_ready(proc, trainer_dir: Path, timeout_s: float) -> None:
     """Records published before the trainer subscribes are lost (ZMQ PUB/SUB): wait for it."""
-    from online_spec.demo_trainer import READY_FILE
+    from bench.demo_trainer import READY_FILE
 
     t0 = time.monotonic()
     while timeout_s > 0 and not (trainer_dir / READY_FILE).exists():

@@ -32,8 +32,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from online_spec.config import ConfigError, check
-from online_spec.controller.cost import CostModel, CostModelConfig
+from online_spec.controller.config import AdaptiveConfig
+from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy
 from online_spec.controller.static import StaticSteps
+from online_spec.machine import machine_info
+from online_spec.sampling import SamplingParams
+from serving.engine import Engine, EngineConfig, Request
 
 
 CTX_BUCKET = 128  # rounds whose context lengths fall in one bucket share a median
@@ -68,9 +72,6 @@ def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence
     and engines sized to the calibration's few hundred tokens measured H100 rounds 20-25 %
     below those of a 1,024-token server (scripts/gpu_round_costs.py, 2026-11-24). On a CPU the
     eager attention reads the keys in use only, and a cache of max_len would only cost memory."""
-    from serving.engine import Engine, EngineConfig, Request  # serving depends on the controller, not back
-    from online_spec.sampling import SamplingParams
-
     check(rounds >= 1, "rounds", f"must be >= 1, got {rounds}")
     check(len(ks) >= 1 and all(k >= 0 for k in ks), "ks", f"must be non-empty K values >= 0, got {list(ks)}")
     gen = torch.Generator().manual_seed(seed)
@@ -163,8 +164,6 @@ def cost_model_report(model: CostModel) -> dict:
 def calibration_key(target, max_len: int = 0) -> dict:
     """What a stored calibration is valid for: the model, dtype, device, CPU and thread count,
     and on a GPU the engine's max_len (its graphs attend over the whole cache)."""
-    from online_spec.benchutil import machine_info
-
     info = machine_info()
     key = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
            "cpu": info.get("gpu") or info["cpu"], "threads": torch.get_num_threads()}
@@ -225,14 +224,11 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
 
 
 def engine_cost_policy(target, head, max_batch: int, max_steps: int, store: str | Path | None = None,
-                       adaptive=None, max_len: int = 0) -> tuple["CostModelPolicy", dict]:
+                       adaptive=None, max_len: int = 0) -> tuple[CostModelPolicy, dict]:
     """The cost-model policy an engine serves with: its round-time model from
     `engine_cost_model` (stored with the run), its tiers those of `adaptive` or, by default,
     every K from 0 to max_steps in one slot (the policy weighs every K by its predicted tokens
     per second; SGLang's tiers exist for its EMA rule). Returns (policy, the model's report)."""
-    from online_spec.controller.config import AdaptiveConfig
-    from online_spec.controller.cost import CostModelPolicy
-
     if adaptive is None:
         adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(max_steps + 1))}})
     model, report = engine_cost_model(target, head, max_batch, max_steps, store=store, max_len=max_len)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from online_spec.benchutil import median_time, quick_overrides, write_report
+from bench.common import median_time, quick_overrides, write_report
 from online_spec.checkpoint import load_head
 from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
@@ -30,7 +30,7 @@ from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.engine import Engine, EngineConfig
-from serving.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
+from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, EngineBenchConfig, QUICK, "a few-minute version")
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from online_spec.benchutil import quick_overrides
+from bench.common import quick_overrides
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, config_from_args, config_to_dict, doc
 
@@ -71,7 +71,7 @@ QUICK = dict(burst_records=2000, stall_rounds=120, serving_tokens=24)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, CollectorBenchConfig, QUICK, "a short run")
 

@@ -1,7 +1,7 @@
 """`online-spec demo`: server + trainer + drifting traffic, live, ending with a report.
 
 Starts the embedded server (SmolLM2) with a head, the capture publisher, the control endpoint,
-and the trainer daemon in a child process (`online_spec.session`); replays a drifting trace
+and the trainer daemon in a child process (`bench.session`); replays a drifting trace
 (ShareGPT chat -> HumanEval code -> a mix, or `--trace FILE`) over HTTP with streaming clients;
 prints a progress line every few seconds (rounds, tokens/s, accept_len per batch-size slot, K,
 head version, swaps, alerts); writes OUT/summary.md, OUT/figures.json, two PNGs and OUT/rounds.jsonl.gz (every
@@ -11,7 +11,7 @@ verify round, for `online-spec drift replay --trace`).
     online-spec demo --minutes 3 --head day0          # quick look, random day-0 head
     online-spec demo --trace my.jsonl --concurrency 8 --out runs/demo-mine
 
-Head (`--head`, resolved by online_spec.heads): `shipped` (default) is the ShareGPT head that
+Head (`--head`, resolved by bench.heads): `shipped` (default) is the ShareGPT head that
 ships with the package (trained on an H100 with the project's own loss); `sharegpt` is a head
 pretrained on this machine by `trainer.pretrain` with `--head-tokens` training tokens, built on
 first use into ~/.cache/online-spec/heads/sharegpt-demo-N and reused; `day0` is a random head; a
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from online_spec.config import check, doc
 from online_spec.drift import MIX_TAG
-from online_spec.heads import HEAD_CHOICES, resolve_head
+from bench.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class DemoConfig:
     minutes: float = doc("serving time budget (the first-time head build comes on top)", 10.0)
     trace: str = doc("JSONL trace to replay; empty = the built-in drifting trace sized to --minutes", "")
     concurrency: int = doc("streaming clients in flight", 4)
-    head: str = doc(HEAD_CHOICES + " (online_spec.heads)", "shipped")
+    head: str = doc(HEAD_CHOICES + " (bench.heads)", "shipped")
     head_tokens: int = doc("training tokens of the default ShareGPT head (first-time build)", 16_000)
     out: str = doc("report directory", "runs/demo")
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
@@ -93,7 +93,7 @@ class DemoConfig:
 
 
 def trace_items(cfg: DemoConfig, out: Path):
-    from online_spec.trace import build_drift_trace, load_trace
+    from bench.trace import build_drift_trace, load_trace
 
     if cfg.trace:
         return load_trace(cfg.trace)
@@ -106,10 +106,10 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     """The whole demo; returns figures.json's content."""
     import torch
 
-    from online_spec.report import plot_session, session_figures, write_rounds
-    from online_spec.session import SessionConfig, run_session
+    from bench.report import plot_session, session_figures, write_rounds
+    from bench.session import SessionConfig, run_session
     from online_spec.target import load_target
-    from online_spec.trace import phases
+    from bench.trace import phases
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ In: every `online-spec train` flag (the daemon, gate, distillation, replay, capt
 step for a while so it adapts sooner. Out: what the daemon writes in its run directory.
 SIGTERM: the daemon finishes its step, saves and exits.
 
-    python -m online_spec.demo_trainer --alerts-url http://127.0.0.1:PORT/server_info \
+    python -m bench.demo_trainer --alerts-url http://127.0.0.1:PORT/server_info \
         --run-dir runs/demo/trainer --capture-endpoint ipc:///tmp/x/capture.sock --control-run-dir /tmp/x
 """
 
@@ -24,7 +24,7 @@ from trainer.daemon import install_signal_handlers
 from trainer.train_cli import add_arguments as add_train_arguments
 from trainer.train_cli import build_daemon, share_machine
 
-log = logging.getLogger("online_spec.demo_trainer")
+log = logging.getLogger("bench.demo_trainer")
 
 READY_FILE = "ready"
 

@@ -18,7 +18,7 @@ Steps, all in one process, side by side (repeats interleaved across policies, me
   5. the EMA run of the trace is recorded (`attach_trace_recorder`) and replayed; the report
      says whether the replay ran the same K sequence.
 
-Without `--draft`, the shipped ShareGPT head is used (online_spec.heads). Greedy decoding
+Without `--draft`, the shipped ShareGPT head is used (bench.heads). Greedy decoding
 with ignore_eos: every policy produces the same tokens, so tokens/s ratios are time ratios.
 """
 
@@ -38,14 +38,14 @@ import torch
 
 from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
 from online_spec.controller.base import TimedPolicy, measure_decision_cost_us
-from online_spec.controller.calibrate import (RoundTiming, calibrate_cost_model, cost_model_report,
+from serving.calibrate import (RoundTiming, calibrate_cost_model, cost_model_report,
                                               measure_round_timings, median_relative_error)
 from online_spec.controller.config import AdaptiveConfig, adaptive_config_path, load_adaptive_config
 from online_spec.controller.cost import CostModel, CostModelPolicy
 from online_spec.controller.ema import EmaTierPolicy
 from online_spec.controller.replay import attach_trace_recorder, read_trace, replay_steps_used
 from online_spec.controller.static import StaticSteps
-from online_spec.heads import HEAD_CHOICES, resolve_head
+from bench.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
 
@@ -462,13 +462,13 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, ControllerBenchConfig, QUICK, "a few-minute version")
 
 
 def run(args: argparse.Namespace) -> int:
-    from online_spec.benchutil import write_report, quick_overrides
+    from bench.common import write_report, quick_overrides
     from online_spec.checkpoint import load_head
     from online_spec.target import load_target
 

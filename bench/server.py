@@ -30,12 +30,13 @@ from typing import Any
 import httpx
 import torch
 
-from online_spec.benchutil import machine_info, quick_overrides
+from bench.common import machine_info, quick_overrides
 from online_spec.config import check, config_from_args, config_to_dict, doc
-from online_spec.heads import HEAD_CHOICES, resolve_head
+from bench.heads import HEAD_CHOICES, resolve_head
 from serving.control import ControlConfig
 from serving.engine import EngineConfig
-from serving.server import HttpThread, ServerConfig, SpecServer, build_policy
+from serving.server import ServerConfig, SpecServer, build_policy
+from serving.server_app import HttpThread
 
 
 @dataclass
@@ -159,7 +160,7 @@ def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, ServerBenchConfig, QUICK, "a short run")
 

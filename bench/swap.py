@@ -136,7 +136,8 @@ def measure(cfg: SwapBenchConfig, prompts: list[list[int]] | None = None) -> dic
     from online_spec.sampling import SamplingParams
     from online_spec.target import load_target
     from serving.control import ControlClient, ControlConfig
-    from serving.server import HttpThread, ServerConfig, SpecServer
+    from serving.server import ServerConfig, SpecServer
+    from serving.server_app import HttpThread
 
     torch.set_num_threads(cfg.threads)
     # fp32: greedy is token-identical (bf16 only up to near-ties)
@@ -253,7 +254,7 @@ def measure(cfg: SwapBenchConfig, prompts: list[list[int]] | None = None) -> dic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, SwapBenchConfig, QUICK, "a short run")
 

@@ -1,6 +1,6 @@
 """`online-spec bench adapt`: how many served tokens the online loop needs to adapt to a traffic shift.
 
-Three sessions on one trace, one after the other, in one process (`online_spec.session`):
+Three sessions on one trace, one after the other, in one process (`bench.session`):
 
   online     the server with the starting head (`--head`, default the shipped ShareGPT chat head) and
              the trainer daemon beside it (capture, replay, distillation, gate, swaps over the
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from online_spec.config import check, config_from_args, config_to_dict, doc
-from online_spec.heads import HEAD_CHOICES
+from bench.heads import HEAD_CHOICES
 
 PHASES = ("sharegpt", "humaneval")
 
@@ -76,7 +76,7 @@ ADAPT_TRAINER_ARGS = [
 
 @dataclass
 class AdaptBenchConfig:
-    head: str = doc("starting head: " + HEAD_CHOICES + " (online_spec.heads)", "shipped")
+    head: str = doc("starting head: " + HEAD_CHOICES + " (bench.heads)", "shipped")
     reference: str = doc("in-domain head for the HumanEval part: " + HEAD_CHOICES + " (default: code, the "
                          "packaged head pretrained on ShareGPT's code conversations and HumanEval's train tasks)",
                          "code")
@@ -117,7 +117,7 @@ def build_trace(path: Path, cfg: AdaptBenchConfig, tokenizer) -> list:
     tag chat), then HumanEval held-out tasks (phase humaneval, tag code), as a JSONL trace; returns
     its items."""
     from online_spec.data import humaneval_conversations, sharegpt_conversations
-    from online_spec.trace import load_trace
+    from bench.trace import load_trace
 
     chat = sharegpt_conversations(limit=cfg.sharegpt_requests, seed=cfg.seed, split="heldout", topic="chat",
                                   max_prompt_tokens=200, tokenizer=tokenizer) if cfg.sharegpt_requests else []
@@ -275,9 +275,9 @@ def by_version(stream, **others: dict) -> dict[str, dict]:
 def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
     import torch
 
-    from online_spec.heads import resolve_head
-    from online_spec.report import session_figures
-    from online_spec.session import SessionConfig, run_session
+    from bench.heads import resolve_head
+    from bench.report import session_figures
+    from bench.session import SessionConfig, run_session
     from online_spec.target import load_target
 
     t_start = time.time()
@@ -372,7 +372,7 @@ def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, AdaptBenchConfig, QUICK, "a short run")
 
@@ -380,7 +380,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from online_spec.benchutil import quick_overrides, write_report
+    from bench.common import quick_overrides, write_report
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(AdaptBenchConfig, args, **quick_overrides(args, QUICK))

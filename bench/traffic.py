@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from online_spec.trace import TraceItem
+from bench.trace import TraceItem
 
 CANCELLED = "cancelled at the deadline"
 

@@ -1,7 +1,7 @@
 """`online-spec bench e2e`: plain vs static head vs SGLang adaptive vs online-spec, one drifting trace.
 
 Same trace (built-in chat -> code -> mix, or `--trace FILE`), same machine, one process, one
-after the other (`online_spec.session.run_session`, streaming HTTP clients on loopback):
+after the other (`bench.session.run_session`, streaming HTTP clients on loopback):
   1. plain        K = 0, no head
   2. static       the ShareGPT head at the best static K; calibration: each K of
                   `--calib-steps` serves the first `--calib-requests` requests of the trace's
@@ -40,7 +40,7 @@ online-spec server's threads, so the ratio of online-spec to static falls into t
                       memory traffic beside the server, and whatever its swapped heads gained)
 
 `--ceiling-heads code,...` measures what online adaptation could reach at best with heads of
-the pretrained kind: each named head (`online_spec.heads`) serves the whole trace with the
+the pretrained kind: each named head (`bench.heads`) serves the whole trace with the
 cost-model controller and no trainer (`ceiling_<label>`, a path labelled by its last part;
 beside `cost_policy`: the static head the same way), and the last phase's batch-1 requests
 (`bs1_ceiling_<label>`). `ceiling` then
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from online_spec.config import check, config_from_args, config_to_dict, doc
-from online_spec.heads import HEAD_CHOICES
+from bench.heads import HEAD_CHOICES
 
 QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_requests=2, bs1_requests=2,
              deadline_s=300.0)
@@ -75,7 +75,7 @@ QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_reque
 @dataclass
 class E2EConfig:
     trace: str = doc("JSONL trace; empty = the built-in drifting trace", "")
-    head: str = doc("static head: " + HEAD_CHOICES + " (online_spec.heads)", "shipped")
+    head: str = doc("static head: " + HEAD_CHOICES + " (bench.heads)", "shipped")
     head_tokens: int = doc("training tokens of the ShareGPT head if it must be built", 16_000)
     requests_per_phase: int = doc("built-in trace: requests per phase", 16)
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
@@ -127,12 +127,12 @@ def _ratio(a, b):
 def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> dict:
     import torch
 
-    from online_spec.demo import DEMO_TRAINER_ARGS
-    from online_spec.heads import resolve_head
-    from online_spec.report import session_figures
-    from online_spec.session import SessionConfig, run_session
+    from bench.demo import DEMO_TRAINER_ARGS
+    from bench.heads import resolve_head
+    from bench.report import session_figures
+    from bench.session import SessionConfig, run_session
     from online_spec.target import load_target
-    from online_spec.trace import build_drift_trace, load_trace, phases
+    from bench.trace import build_drift_trace, load_trace, phases
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,7 +331,7 @@ def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.benchutil import add_bench_args
+    from bench.common import add_bench_args
 
     add_bench_args(parser, E2EConfig, QUICK, "a short run")
 
@@ -339,7 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from online_spec.benchutil import machine_info, quick_overrides
+    from bench.common import machine_info, quick_overrides
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --quick shortens what the command line did not set (unset flags are absent from args)

@@ -17,7 +17,7 @@ is_code_conversation`), then held-out HumanEval code (phase "code"), then a mix
 (phase "mix", lines tagged "chat" or "code"). Held-out, so a head pretrained on ShareGPT's train
 split never saw these conversations.
 
-    python -c "from online_spec.trace import build_drift_trace; build_drift_trace('t.jsonl', 16, 16, 16, 0)"
+    python -c "from bench.trace import build_drift_trace; build_drift_trace('t.jsonl', 16, 16, 16, 0)"
 """
 
 from __future__ import annotations
