@@ -41,7 +41,8 @@ from online_spec.controller.base import TimedPolicy, measure_decision_cost_us
 from serving.calibrate import (RoundTiming, calibrate_cost_model, cost_model_report,
                                               measure_round_timings, median_relative_error)
 from online_spec.controller.config import AdaptiveConfig, adaptive_config_path, load_adaptive_config
-from online_spec.controller.cost import CostModel, CostModelPolicy
+from online_spec.controller.cost import CostModelPolicy
+from online_spec.controller.round_time import CostModel
 from online_spec.controller.ema import EmaTierPolicy
 from online_spec.controller.replay import attach_trace_recorder, read_trace, replay_steps_used
 from online_spec.controller.static import StaticSteps

@@ -33,7 +33,8 @@ import torch
 
 from online_spec.config import ConfigError, check
 from online_spec.controller.config import AdaptiveConfig
-from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy
+from online_spec.controller.cost import CostModelPolicy
+from online_spec.controller.round_time import CostModel, CostModelConfig
 from online_spec.controller.static import StaticSteps
 from online_spec.machine import machine_info
 from online_spec.sampling import SamplingParams

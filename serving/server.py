@@ -33,7 +33,7 @@ from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.checkpoint import load_head
 from online_spec.config import check, config_to_dict, doc
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-from online_spec.controller.cost import CostModel
+from online_spec.controller.round_time import CostModel
 from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig
 from online_spec.head import EagleHead, new_head
 from online_spec.sampling import SamplingParams

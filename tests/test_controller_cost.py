@@ -17,8 +17,8 @@ import pytest
 from online_spec.config import ConfigError
 from online_spec.controller import (AdaptiveConfig, CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig,
                                     StepPolicy, measure_decision_cost_us)
-from online_spec.controller.cost import (AcceptanceEstimate, ConfidenceCalibrator, _RidgeLeastSquares, draft_row,
-                                         small_rows, verify_features)
+from online_spec.controller.acceptance import AcceptanceEstimate, ConfidenceCalibrator, small_rows
+from online_spec.controller.round_time import _RidgeLeastSquares, draft_row, verify_features
 
 # Synthetic costs of the model's own form (seconds): draft phase and verify.
 TRUE_DRAFT = (0.002, 0.0001, 0.00005, 0.0015, 0.00002)  # per step: 1, b, b*ctx/1000; once if K > 0: 1, b
@@ -447,7 +447,7 @@ def test_calibrator_engine_arrays_match_a_per_draft_tally():
 def test_small_batches_decide_as_the_numpy_path(monkeypatch):
     """Up to SMALL_BATCH confidences the in-round calls run on Python floats; every decision and
     count equals the numpy path's (forced by SMALL_BATCH = 0) on the same rounds."""
-    import online_spec.controller.cost as cost_mod
+    import online_spec.controller.acceptance as cost_mod
 
     rng = random.Random(11)
     for _ in range(60):

@@ -82,7 +82,8 @@ def test_losing_rule_compares_with_the_cost_models_plain_round(smol, plain_round
     (every speculative round loses to it) or of 100 s (none does); one tier, K = 3, so every round
     drafts. A random head on a tiny target: what is compared is speed, not acceptance."""
     from online_spec.controller import AdaptiveConfig
-    from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy
+    from online_spec.controller.cost import CostModelPolicy
+    from online_spec.controller.round_time import CostModel, CostModelConfig
 
     target = tiny_target(vocab_size=smol.info.vocab_size, num_layers=8, tokenizer=smol.tokenizer)
     model = CostModel.with_coefficients([1e-7, 0, 0, 0, 0], [plain_round_s, 0, 0, 0, 0],

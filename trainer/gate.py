@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from online_spec.config import check, doc
-from online_spec.controller.cost import expected_accepted, fill_untried
+from online_spec.controller.acceptance import expected_accepted, fill_untried
 
 
 @dataclass

@@ -3,7 +3,10 @@
 - `config`: SGLang's adaptive JSON (batch-size slots of K tiers), read unchanged and validated.
 - `ema`: `EmaTierPolicy`, SGLang's EMA tier policy, decision for decision.
 - `cost`: `CostModelPolicy`, K maximizing expected committed tokens per predicted second, with
-  in-round early stop and per-request verify lengths.
+  in-round early stop and per-request verify lengths; it joins
+  - `round_time`: `CostModel`, the predicted seconds of a round (calibrated, refined online), and
+  - `acceptance`: `AcceptanceEstimate` and `ConfidenceCalibrator`, the expected accepted drafts
+    of K (also the swap gate's arithmetic).
 - `static`: `StaticSteps`, K fixed (baselines).
 - `base`: the `StepPolicy` protocol both implement, `measure_decision_cost_us` (a hot loop) and
   `TimedPolicy` (the same calls timed inside the engine's rounds).
@@ -16,7 +19,8 @@ after verify and `rewarm` when a new head goes live. See docs/controller.md.
 from online_spec.controller.base import StepPolicy, TimedPolicy, measure_decision_cost_us
 from online_spec.controller.config import (AdaptiveConfig, SlotConfig, adaptive_config_path, configs_dir,
                                            load_adaptive_config)
-from online_spec.controller.cost import CostModel, CostModelConfig, CostModelPolicy, CostPolicyConfig
+from online_spec.controller.cost import CostModelPolicy, CostPolicyConfig
+from online_spec.controller.round_time import CostModel, CostModelConfig
 from online_spec.controller.ema import EmaTierPolicy
 from online_spec.controller.static import StaticSteps
 
