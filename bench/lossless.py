@@ -12,6 +12,7 @@ import itertools
 
 import torch
 
+from online_spec.controller import StepPolicyBase
 from online_spec.head import EagleHead, new_head
 from online_spec.kvcache import AttentionBatch
 from online_spec.target import TargetModel
@@ -24,8 +25,10 @@ def wrong_head(target: TargetModel, seed: int = 5) -> EagleHead:
     return head
 
 
-class CyclingSteps:
+class CyclingSteps(StepPolicyBase):
     """K cycling through `ks`, one per round (a policy the engine must follow exactly)."""
+
+    name = "cycling"
 
     def __init__(self, ks=(0, 1, 3, 7)):
         self._ks = itertools.cycle(ks)
@@ -37,9 +40,6 @@ class CyclingSteps:
     def update(self, batch_size, accepted, **_):
         self.k = next(self._ks)
         return self.k
-
-    def rewarm(self):
-        pass
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -1,8 +1,19 @@
 """online-spec: keeps an EAGLE-3 draft head in step with live traffic.
 
-Shared parts: target loading (`target`), the EAGLE-3 head (`head`) and its checkpoint codec
-(`checkpoint`), the capture record (`capture`), sampling rules (`sampling`), data (`data`), the
-command line (`cli`). See ../shared/ARCHITECTURE.md for how the packages fit together.
+The house has five layers, each importing only those below it:
+
+    online_spec/  (1) what every part shares: the capture record, the head and its codec, policies
+    collector/    (2) capture stream: wire format, publisher, subscriber, replay buffer
+    serving/      (3) engine, server, control endpoint, swap, SGLang plugin
+    trainer/      (4) distillation, gate, checkpoint publishing, the daemon
+    bench/        (5) benchmarks and the demo harness
+
+This package holds: target loading (`target`), the EAGLE-3 head (`head`) and its checkpoint
+codec (`checkpoint`), the capture record (`capture`), sampling and acceptance (`sampling`), the
+KV-cache layout (`kvcache`), data (`data`), config helpers (`config`), the machine description
+(`machine`), the pure policies (`controller/`: K per round; `drift`: alerts from acceptance),
+alert sinks (`alerts`, `wandb_run`), and the command line (`cli`, which names modules of every
+layer by string). The path of one token through the layers: docs/architecture.md.
 """
 
 # OpenMP wait policy: left to the runtime (libgomp spins a while before sleeping). Measured on

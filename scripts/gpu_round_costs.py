@@ -49,7 +49,7 @@ def serve(engine, policy, prompts, new_tokens: int) -> dict:
     captured by the warm-up: a fresh engine per run would capture them inside the timed run)."""
     from bench.controller import RoundLog
     from online_spec.sampling import SamplingParams
-    from serving.engine import Request
+    from serving.requests import Request
 
     engine.set_policy(policy)
     log, outside = RoundLog(), []
@@ -93,15 +93,17 @@ def serve(engine, policy, prompts, new_tokens: int) -> dict:
 
 class ChoiceOnly:
     """A policy's K per round without its in-round calls (`should_continue`, `verify_lengths`):
-    the engine looks those up with hasattr, so they are hidden, everything else delegated."""
+    its capabilities declared off (the engine calls those only where declared), everything else
+    delegated."""
 
-    IN_ROUND = ("should_continue", "verify_lengths")
+    early_stop = False
+    truncates = False
 
     def __init__(self, policy):
         self._policy = policy
 
     def __getattr__(self, name):
-        if name in self.IN_ROUND or name == "_policy":  # _policy: before __init__ (copies)
+        if name == "_policy":  # before __init__ (copies)
             raise AttributeError(name)
         return getattr(self._policy, name)
 

@@ -38,7 +38,8 @@ from online_spec.controller.round_time import CostModel, CostModelConfig
 from online_spec.controller.static import StaticSteps
 from online_spec.machine import machine_info
 from online_spec.sampling import SamplingParams
-from serving.engine import Engine, EngineConfig, Request
+from serving.engine import Engine, EngineConfig
+from serving.requests import Request
 
 
 CTX_BUCKET = 128  # rounds whose context lengths fall in one bucket share a median
@@ -71,7 +72,7 @@ def measure_round_timings(target, head, batch_sizes: Sequence[int], ks: Sequence
     max_len: the serving engine's. On a GPU it sizes the engines measured here: a CUDA graph
     attends over the whole cache (serving/cuda_graphs.py), so a round's time grows with max_len,
     and engines sized to the calibration's few hundred tokens measured H100 rounds 20-25 %
-    below those of a 1,024-token server (scripts/gpu_round_costs.py, 2026-11-24). On a CPU the
+    below those of a 1,024-token server (scripts/gpu_round_costs.py). On a CPU the
     eager attention reads the keys in use only, and a cache of max_len would only cost memory."""
     check(rounds >= 1, "rounds", f"must be >= 1, got {rounds}")
     check(len(ks) >= 1 and all(k >= 0 for k in ks), "ks", f"must be non-empty K values >= 0, got {list(ks)}")

@@ -1,10 +1,10 @@
 """The embedded speculative engine: continuous batching over draft -> verify -> accept rounds.
 
-In: requests (`Request`: prompt token ids, `SamplingParams`, tag). Out, per `step()`: for each
-running request the tokens committed that round (`RequestOutput`), and per round a `RoundStats`
-(K, batch size, accepted drafts, timings, head version) plus the capture records (contract 1)
-of the requests the publisher samples — built from the verify forward itself, no extra target
-forward.
+In: requests (`Request`: prompt token ids, `SamplingParams`, tag; serving/requests.py). Out, per
+`step()`: for each running request the tokens committed that round (`RequestOutput`), and per
+round a `RoundStats` (K, batch size, accepted drafts, timings, head version) plus the capture
+records (contract 1) of the requests the publisher samples — built from the verify forward
+itself, no extra target forward.
 
 State per request lives in a slot: committed tokens (`tok_buf`), the EAGLE-3 features of every
 committed position (`feat_buf`, kept so a new head can rebuild its KV cache after a swap), the
@@ -12,9 +12,9 @@ target KV cache and the draft KV cache. A slot's target cache holds positions 0.
 tok_buf[L] is the last committed token, not yet fed to the target; the draft cache trails the
 target's and is caught up (`_extend_draft`) just before drafting.
 
-A new head is installed with `swap_head` (any thread); it takes effect between rounds, never
-inside one. Whatever head is live, the output equals the target's (greedy: token-identical;
-sampling: the same distribution).
+A new head is installed with `swap_head` (any thread; serving/head_swap.py); it takes effect
+between rounds, never inside one. Whatever head is live, the output equals the target's
+(greedy: token-identical; sampling: the same distribution).
 
     engine = Engine(load_target(), head, EngineConfig())
     outs = engine.generate([ids], SamplingParams(max_tokens=64))
@@ -27,19 +27,21 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, doc
-from online_spec.controller import StaticSteps, StepPolicy
+from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, accept_sampled, probs_from_logits
 from online_spec.target import TargetModel
 from serving.cuda_graphs import CudaGraphs
+from serving.head_swap import HeadSwapping, StagedHead
+from serving.requests import CaptureSink, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 
 log = logging.getLogger(__name__)
 
@@ -65,82 +67,13 @@ class EngineConfig:
         check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
 
 
-class CaptureSink(Protocol):
-    """What the engine needs from the collector publisher (never blocks)."""
-
-    def should_capture(self, request_id: str) -> bool: ...
-    def submit(self, records: list[CaptureRecord]) -> None: ...
-    def end_request(self, request_id: str) -> None: ...
-
-
-class EngineFull(RuntimeError):
-    """The queue is full; the request was not taken."""
-
-
-class PromptTooLong(ValueError):
-    """The prompt leaves no room to generate within max_len."""
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = ""
-    tag: str = ""
-    # runtime state, owned by the engine
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    capture: bool = False
-    slot: int = -1
-    gen: torch.Generator | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    accept_len: int
-    num_steps: int
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class RoundStats:
-    batch_size: int
-    num_steps: int
-    accepted: list[int]
-    committed: int
-    draft_s: float
-    verify_s: float
-    total_s: float
-    head_version: int
-    ctx_len: int
-    swapped: bool = False
-    swap_fill_rows: int = 0  # rows of a staged head's cache rebuilt this round (before it went live)
-    catchup_s: float = 0.0  # of draft_s: long draft-cache catch-ups (a new prompt, rows served at K = 0, a swap)
-    draft_captures: int = 0  # CUDA graphs captured in the draft phase (a new shape, a new head)
-    verify_captures: int = 0  # CUDA graphs captured in the verify phase
-    drafted_steps: int = 0  # drafts made per request before the verify-length cut (>= num_steps)
-
-    @property
-    def steady_draft_s(self) -> float | None:
-        """The draft seconds a round at this K costs in steady serving: draft_s without the
-        one-off catch-ups; None when a graph capture (milliseconds, once per shape) is inside."""
-        return None if self.draft_captures else max(0.0, self.draft_s - self.catchup_s)
-
-    @property
-    def steady_verify_s(self) -> float | None:
-        """verify_s, or None when a graph capture is inside it."""
-        return None if self.verify_captures else self.verify_s
-
-
-class Engine:
+class Engine(HeadSwapping):
     def __init__(self, target: TargetModel, head: EagleHead | None, cfg: EngineConfig | None = None,
                  policy: StepPolicy | None = None, publisher: CaptureSink | None = None,
                  head_version: int = 0):
         self.target, self.cfg = target, cfg or EngineConfig()
         self.policy = policy or StaticSteps(self.cfg.num_steps)
+        check_policy(self.policy)
         self.publisher = publisher
         c, info = self.cfg, target.info
         S, L = c.max_batch, c.max_len
@@ -156,7 +89,7 @@ class Engine:
         self.running: list[Request] = []
         self._pending_swap: tuple[EagleHead | None, int] | None = None
         self._pending_policy: StepPolicy | None = None
-        self._staged: _StagedHead | None = None
+        self._staged: StagedHead | None = None
         self._spare_cache = None
         self._filled = 0
         self._catchup_s = 0.0  # this round's long catch-ups (RoundStats.catchup_s)
@@ -196,21 +129,10 @@ class Engine:
                 if r.request_id == request_id and r.finish_reason is None:
                     r.finish_reason = "abort"
 
-    def swap_head(self, head: EagleHead | None, version: int) -> None:
-        """Install `head` (already validated) before the next round. Thread-safe. Everything a
-        staged swap needs (the head in the engine's dtype and device, an empty draft cache) is
-        prepared here, on the caller's thread, so the engine thread only starts filling it."""
-        staged = None
-        if head is not None:
-            head = head.to(dtype=self.target.dtype, device=self.target.device).eval()
-            staged = _StagedHead(head, version, self._staging_cache(head))
-        with self._lock:
-            replaced, self._pending_swap = self._pending_swap, (head, version, staged)
-        if replaced is not None and replaced[2] is not None:
-            self._recycle_cache(replaced[2].cache)
-
     def set_policy(self, policy: StepPolicy) -> None:
-        """Install a new step policy before the next round. Thread-safe."""
+        """Install a new step policy before the next round. Thread-safe; a policy lacking a
+        `StepPolicy` member is refused here (TypeError), not rounds later."""
+        check_policy(policy)
         with self._lock:
             self._pending_policy = policy
 
@@ -270,7 +192,7 @@ class Engine:
         lens = [K] * B
         drafted = K
         confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
-        if K > 0 and hasattr(self.policy, "verify_lengths"):
+        if K > 0 and self.policy.truncates:
             lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
             K = max(lens)
             drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
@@ -376,7 +298,7 @@ class Engine:
                     t = int(torch.multinomial(q, 1, generator=r.gen))
                     drafts[b, j], probs[b, j] = t, float(q[t])
                     q_full[b][j] = q
-            if j + 1 < K and hasattr(self.policy, "should_continue") and \
+            if j + 1 < K and self.policy.early_stop and \
                     not self.policy.should_continue(j + 1, probs[:, j].numpy(), B, ctx):
                 drafts, probs = drafts[:, :j + 1], probs[:, :j + 1]
                 q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
@@ -561,119 +483,6 @@ class Engine:
             self._staged.cache.move_slot(src, dst)
         self.tok_buf[dst, :n + 1] = self.tok_buf[src, :n + 1]
         self.feat_buf[dst, :n] = self.feat_buf[src, :n]
-
-    def _apply_pending_swap(self) -> bool:
-        with self._lock:
-            pending, self._pending_swap = self._pending_swap, None
-            policy, self._pending_policy = self._pending_policy, None
-        if policy is not None:
-            self.policy = policy
-        self._filled = 0
-        if pending is not None:
-            head, version, staged = pending
-            if self._staged is not None:  # superseded before it went live
-                self._recycle_cache(self._staged.cache)
-                self._staged = None
-            if head is None or not self.running or self.cfg.swap_fill_rows == 0:
-                if staged is not None:
-                    self._recycle_cache(staged.cache)
-                self._install_head(head, version)
-                self.policy.rewarm()
-                return True
-            self._staged = staged
-        return self._advance_staged()
-
-    # A swap under load is staged: the new head's draft cache is rebuilt from the stored features
-    # a bounded number of rows per round (K/V only, every slot's rows in one call) while the old
-    # head keeps drafting, and the switch happens once every running slot is within one round's
-    # catch-up. Drafts never affect the output, so whichever head drafts a round, the output is
-    # the target's.
-    def _staging_cache(self, head: EagleHead):
-        """An empty draft cache for a staged head: the spare (the cache of the head replaced by
-        the last switch) when its shape fits, else a new one. Any thread."""
-        with self._lock:
-            cache, self._spare_cache = self._spare_cache, None
-        c = head.cfg
-        if cache is None or cache.k[0].dtype != self.target.dtype or tuple(cache.k[0].shape) != \
-                (self.cfg.max_batch, c.num_key_value_heads, self.cfg.max_len, c.head_dim):
-            cache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
-        cache.lengths = [0] * self.cfg.max_batch
-        return cache
-
-    def _recycle_cache(self, cache) -> None:
-        with self._lock:
-            if self._spare_cache is None:
-                self._spare_cache = cache
-
-    def _advance_staged(self) -> bool:
-        """Rebuild up to swap_fill_rows rows of the staged cache; switch when it is caught up."""
-        st = self._staged
-        if st is None:
-            return False
-        budget = self.cfg.swap_fill_rows
-        behind = False
-        plan = []
-        for b in range(len(self.running)):
-            goal = self.tcache.lengths[b] - 1  # the last committed row is always recomputed
-            have = st.cache.lengths[b]
-            n = max(0, min(budget, goal - have))
-            if n:
-                plan.append((b, have, n))
-                budget -= n
-            behind = behind or goal - (have + n) > self.cfg.max_steps
-        if plan:
-            self._fill_slots(st.head, st.cache, plan)
-            self._filled += sum(n for _, _, n in plan)
-        if behind:
-            return False
-        self._staged = None
-        old = self.dcache
-        self.head, self.head_version, self.dcache = st.head, st.version, st.cache
-        if self.graphs is not None:
-            self.graphs.bind_head(st.head)  # weights into the captured graphs' module, in place
-        self._recycle_cache(old)
-        self.policy.rewarm()
-        return True
-
-    def _fill_slots(self, head: EagleHead, cache, plan: list[tuple[int, int, int]]) -> None:
-        """K/V of rows start..start+n-1 of each (slot, start, n) in `plan` into `cache`, all in
-        one head call: the rows of every slot are gathered into one sequence (a row's K/V depend
-        only on its own inputs and position: `EagleHead.kv`) and scattered back."""
-        dev = self.target.device
-        slots = torch.tensor([b for b, _, n in plan for _ in range(n)])
-        pos = torch.cat([torch.arange(start, start + n) for _, start, n in plan])
-        emb = self.target.embed_tokens(self.tok_buf[slots, pos + 1][None].to(dev))  # row p reads token p+1
-        hid = self.feat_buf[slots.to(dev), pos.to(dev)][None]  # ... and the features of p
-        cos, sin = self.target.rope(pos[None].to(dev))
-        with torch.inference_mode():
-            k, v = head.kv(emb, hid, cos.squeeze(1), sin.squeeze(1))  # [1, kvh, N, hd]
-        s_dev, p_dev = slots.to(dev), pos.to(dev)
-        cache.k[0][s_dev, :, p_dev] = k[0].transpose(0, 1)
-        cache.v[0][s_dev, :, p_dev] = v[0].transpose(0, 1)
-        for b, start, n in plan:
-            cache.lengths[b] = start + n
-
-    def _install_head(self, head: EagleHead | None, version: int) -> None:
-        """Switch the live head. The new head has not seen any row: its cache restarts at 0 and
-        is rebuilt from the stored features on the next draft."""
-        if head is not None:
-            head = head.to(dtype=self.target.dtype, device=self.target.device).eval()
-            if self.dcache is None or self.head is None or self.head.cfg != head.cfg:
-                self.dcache = head.new_cache(self.cfg.max_batch, self.cfg.max_len)
-            self.dcache.lengths = [0] * self.cfg.max_batch
-            if self.graphs is not None:
-                self.graphs.bind_head(head)
-        self.head, self.head_version = head, version
-
-
-@dataclass
-class _StagedHead:
-    """A head waiting to go live while its draft cache is rebuilt."""
-
-    head: EagleHead
-    version: int
-    cache: object
-
 
 class _SlotView:
     """A one-slot window onto a KVCache, so a single request can run as batch 1."""

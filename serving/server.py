@@ -33,7 +33,6 @@ from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.checkpoint import load_head
 from online_spec.config import check, config_to_dict, doc
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-from online_spec.controller.round_time import CostModel
 from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig
 from online_spec.head import EagleHead, new_head
 from online_spec.sampling import SamplingParams
@@ -41,7 +40,8 @@ from online_spec.target import load_target
 from serving.api import ApiError
 from serving.calibrate import engine_cost_policy
 from serving.control import ControlConfig, ControlServer
-from serving.engine import Engine, EngineConfig, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
+from serving.engine import Engine, EngineConfig
+from serving.requests import EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 from serving.metrics import ServerMetrics
 from serving.server_drift import ServerDrift
 from serving.server_loop import EngineLoop, RequestStream
@@ -129,8 +129,7 @@ class SpecServer:
         """A plain decode round's seconds at this batch and context, from the cost-model policy's
         round-time model (calibrated on this engine, refined from its rounds); None under a
         policy without one, where the drift monitor's "losing" rule has nothing to compare."""
-        cost = getattr(self.engine.policy, "cost", None)  # looked up per round: set_policy may change it
-        return cost.predict_round_s(batch_size, 0, ctx_len) if isinstance(cost, CostModel) else None
+        return self.engine.policy.predict_round_s(batch_size, 0, ctx_len)  # per round: set_policy may change it
 
     # -- the hooks ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str, request_id: str) -> RequestStream:
@@ -160,11 +159,10 @@ class SpecServer:
         e = self.engine
         summary = self.metrics.summary()
         policy_info = None
-        if hasattr(e.policy, "info"):
-            try:
-                policy_info = e.policy.info()
-            except Exception:  # a read racing the engine thread: report nothing rather than fail
-                log.exception("policy.info() failed")
+        try:
+            policy_info = e.policy.info()
+        except Exception:  # a read racing the engine thread: report nothing rather than fail
+            log.exception("policy.info() failed")
         publisher = None
         if e.publisher is not None and hasattr(e.publisher, "stats"):
             publisher = e.publisher.stats()

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     server = build_server(cfg)
     try:
         server.start()
-        policy = getattr(server.engine.policy, "name", None) or f"static K={cfg.engine.num_steps}"
+        policy = server.engine.policy.name + (f" K={cfg.engine.num_steps}" if server.engine.policy.name == "static" else "")
         log.info("serving %s (head version %d, K policy %s, %d torch threads) on http://%s:%d", server.model_name,
                  server.engine.head_version, policy, torch.get_num_threads(), cfg.host, cfg.port)
         uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level=cfg.log_level)

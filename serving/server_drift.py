@@ -27,7 +27,7 @@ from typing import Callable
 
 from online_spec.alerts import AlertSink, CallbackAlertSink, LogAlertSink, PrometheusAlertSink, WandbAlertSink, fan_out
 from online_spec.drift import DriftAlert, DriftConfig, DriftDetector, round_observations
-from serving.engine import RequestOutput, RoundStats
+from serving.requests import RequestOutput, RoundStats
 
 __all__ = ["ServerDrift", "CallbackAlertSink"]
 

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from serving.engine import Engine, Request, RequestOutput
+from serving.engine import Engine
+from serving.requests import Request, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from online_spec.checkpoint import save_head
 from online_spec.cli import BENCHES, main
 from online_spec.config import ConfigError
-from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
+from online_spec.controller import EmaTierPolicy, StepPolicyBase, adaptive_config_path, load_adaptive_config
 from bench.controller import ControllerBenchConfig, Phase, Traffic, run_bench
 from serving.calibrate import (calibrate_cost_model, engine_cost_model, measure_round_timings,
                                               median_per_point, prediction_errors)
@@ -26,7 +26,8 @@ from online_spec.controller.replay import attach_trace_recorder
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
-from serving.engine import Engine, EngineConfig, Request
+from serving.engine import Engine, EngineConfig
+from serving.requests import Request
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def test_bench_is_registered():
     assert e.value.code == 0
 
 
-class _RecordingPolicy:
+class _RecordingPolicy(StepPolicyBase):
     """Runs a fixed K schedule and keeps what the engine feeds `update` (a step policy)."""
 
     def __init__(self, schedule):
@@ -283,7 +284,7 @@ def test_a_round_with_a_graph_capture_teaches_no_time():
     """A CUDA graph captured inside a phase (a new shape, a new head's first round) makes that
     phase's time a one-off: neither the policy nor a calibration learns from it."""
     from serving.calibrate import RoundTiming
-    from serving.engine import RoundStats
+    from serving.requests import RoundStats
 
     base = dict(batch_size=1, num_steps=3, accepted=[1], committed=2, draft_s=0.012, verify_s=0.004, total_s=0.017,
                 head_version=1, ctx_len=100)

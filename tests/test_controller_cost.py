@@ -888,8 +888,8 @@ def test_is_a_step_policy_and_cheap():
 def test_timed_policy_decides_as_its_policy_and_times_each_round():
     """`TimedPolicy` (the bench's in-engine decision cost) changes no decision: driven like the
     engine drives a policy, the wrapped cost policy and a bare copy choose the same K, stop and
-    cut the same drafts; one timing per round, steps_for to update; the in-round calls exist on
-    the wrapper only where the policy has them (the engine asks with hasattr)."""
+    cut the same drafts; one timing per round, steps_for to update; the wrapper declares the
+    policy's in-round capabilities (the engine calls them only where declared)."""
     from online_spec.controller import EmaTierPolicy, TimedPolicy
 
     rng = random.Random(2)
@@ -911,5 +911,5 @@ def test_timed_policy_decides_as_its_policy_and_times_each_round():
     assert len(timed.round_ns) == 200 and all(ns > 0 for ns in timed.round_ns) and timed.median_us() > 0
     assert timed.info()["slots"] == bare.info()["slots"]
     ema = TimedPolicy(EmaTierPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 3]}}), initial_steps=1))
-    assert not hasattr(ema, "should_continue") and not hasattr(ema, "verify_lengths")
-    assert hasattr(timed, "should_continue") and copy.deepcopy(ema).median_us() is None
+    assert not ema.early_stop and not ema.truncates and ema.name == "ema_tier"
+    assert timed.early_stop and timed.truncates and copy.deepcopy(ema).median_us() is None

@@ -20,7 +20,8 @@ from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
 from serving.cuda_graphs import CudaGraphs, GraphHead, StaticBatch, buckets_for
-from serving.engine import Engine, EngineConfig, Request
+from serving.engine import Engine, EngineConfig
+from serving.requests import Request
 
 MAX_LEN = 64
 

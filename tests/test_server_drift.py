@@ -109,7 +109,7 @@ def test_a_shift_between_tags_is_alerted_on_the_slots_mix_stream():
     the slot's mix stream raises the drop, named "all traffic", and /server_info lists it."""
     import numpy as np
 
-    from serving.engine import RequestOutput, RoundStats
+    from serving.requests import RequestOutput, RoundStats
     from tests.test_drift import chat_then_code
 
     drift = ServerDrift(DriftConfig())

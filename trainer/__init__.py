@@ -1,2 +1,20 @@
-"""The trainer: teacher-forced capture, the distillation step (loss, TTT unroll, DeepSpeed),
-evaluation, and the `online-spec pretrain` command."""
+"""The trainer: distills the head from captured traffic and publishes it (layer 4; imports
+`online_spec`, `collector`, `serving`).
+
+- `daemon`       `TrainerDaemon`, `online-spec train`: subscriber -> replay buffer -> distill ->
+                 gate -> checkpoint -> swap over the control endpoint, rollback watch (`train_cli`
+                 builds it from flags)
+- `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the
+                 training-time-test unroll; `batch`: padded training batches)
+- `evaluate`     a head's simulated acceptance on held-out rows (the gate's evidence), and its
+                 real one in the engine
+- `gate`         `SwapGate`: publish a candidate only when it measurably beats the live head on
+                 the mix and on every traffic tag; `RollbackMonitor`
+- `data`         teacher-forced capture: real conversations (ShareGPT, HumanEval) through the
+                 target into the engine's capture records
+- `pretrain`     `online-spec pretrain`: an offline head from those records
+
+Where a token goes: its captured row (a `CaptureSpan` from collector/) is sampled into a batch,
+the distiller learns from it, the gate weighs the candidate, a winner is written as a new
+checkpoint version (online_spec/checkpoint.py) and swapped into the server (serving/control.py).
+"""

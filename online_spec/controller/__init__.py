@@ -8,15 +8,18 @@
   - `acceptance`: `AcceptanceEstimate` and `ConfidenceCalibrator`, the expected accepted drafts
     of K (also the swap gate's arithmetic).
 - `static`: `StaticSteps`, K fixed (baselines).
-- `base`: the `StepPolicy` protocol both implement, `measure_decision_cost_us` (a hot loop) and
-  `TimedPolicy` (the same calls timed inside the engine's rounds).
+- `base`: the `StepPolicy` protocol every policy implements (what the engine and server may call,
+  the optional in-round capabilities declared by `early_stop` / `truncates`), `StepPolicyBase`
+  (their absent forms), `measure_decision_cost_us` (a hot loop) and `TimedPolicy` (the same calls
+  timed inside the engine's rounds).
 - `replay`: `online-spec controller replay` and the `TraceRecorder` the engine writes rounds with.
 
 Policies are pure (no I/O, no torch): the engine calls `steps_for` before drafting, `update`
 after verify and `rewarm` when a new head goes live. See docs/controller.md.
 """
 
-from online_spec.controller.base import StepPolicy, TimedPolicy, measure_decision_cost_us
+from online_spec.controller.base import (StepPolicy, StepPolicyBase, TimedPolicy, check_policy,
+                                         measure_decision_cost_us)
 from online_spec.controller.config import (AdaptiveConfig, SlotConfig, adaptive_config_path, configs_dir,
                                            load_adaptive_config)
 from online_spec.controller.cost import CostModelPolicy, CostPolicyConfig
@@ -26,4 +29,4 @@ from online_spec.controller.static import StaticSteps
 
 __all__ = ["StaticSteps", "AdaptiveConfig", "SlotConfig", "StepPolicy", "EmaTierPolicy", "CostModel", "CostModelConfig",
            "CostModelPolicy", "CostPolicyConfig", "adaptive_config_path", "configs_dir", "load_adaptive_config",
-           "TimedPolicy", "measure_decision_cost_us"]
+           "TimedPolicy", "measure_decision_cost_us", "StepPolicyBase", "check_policy"]

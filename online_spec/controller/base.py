@@ -4,7 +4,8 @@ The engine holds one policy and, per round, calls `steps_for(batch_size, ctx_len
 drafting and `update(batch_size, accepted, num_steps=..., ...)` after verify; on a head swap
 it calls `rewarm()`. `info()` feeds logs and the control endpoint; `state_dict()` is stored with
 the run. `measure_decision_cost_us` times one round of those calls (with the in-round
-`should_continue` / `verify_lengths` of policies that have them) for the benchmarks.
+`should_continue` / `verify_lengths` of policies that declare them) for the benchmarks, and
+`TimedPolicy` times them inside the engine's rounds.
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ import numpy as np
 
 @runtime_checkable
 class StepPolicy(Protocol):
-    """Chooses K (draft steps) per round from what past rounds showed. No I/O, no torch."""
+    """Chooses K (draft steps) per round from what past rounds showed. No I/O, no torch.
+
+    Everything the engine and the server may call on a policy is declared here; nothing is
+    discovered with `hasattr`. The in-round capabilities are optional: a policy declares them
+    with `early_stop` / `truncates`, and the engine calls `should_continue` / `verify_lengths`
+    only where the flag is set. `StepPolicyBase` gives every optional member its "absent" form."""
+
+    name: str
+    """The policy's kind, as `info()["policy"]` and the logs name it."""
+    early_stop: bool
+    """True when `should_continue` may stop drafting inside a round."""
+    truncates: bool
+    """True when `verify_lengths` may verify fewer drafts than K for some requests."""
 
     def steps_for(self, batch_size: int, ctx_len: int = 0) -> int:
         """K for the next round of a batch of `batch_size` requests of mean context `ctx_len`."""
@@ -34,13 +47,68 @@ class StepPolicy(Protocol):
         """A new head went live: relearn its acceptance from scratch."""
 
     def info(self) -> dict:
-        """A JSON-safe summary per batch-size slot."""
+        """A JSON-safe summary: `{"policy": name, "slots": {slot: {"steps": K, ...}}, ...}`."""
 
     def state_dict(self) -> dict:
         """JSON-safe state to store with the run."""
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned."""
+
+    def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
+        """After draft step `step_index` (1-based) of the round: is one more step worth it?
+        Called only when `early_stop`."""
+
+    def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
+        """Per request, how many of the round's drafts ([B, K] confidences) to verify. Called only
+        when `truncates`."""
+
+    def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
+        """Predicted seconds of a round at this batch, K and context; None for a policy without a
+        round-time model (the drift monitor's "losing" rule then has nothing to compare)."""
+
+
+class StepPolicyBase:
+    """The optional members of `StepPolicy` in their absent form: no in-round early stop, no
+    verify-length cut, no round-time model. Policies inherit it and override what they have."""
+
+    name = "policy"
+    early_stop = False
+    truncates = False
+
+    def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
+        return True
+
+    def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
+        return [len(row) for row in confidences]
+
+    def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
+        return None
+
+    def rewarm(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"policy": self.name}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+POLICY_MEMBERS = tuple(sorted(set(StepPolicy.__annotations__)
+                              | {n for n, v in vars(StepPolicy).items() if callable(v) and not n.startswith("_")}))
+
+
+def check_policy(policy) -> None:
+    """Raise TypeError naming what `policy` lacks of `StepPolicy` (the engine checks every policy
+    it is given, so a missing member fails when the policy is installed, not rounds later)."""
+    missing = [m for m in POLICY_MEMBERS if not hasattr(policy, m)]
+    if missing:
+        raise TypeError(f"{type(policy).__name__} is not a StepPolicy: it lacks {', '.join(missing)} "
+                        "(inherit online_spec.controller.StepPolicyBase for the optional members)")
 
 
 def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int = 8,
@@ -52,15 +120,15 @@ def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int 
 
     Acceptance and confidences follow fixed patterns (request r accepts r mod (K+1) drafts;
     confidences cycle through the ten deciles) so runs compare. Confidences are passed as the
-    engine passes them: views of one float32 [B, K] array. The round's seconds follow this CPU's
-    calibration of 2026-11-23 (draft step 3.2 ms + 0.2 ms per request; verify 63 ms + 1.7 ms per
-    request + 0.56 ms per verified token).
+    engine passes them: views of one float32 [B, K] array. The round's seconds are fixed at a
+    2-core CPU's calibration of SmolLM2-135M (draft step 3.2 ms + 0.2 ms per request; verify
+    63 ms + 1.7 ms per request + 0.56 ms per verified token).
     """
     draft_s = 0.0032 + 0.0002 * batch_size
     verify_s, verify_token_s = 0.063 + 0.0017 * batch_size, 0.00056
     policy = copy.deepcopy(policy)
-    early_stop = getattr(policy, "should_continue", None)
-    truncate = getattr(policy, "verify_lengths", None)
+    early_stop = policy.should_continue if policy.early_stop else None
+    truncate = policy.verify_lengths if policy.truncates else None
     patterns: dict[tuple, list[int]] = {}
     conf = np.array([[((3 * r + 7 * i) % 10 + 0.5) / 10 for i in range(64)] for r in range(batch_size)],
                     dtype=np.float32)
@@ -93,17 +161,16 @@ def measure_decision_cost_us(policy: StepPolicy, n: int = 2000, batch_size: int 
 
 class TimedPolicy:
     """`policy` as the engine drives it, with the time of its calls summed per round
-    (`steps_for` opens a round, `update` closes it): the decision cost *inside* the engine,
-    where each call runs between torch ops on cold caches. `measure_decision_cost_us` times
-    the same calls in a hot loop; in the engine they cost several times more (2026-11-24, the
-    cost policy at batch 1 on a tiny model: 160-290 us a round against ~17 us in the loop). The
-    optional in-round calls are offered only where the policy has them (the engine asks with
-    `hasattr`); everything else is the policy's own."""
-
-    IN_ROUND = ("should_continue", "verify_lengths")
+    (`steps_for` opens a round, `update` closes it, the in-round `should_continue` and
+    `verify_lengths` count inside it): the decision cost *inside* the engine, where each call runs
+    between torch ops on cold caches. `measure_decision_cost_us` times the same calls in a hot
+    loop; in the engine they cost several times more (docs/controller.md). A `StepPolicy` with
+    the wrapped policy's capabilities; every decision is the policy's own."""
 
     def __init__(self, policy: StepPolicy):
+        check_policy(policy)
         self.policy = policy
+        self.name, self.early_stop, self.truncates = policy.name, policy.early_stop, policy.truncates
         self.round_ns: list[int] = []
         self._acc = 0
 
@@ -113,6 +180,18 @@ class TimedPolicy:
         self._acc = time.perf_counter_ns() - t
         return k
 
+    def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
+        t = time.perf_counter_ns()
+        out = self.policy.should_continue(step_index, draft_confidence, batch_size, ctx_len)
+        self._acc += time.perf_counter_ns() - t
+        return out
+
+    def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
+        t = time.perf_counter_ns()
+        out = self.policy.verify_lengths(confidences, ctx_len, padded=padded)
+        self._acc += time.perf_counter_ns() - t
+        return out
+
     def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:
         t = time.perf_counter_ns()
         k = self.policy.update(batch_size, accepted, **round_)
@@ -120,19 +199,20 @@ class TimedPolicy:
         self._acc = 0
         return k
 
-    def __getattr__(self, name: str):
-        if name == "policy":  # looked up before __init__ ran (copy, pickle)
-            raise AttributeError(name)
-        inner = getattr(self.policy, name)
-        if name not in self.IN_ROUND:
-            return inner
+    def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
+        return self.policy.predict_round_s(batch_size, k, ctx_len)
 
-        def timed(*args, **kwargs):
-            t = time.perf_counter_ns()
-            out = inner(*args, **kwargs)
-            self._acc += time.perf_counter_ns() - t
-            return out
-        return timed
+    def rewarm(self) -> None:
+        self.policy.rewarm()
+
+    def info(self) -> dict:
+        return self.policy.info()
+
+    def state_dict(self) -> dict:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state)
 
     def median_us(self) -> float | None:
         """Median microseconds of the policy's calls per round so far (None before any round)."""

@@ -29,6 +29,7 @@ import numpy as np
 from online_spec.config import ConfigError, check, doc
 from online_spec.controller.acceptance import (PRIOR_TRIALS, AcceptanceEstimate, ConfidenceCalibrator,
                                                confidence_array, expected_accepted, small_rows)
+from online_spec.controller.base import StepPolicyBase
 from online_spec.controller.config import AdaptiveConfig
 from online_spec.controller.round_time import CostModel
 
@@ -66,10 +67,13 @@ class CostPolicyConfig:
               f"must be an int >= 0, got {self.probe_interval!r}")
 
 
-class CostModelPolicy:
-    """K maximizing expected committed tokens per predicted second, per batch-size slot."""
+class CostModelPolicy(StepPolicyBase):
+    """K maximizing expected committed tokens per predicted second, per batch-size slot; a
+    `StepPolicy` with both in-round capabilities and a round-time model."""
 
     name = "cost_model"
+    early_stop = True
+    truncates = True
 
     def __init__(self, adaptive: AdaptiveConfig, config: CostPolicyConfig | None = None,
                  cost_model: CostModel | None = None):
@@ -89,6 +93,10 @@ class CostModelPolicy:
     @property
     def candidate_steps(self) -> list[int]:
         return self.adaptive.candidate_steps
+
+    def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
+        """The round-time model's seconds of a round at this batch, K and context."""
+        return self.cost.predict_round_s(batch_size, k, ctx_len)
 
     # -- before drafting ---------------------------------------------------------------------
 
@@ -142,9 +150,9 @@ class CostModelPolicy:
         nothing is observed at all: plain decoding would be absorbing, as SGLang's policy also
         knows, which probes up from K = 0). A probe round drafts and verifies all its K drafts: the
         in-round early stop (`should_continue`) and the verify-length cut (`verify_lengths`) read the
-        same low estimate the probe is there to re-measure, and in an e2e run of 2026-11-23 they cut
-        every probe back to one draft: a position-2 estimate that three misses after a swap had put
-        at 0.35 (true ~0.6) held K at 1 for the last 60 s of the run."""
+        same low estimate the probe is there to re-measure, and would cut every probe back to one
+        draft (measured in an e2e run: a position-2 estimate that three misses after a swap had put
+        at 0.35, true ~0.6, held K at 1 for the last 60 s; docs/controller.md)."""
         i = self.adaptive.slot_index(batch_size)
         k = self.choose_steps(batch_size, ctx_len)
         tiers = self._slots[i].candidate_steps
@@ -312,8 +320,8 @@ class CostModelPolicy:
     def rewarm(self) -> None:
         """A new head went live: acceptance and calibration are cut to a weak prior (or start over,
         `rewarm_keep_trials` 0), so the new head's rounds decide within a few; round costs are kept.
-        Starting over cost the e2e runs of 2026-11-23 seconds at K = 1 after swaps: the 0.6 prior and
-        the identity calibration of the head's confidences stopped drafting early."""
+        Starting over costs seconds at K = 1 after each swap: the 0.6 prior and the identity
+        calibration of the head's confidences stop drafting early (docs/controller.md)."""
         for acc in self._accept:
             acc.soften(self.config.rewarm_keep_trials)
         self._calib.soften(self.config.rewarm_keep_trials)

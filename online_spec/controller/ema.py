@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from online_spec.config import ConfigError, check
+from online_spec.controller.base import StepPolicyBase
 from online_spec.controller.config import AdaptiveConfig, SlotConfig
 
 
@@ -85,8 +86,9 @@ def resolve_initial_steps(config: AdaptiveConfig, initial_steps: int | None) -> 
     return initial_steps
 
 
-class EmaTierPolicy:
-    """Per-slot EMA of accepted drafts, stepping K through the slot's tiers (SGLang semantics)."""
+class EmaTierPolicy(StepPolicyBase):
+    """Per-slot EMA of accepted drafts, stepping K through the slot's tiers (SGLang semantics);
+    a `StepPolicy` with no in-round capabilities (SGLang's policy has none)."""
 
     name = "ema_tier"
 

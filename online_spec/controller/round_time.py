@@ -89,8 +89,8 @@ class _RidgeLeastSquares:
 
     Online observations wait as rows until the next `solve` folds them into the Gram matrix and
     moment in one numpy product (row i of n weighs decay^(n-1-i), the earlier sums decay^n: what
-    decaying and adding them one at a time gives, up to rounding). Decaying the 5x5 sums entry by
-    entry in Python on every observation cost ~3.5 us each, two a round: 2026-11-24, docs/controller.md.
+    decaying and adding them one at a time gives, up to rounding): decaying the 5x5 sums entry by
+    entry in Python on every observation costs ~3.5 us each, two a round (docs/controller.md).
     """
 
     def __init__(self, prior: Sequence[float], ridge: float, decay: float):
@@ -154,7 +154,7 @@ class _RidgeLeastSquares:
         self.gram = [[float(x) for x in r] for r in state["gram"]]
         self.moment = [float(x) for x in state["moment"]]
         self.count = int(state["count"])
-        self._rows = [tuple(float(x) for x in r) for r in state.get("rows", [])]  # states before 2026-11-24: folded
+        self._rows = [tuple(float(x) for x in r) for r in state.get("rows", [])]  # absent: a state stored folded
         # states stored before the anchor existed have none
         self.anchor_gram = [[float(x) for x in r] for r in state.get("anchor_gram", [[0.0] * d] * d)]
         self.anchor_moment = [float(x) for x in state.get("anchor_moment", [0.0] * d)]
@@ -288,9 +288,9 @@ class CostModel:
     def time_factors(self, batch_size: float, max_steps: int) -> list[float]:
         """Measured over predicted seconds of this batch size's rounds (as the line now predicts
         them), per K = 0..max_steps (or more): the line's misfit where it was measured. One line
-        for every batch size and K missed CPU rounds by 7-18 % in the median, and by more where it
-        mattered: at batch 16 it priced K = 1 at 1.6x a plain round, measured 1.32x, and the policy
-        ran K = 0 in 91 % of the rounds, 0.79x of static K = 1 (2026-11-24, docs/controller.md). A
+        for every batch size and K misses CPU rounds by 7-18 % in the median, and by more where it
+        matters (at batch 16 it prices K = 1 at 1.6x a plain round, measured 1.32x, which made the
+        policy run plain decode where K = 1 paid; docs/controller.md). A
         K without rounds of its own takes the factor interpolated between the nearest measured
         K > 0 (the nearest one beyond them); K = 0 only its own. Rebuilt when the coefficients
         change (every refit), so between refits a bucket's factors stay fixed."""

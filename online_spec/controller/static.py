@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Sequence
 
 from online_spec.config import check
+from online_spec.controller.base import StepPolicyBase
 
 
-class StaticSteps:
-    """K fixed; implements `StepPolicy`."""
+class StaticSteps(StepPolicyBase):
+    """K fixed; a `StepPolicy` with no in-round capabilities."""
+
+    name = "static"
 
     def __init__(self, num_steps: int):
         check(num_steps >= 0, "num_steps", f"must be >= 0, got {num_steps}")
@@ -26,11 +29,8 @@ class StaticSteps:
         self.rounds += 1
         return self.num_steps
 
-    def rewarm(self) -> None:
-        pass
-
     def info(self) -> dict:
-        return {"policy": "static", "slots": {"1": {"steps": self.num_steps, "rounds": self.rounds}}}
+        return {"policy": self.name, "slots": {"1": {"steps": self.num_steps, "rounds": self.rounds}}}
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "rounds": self.rounds}
