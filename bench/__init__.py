@@ -14,7 +14,7 @@ trainer (`trainer`) from outside, the way an operator would.
   - `e2e`           plain vs static head vs SGLang adaptive vs online-spec on a drifting trace
   - `adapt`         a chat -> code shift: served tokens until the online head nears an in-domain head
 - the demo's harness: `trace` (drifting traces of real ShareGPT / HumanEval text), `traffic`
-  (streaming HTTP clients replaying a trace), `session` (server + trainer + traffic in one run),
+  (streaming HTTP clients replaying a trace; `sse_event`, every client's reader of streamed lines), `session` (server + trainer + traffic in one run),
   `report` (summary, figures, plots), `heads` (which head a `--head` value names), `demo`
   (`online-spec demo`), `demo_trainer` (the trainer child process of a session)
 - shared: `common` (machine description, timing, the JSON report writer, `--quick` flags),

@@ -39,31 +39,39 @@ accept_len over a set of tokens = accepted / drafted rounds (drafts per round, b
 from __future__ import annotations
 
 import argparse
-import json
+import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import add_bench_args, quick_overrides, write_report
+from bench.heads import HEAD_CHOICES, resolve_head
+from bench.report import session_figures
+from bench.session import SessionConfig, run_session
+from bench.trace import load_trace
 from online_spec.config import check, config_from_args, config_to_dict, doc
-from bench.heads import HEAD_CHOICES
+from online_spec.data import humaneval_conversations, sharegpt_conversations
+from online_spec.jsonl import write_json_lines
+from online_spec.target import load_target
 
 PHASES = ("sharegpt", "humaneval")
 
 # The daemon's settings for fast adaptation on a 2-core CPU (one thread for the trainer, one for
-# the server). Chosen offline (2026-11-22): the shipped head fine-tuned on the traffic of 12
-# held-out HumanEval tasks, simulated accept length (K = 5) on 20 others. lr 3e-3 (the
-# pretraining rate) wrecks the head within 10 steps (1.20 -> 0.59); 1e-3 loses 25 % and has not
-# recovered after 30 steps; 1e-4 barely moves; 2e-4 .. 5e-4 dip 3-10 % over the first 10-25 steps
-# (a fresh AdamW state on a small, narrow sample) and then climb past the start (3e-4 with
-# 512-row steps: +4.5 % after 40 steps; a 10-step warmup makes the dip shallowest). The gate keeps
-# the dip off the server. Recent-biased sampling (90 % from the newest ~2,500 rows) trains on the
-# new traffic rather than the whole history; an evaluation every 3 steps / 8 s on the newest 384
-# held-out rows (1 request in 5 is held out) at K = the serving K, with a 0.5 % margin, lets a
-# better head through within seconds of its existence; the loss unrolls 3 draft steps. Drift
-# alerts add nothing here (evaluation is already frequent): the boost is off. Rollback: a version
-# is judged after 150 rounds and only a 20 % drop rolls it back (HumanEval tasks differ so much that
-# 40 rounds and 10 % rolled back two of four swaps on noise in a trial run).
+# the server), chosen offline: the shipped head fine-tuned on the traffic of 12 held-out HumanEval
+# tasks, simulated accept length (K = 5) on 20 others. lr 3e-3 (the pretraining rate) wrecks the
+# head within 10 steps (1.20 -> 0.59); 1e-3 loses 25 % and has not recovered after 30 steps; 1e-4
+# barely moves; 2e-4 .. 5e-4 dip 3-10 % over the first 10-25 steps (a fresh AdamW state on a
+# small, narrow sample) and then climb past the start (3e-4 with 512-row steps: +4.5 % after 40
+# steps; a 10-step warmup makes the dip shallowest). The gate keeps the dip off the server.
+# Recent-biased sampling (90 % from the newest ~2,500 rows) trains on the new traffic rather than
+# the whole history; an evaluation every 3 steps / 8 s on the newest 384 held-out rows (1 request
+# in 5 is held out) at K = the serving K, with a 0.5 % margin, lets a better head through within
+# seconds of its existence; the loss unrolls 3 draft steps. Drift alerts add nothing here
+# (evaluation is already frequent): the boost is off. Rollback: a version is judged after 150
+# rounds and only a 20 % drop rolls it back: HumanEval tasks differ so much that 40 rounds and
+# 10 % roll good swaps back on noise.
 ADAPT_TRAINER_ARGS = [
     "--min-buffer-tokens", "128", "--batch-tokens", "512", "--eval-every-steps", "3", "--eval-every-s", "8",
     "--eval-tokens", "384", "--save-every-steps", "1000", "--drift-boost-s", "0",
@@ -116,9 +124,6 @@ def build_trace(path: Path, cfg: AdaptBenchConfig, tokenizer) -> list:
     """ShareGPT held-out chat conversations (no programming: `is_code_conversation`; phase sharegpt,
     tag chat), then HumanEval held-out tasks (phase humaneval, tag code), as a JSONL trace; returns
     its items."""
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
-    from bench.trace import load_trace
-
     chat = sharegpt_conversations(limit=cfg.sharegpt_requests, seed=cfg.seed, split="heldout", topic="chat",
                                   max_prompt_tokens=200, tokenizer=tokenizer) if cfg.sharegpt_requests else []
     code = humaneval_conversations(split="heldout", seed=cfg.seed)
@@ -126,7 +131,7 @@ def build_trace(path: Path, cfg: AdaptBenchConfig, tokenizer) -> list:
     lines = [{"messages": c[:1], "tag": "chat", "phase": PHASES[0], "max_tokens": cfg.max_tokens} for c in chat]
     lines += [{"messages": c[:1], "tag": "code", "phase": PHASES[1], "max_tokens": cfg.max_tokens} for c in code]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    write_json_lines(path, lines)
     return load_trace(path)
 
 
@@ -246,7 +251,6 @@ def swaps_in_tokens(result, stream) -> list[dict]:
     """Each head version that went live during the phase: served phase tokens at that moment."""
     t_tokens = [tok[3] for tok in stream]
     out = []
-    import bisect
     for s in result.swaps:
         if stream and s["t"] >= stream[0][3]:
             out.append({"tokens": bisect.bisect_right(t_tokens, s["t"]), "t_after_shift_s": round(s["t"] - stream[0][3], 2),
@@ -273,13 +277,6 @@ def by_version(stream, **others: dict) -> dict[str, dict]:
 
 # -- the bench ------------------------------------------------------------------------------------
 def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
-    import torch
-
-    from bench.heads import resolve_head
-    from bench.report import session_figures
-    from bench.session import SessionConfig, run_session
-    from online_spec.target import load_target
-
     t_start = time.time()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,21 +369,12 @@ def run_bench(cfg: AdaptBenchConfig, target=None) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, AdaptBenchConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    from bench.common import quick_overrides, write_report
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(AdaptBenchConfig, args, **quick_overrides(args, QUICK))
     res = run_bench(cfg)
-    report = write_report(None, {"quick": bool(args.quick), **res})
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_report(args.json, {"quick": bool(args.quick), **res})
     return 0

@@ -22,23 +22,24 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import zmq
 
-from bench.common import quick_overrides
-from online_spec.capture import CaptureRecord
-from online_spec.config import check, config_from_args, config_to_dict, doc
-
+from bench.common import add_bench_args, quick_overrides, write_report
 from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
+from online_spec.capture import CaptureRecord
+from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.data import sharegpt_conversations
+from online_spec.sampling import SamplingParams
+from online_spec.target import load_target
 
 
 @dataclass
@@ -71,8 +72,6 @@ QUICK = dict(burst_records=2000, stall_rounds=120, serving_tokens=24)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, CollectorBenchConfig, QUICK, "a short run")
 
 
@@ -89,11 +88,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-collector-") as tmp:
             results["serving_overhead"] = measure_engine_overhead(cfg, f"ipc://{tmp}/serve.sock")
         results["serving_overhead_pct"] = {b: r["overhead_pct"] for b, r in results["serving_overhead"].items()}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    write_report(args.json, results)
     return 0
 
 
@@ -205,10 +200,8 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
     """The real engine (SmolLM2 bf16, random head, K=cfg.serving_steps) with capture at 100%
     sampling and a live subscriber in another process, against capture off; per batch size.
     prompts: token ids (default: 16 ShareGPT first turns; a GPU machine has no ShareGPT package)."""
-    from online_spec.data import sharegpt_conversations
+    # transformers comes with these two: the subscriber child processes import this module too
     from online_spec.head import new_head
-    from online_spec.sampling import SamplingParams
-    from online_spec.target import load_target
     from serving.engine import Engine, EngineConfig
 
     target = load_target(device=cfg.serving_device)

@@ -1,7 +1,8 @@
 """What every `online-spec bench ...` shares: the machine description, timing, JSON output.
 
 Benchmarks report ratios taken side by side in one process, medians of repeats; they never
-assert timings. Each writes a JSON with `date`, `command` and `machine` beside its figures.
+assert timings. Each writes its report through `write_report`: a JSON with `date`, `command`
+and `machine` beside its figures.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
+from online_spec.config import add_config_args
 from online_spec.machine import machine_info
 
 
@@ -38,23 +40,23 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def write_report(path: Path | None, figures: dict) -> dict:
-    """Add date/command/machine, print a summary, write JSON if `path`; returns the report."""
+def write_report(path: Path | None, figures: dict, show: Sequence[str] | None = None) -> dict:
+    """Add date/command/machine to `figures`, write the report as JSON to `path` (if given) and
+    print it (only the `show` keys where given; nothing for an empty `show`); returns the report."""
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["online-spec"] + sys.argv[1:]),
               "machine": machine_info(), **figures}
     text = json.dumps(report, indent=2, default=str)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text)
-    print(text)
+        Path(path).write_text(text + "\n")
+    if show is None or show:
+        print(text if show is None else json.dumps({k: report.get(k) for k in show}, indent=2, default=str))
     return report
 
 
 def add_bench_args(parser, config_cls, quick: dict, quick_help: str = "a short run") -> None:
     """A bench's flags: its config dataclass's fields, `--json PATH` and `--quick` (`quick`'s
     settings for every flag the command line does not set; see `quick_overrides`)."""
-    from online_spec.config import add_config_args
-
     add_config_args(parser, config_cls)
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     parser.add_argument("--quick", action="store_true", help=f"{quick_help} ({quick})")

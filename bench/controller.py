@@ -28,6 +28,7 @@ import argparse
 import copy
 import logging
 import statistics
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -36,8 +37,16 @@ from typing import Callable, Sequence
 
 import torch
 
+from bench.common import add_bench_args, quick_overrides, write_report
+from online_spec.checkpoint import load_head
 from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
 from online_spec.controller.base import TimedPolicy, measure_decision_cost_us
+from online_spec.data import humaneval_conversations, sharegpt_conversations
+from online_spec.jsonl import open_text
+from online_spec.sampling import SamplingParams
+from online_spec.target import load_target
+from serving.engine import Engine, EngineConfig
+from serving.requests import Request
 from serving.calibrate import (RoundTiming, calibrate_cost_model, cost_model_report,
                                               measure_round_timings, median_relative_error)
 from online_spec.controller.config import AdaptiveConfig, adaptive_config_path, load_adaptive_config
@@ -156,8 +165,6 @@ class Traffic:
 
 def load_traffic(target, n: int, max_prompt_tokens: int) -> Traffic:
     """Held-out ShareGPT first user turns and held-out HumanEval tasks, chat-encoded."""
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
-
     sg = sharegpt_conversations(limit=n, seed=1, split="heldout", max_prompt_tokens=max_prompt_tokens,
                                 tokenizer=target.tokenizer)
     he = humaneval_conversations(limit=n, seed=1, split="heldout")
@@ -203,7 +210,6 @@ class RoundLog:
 
 
 def new_engine(target, head, policy, max_batch: int, max_len: int, max_steps: int):
-    from serving.engine import Engine, EngineConfig
     return Engine(target, head, EngineConfig(max_batch=max_batch, max_len=max_len, max_steps=max_steps),
                   policy=policy)
 
@@ -212,9 +218,6 @@ def decode_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int, log_r
     """Decode tokens/s of `prompts` (the engine's max_batch at a time): the first prefill and
     round are excluded (the same work for every policy), later admissions' prefills are in (also
     the same for every policy); wall clock of every later round, policy calls included."""
-    from serving.engine import Request
-    from online_spec.sampling import SamplingParams
-
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     reqs = [engine.add_request(Request(list(p), params)) for p in prompts]
     engine.step()
@@ -282,8 +285,6 @@ class TraceRun:
 
     def __init__(self, target, head, traffic: Traffic, phases: Sequence[Phase], policy, new_tokens: int,
                  max_steps: int, trace_path: str | Path | None = None):
-        from online_spec.sampling import SamplingParams
-
         self.traffic = traffic
         self.engine = new_engine(target, head, policy, max(p.batch_size for p in phases),
                                  traffic.longest() + new_tokens + 2 * max_steps + 8, max_steps)
@@ -293,8 +294,6 @@ class TraceRun:
         self.live_steps: list[int] = []
 
     def run_phase(self, i: int, phase: Phase) -> None:
-        from serving.engine import Request
-
         engine = self.engine
         queue = self.traffic.take(phase.source, phase.requests, offset=7 * i)
         lg = RoundLog()
@@ -374,7 +373,7 @@ def run_phase_change(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
 def check_replay(trace_path: Path, live_steps: list[int], cfg: ControllerBenchConfig) -> dict:
     """Replay the recorded EMA trace through a fresh EMA policy: the same K every round?"""
     policy = EmaTierPolicy(load_ema_config(cfg.ema_config), initial_steps=cfg.initial_steps)
-    with open(trace_path, encoding="utf-8") as f:
+    with open_text(trace_path) as f:
         replayed = list(replay_steps_used(policy, read_trace(f, str(trace_path))))
     return {"trace": str(trace_path), "rounds": len(replayed), "matches_live": replayed == live_steps,
             "distinct_k": sorted(set(live_steps))}
@@ -463,16 +462,10 @@ def run_bench(cfg: ControllerBenchConfig, target, head, traffic: Traffic, trace_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, ControllerBenchConfig, QUICK, "a few-minute version")
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.common import write_report, quick_overrides
-    from online_spec.checkpoint import load_head
-    from online_spec.target import load_target
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     overrides = quick_overrides(args, QUICK)
     try:
@@ -492,7 +485,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.json is not None:
         trace_path = args.json.with_suffix(".ema_trace.jsonl")
     else:
-        import tempfile
         trace_path = Path(tempfile.mkdtemp()) / "ema_trace.jsonl"
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     figures = run_bench(cfg, target, head, traffic, trace_path)

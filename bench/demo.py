@@ -23,40 +23,37 @@ CPU sharing: the server process uses `--server-threads` (1) torch threads, the t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from online_spec.config import check, doc
-from online_spec.drift import MIX_TAG
 from bench.heads import HEAD_CHOICES, resolve_head
+from bench.trace import build_drift_trace, load_trace, phases
+from online_spec.config import add_config_args, check, config_from_args, doc
+from online_spec.drift import MIX_TAG
 
 log = logging.getLogger(__name__)
 
 # the daemon's settings for a demo: small batches, frequent evaluation, a small gate sample (1,024
 # rows: ~5 held-out requests' prompts and generated rows; the live head's counts are cached, so an
-# evaluation is one pass of the candidate: 1.9 s on one core, where the 512 rows of whole spans
-# scored by both heads before took 2.2 s).
-# lr 3e-4, not 1e-3: replaying the stream of a bench e2e run (chat -> code -> mix, 190 steps from the
-# shipped head; scripts/forgetting_probe.py, docs/results.md 2026-11-23 night) 1e-3 learned code as well
-# (HumanEval 1.41 -> 2.28 drafts a round at K = 3) but forgot chat (ShareGPT 1.07 -> 0.80); 3e-4
-# learned as much (2.26) and kept chat (1.04) [those engine prompts had been trained on; measured
-# on what no head trained on (2026-11-23 late), 3e-4 still forgets the stream's chat by 13 %, 1e-3
-# by 33 %]. Anchor 30 (a pull toward the starting head after each step, DistillConfig.anchor): the
-# stream's held-out chat -7 % instead of -13 %, its recurring code +24 % instead of +28 % (anchor
-# 100: -4 % / +16 %). Drift boost off: an alert still reaches the daemon (its
-# log says so), but evaluating after every step for 120 s from the shift alert halved the trainer's
-# steps (~2 s a step, ~1.7 s an evaluation on one core) right when adaptation counts; the demo
-# evaluates every 5 steps / 20 s anyway.
+# evaluation is one pass of the candidate: 1.9 s on one core).
+# lr 3e-4, not 1e-3: on the replayed stream of a bench e2e run (chat -> code -> mix, 190 steps from
+# the shipped head; scripts/forgetting_probe.py, docs/results.md) both learn code alike (HumanEval
+# 1.41 -> 2.28 / 2.26 drafts a round at K = 3), but on held-out chat no head trained on, 1e-3
+# forgets the stream's chat by 33 %, 3e-4 by 13 %. Anchor 30 (a pull toward the starting head
+# after each step, DistillConfig.anchor): the stream's held-out chat -7 % instead of -13 %, its
+# recurring code +24 % instead of +28 % (anchor 100: -4 % / +16 %). Drift boost off: an alert
+# still reaches the daemon (its log says so), but evaluating after every step for 120 s from the
+# shift alert halves the trainer's steps (~2 s a step, ~1.7 s an evaluation on one core) right
+# when adaptation counts; the demo evaluates every 5 steps / 20 s anyway.
 # Whole spans (--replay-whole-spans, 400-row budget: ~500 rows a step): a span cut to a window that
 # starts after its prompt trains the head without the context serving gives it; on the same replay
-# (anchor 30, 190 steps) whole spans gave held-out chat 1.31 / code 1.87 with 9 % fewer rows, cut
-# windows 1.28 / 1.73 (docs/results.md, 2026-11-23 late).
+# (anchor 30, 190 steps) whole spans give held-out chat 1.31 / code 1.87 with 9 % fewer rows, cut
+# windows 1.28 / 1.73 (docs/results.md).
 # Niceness 19: the server process (engine, HTTP, the replaying clients) sometimes wants both cores;
-# at equal priority the trainer took them and cost the server ~10 % of its tokens/s, at nice 19 ~2 %
-# with the same optimizer steps per second (scripts/colocate_probe.py, docs/results.md 2026-11-24).
+# at equal priority the trainer takes them and costs the server ~10 % of its tokens/s, at nice 19
+# ~2 % with the same optimizer steps per second (scripts/colocate_probe.py, docs/results.md).
 DEMO_TRAINER_ARGS = ["--nice", "19", "--min-buffer-tokens", "128", "--batch-tokens", "400", "--replay-whole-spans",
                      "--eval-every-steps", "5",
                      "--eval-every-s", "20", "--eval-tokens", "1024", "--save-every-steps", "20",
@@ -76,9 +73,8 @@ class DemoConfig:
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
     requests_per_minute: float = doc("built-in trace: requests per phase per serving minute (each phase gets a "
                                      "third of --minutes; lines left when it is up are skipped, so the trace "
-                                     "must hold more than the machine serves: a 2-core CPU served ~100 a "
-                                     "minute at 4 clients on 2026-11-23, where 30 ran out before the phases' "
-                                     "time was up)", 60.0)
+                                     "must hold more than the machine serves: a 2-core CPU serves ~100 a "
+                                     "minute at 4 clients, where 30 run out before the phases' time is up)", 60.0)
     policy: str = doc("K policy of the server: cost (the project's controller), sglang_default, static", "cost")
     num_steps: int = doc("initial / static K", 3)
     server_threads: int = doc("torch threads of the server process", 1)
@@ -93,8 +89,6 @@ class DemoConfig:
 
 
 def trace_items(cfg: DemoConfig, out: Path):
-    from bench.trace import build_drift_trace, load_trace
-
     if cfg.trace:
         return load_trace(cfg.trace)
     n = max(2, round(cfg.minutes * cfg.requests_per_minute))
@@ -104,12 +98,13 @@ def trace_items(cfg: DemoConfig, out: Path):
 
 def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> dict:
     """The whole demo; returns figures.json's content."""
+    # torch comes with these: `online-spec demo --help` imports this module and stays fast
     import torch
 
+    from bench.common import write_report
     from bench.report import plot_session, session_figures, write_rounds
     from bench.session import SessionConfig, run_session
     from online_spec.target import load_target
-    from bench.trace import phases
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +127,7 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     pngs = plot_session(result, figs, out)
     write_rounds(result, out / "rounds.jsonl.gz")
     figs["plots"] = [p.name for p in pngs]
-    (out / "figures.json").write_text(json.dumps(figs, indent=2))
+    figs = write_report(out / "figures.json", figs, show=())
     (out / "summary.md").write_text(summary_md(figs))
     print(f"report: {out / 'summary.md'}", flush=True)
     return figs
@@ -170,14 +165,10 @@ def summary_md(figs: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from online_spec.config import add_config_args
-
     add_config_args(parser, DemoConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from online_spec.config import config_from_args
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_demo(config_from_args(DemoConfig, args))
     return 0

@@ -7,7 +7,7 @@ Writes: `train_tokens_per_s` (Distiller steps on real ShareGPT records, bf16 aut
 the pretrained head (default: the `online-spec pretrain` run in the cache), `engine` (real accept
 length and tokens/s per K at batch 1 on held-out ShareGPT prompts, median of repeats, plain
 decoding in the same run), `engine_speedup_vs_plain` (best K over plain), `trained_tokens`, and
-the machine.
+(`bench.common.write_report`) the date, command and machine.
 """
 
 from __future__ import annotations
@@ -15,12 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from bench.common import write_report
+from online_spec.data import humaneval_conversations, sharegpt_conversations
+from online_spec.target import load_target
+from trainer.batch import collate
+from trainer.data import capture_conversations
+from trainer.evaluate import engine_accept_length, simulate_acceptance
+from trainer.loss import LossConfig
 
 DEFAULT_HEAD = Path(os.environ.get("ONLINE_SPEC_CACHE", Path.home() / ".cache" / "online-spec")) \
     / "heads" / "sharegpt-100k" / "head"
@@ -40,29 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (1 on a shared CPU; see PretrainConfig.threads)")
 
 
-def machine() -> dict:
-    model = ""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__}
-
-
 def heldout_records(target, source: str, tokens: int):
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
-    from trainer.data import capture_conversations
-
     convs = sharegpt_conversations(split="heldout") if source == "sharegpt" else humaneval_conversations(split="heldout")
     return list(capture_conversations(target, convs, 1024, tag=source, max_tokens=tokens))
 
 
 def train_throughput(target, records, steps: int) -> float:
+    # transformers comes with these two: `online-spec bench distill --help` imports this module
     from online_spec.head import new_head
-    from trainer.batch import collate
     from trainer.distill import DistillConfig, Distiller, init_from_target
-    from trainer.loss import LossConfig
 
     head = init_from_target(new_head(target, 8192).float(), target)
     d = Distiller(target, head, DistillConfig(), LossConfig())
@@ -75,17 +68,13 @@ def train_throughput(target, records, steps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online_spec.checkpoint import load_head
-    from online_spec.data import sharegpt_conversations
-    from online_spec.target import load_target
-    from trainer.evaluate import engine_accept_length, simulate_acceptance
+    from online_spec.checkpoint import load_head  # transformers: see train_throughput
 
     torch.set_num_threads(args.threads)
     q = args.quick
     target = load_target()
     head, meta = load_head(args.head, target.info)
-    out: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "head": str(args.head),
-                 "trained_tokens": meta.get("trained_tokens")}
+    out: dict = {"head": str(args.head), "trained_tokens": meta.get("trained_tokens")}
     recs = {s: heldout_records(target, s, args.records or (2000 if q else 8000)) for s in ("sharegpt", "humaneval")}
     out["train_tokens_per_s"] = train_throughput(target, recs["sharegpt"], 2 if q else 6)
     out["heldout_accept_length"] = {s: simulate_acceptance(head, target, r)["accept_length"] for s, r in recs.items()}
@@ -97,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     engine = {}
     ks = args.ks or ((0, 3, 5) if q else (0, 1, 3, 5, 7))
     # repeats outside, K inside: on a shared CPU the load drifts, and a K measured only in one
-    # stretch of time would carry that stretch's load (seen: plain at 11 tok/s, K=1 at 21 with
-    # accept length 0.3, because plain ran while another job finished)
+    # stretch of time would carry that stretch's load (another job finishing while plain decoding
+    # runs can make it look half as fast as K = 1 with accept length 0.3)
     runs: dict[int, list] = {k: [] for k in ks}
     for _ in range(repeats):
         for k in ks:
@@ -110,7 +99,5 @@ def run(args: argparse.Namespace) -> int:
     out["engine"] = engine
     out["engine_best_k"] = int(best)
     out["engine_speedup_vs_plain"] = engine[best]["tokens_per_s"] / engine["0"]["tokens_per_s"]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
-    print(json.dumps(out, indent=2))
+    write_report(args.json, out)
     return 0

@@ -49,12 +49,24 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import torch
 
+from bench.common import quick_overrides, write_report
+from bench.heads import HEAD_CHOICES, resolve_head
+from online_spec.alerts import read_alerts_from_offline_run
+from online_spec.checkpoint import load_head
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
 from online_spec.controller.replay import TraceRecorder
+from online_spec.data import humaneval_conversations, sharegpt_conversations
 from online_spec.drift import DriftAlert, DriftConfig, accept_len_moments
-from bench.heads import HEAD_CHOICES, resolve_head
-from serving.engine import EngineConfig, RequestOutput, RoundStats
+from online_spec.drift_replay import replay_file
+from online_spec.target import load_target
+from online_spec.wandb_run import init_wandb
+from serving.engine import EngineConfig
+from serving.requests import RequestOutput, RoundStats
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
+from serving.server_drift import CallbackAlertSink
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +218,6 @@ def detector_references(drift, cfg: DriftConfig, num_steps: int) -> dict:
 def load_prompts(cfg: DriftBenchConfig, tokenizer) -> tuple[list[list[dict]], list[list[dict]]]:
     """(ShareGPT held-out chat first turns (`topic="chat"`), HumanEval tasks) as chat messages, each
     <= max_prompt_tokens."""
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
-
     chat = sharegpt_conversations(limit=cfg.prompts, seed=0, split="heldout", topic="chat",
                                   max_prompt_tokens=cfg.max_prompt_tokens, tokenizer=tokenizer)
     code = [c for c in humaneval_conversations(seed=0, split="all")
@@ -262,12 +272,6 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
             rounds_out: Path | None = None) -> dict:
     """Run both phases against a real server with `head`; returns the figures (see the module doc).
     With `rounds_out`, every round the detector sees is written there as a trace line."""
-    from online_spec.alerts import read_alerts_from_offline_run
-    from online_spec.wandb_run import init_wandb
-    from serving.server import ServerConfig, SpecServer
-    from serving.server_app import HttpThread
-    from serving.server_drift import CallbackAlertSink
-
     chat, code = load_prompts(cfg, target.tokenizer)
     names = {"chat": f"ShareGPT held-out first turns ({len(chat)})", "code": f"HumanEval tasks ({len(code)})"}
     src_a, src_b = ("chat", "code") if cfg.shift == "sharegpt-humaneval" else ("code", "chat")
@@ -322,7 +326,6 @@ def measure(cfg: DriftBenchConfig, drift: DriftConfig, target, head, head_versio
     kinds = Counter(a["kind"] for a in before["alerts"])
     replay = None
     if rounds_out is not None:  # the recorded rounds replay offline to the alerts raised live
-        from online_spec.drift_replay import replay_file
         replayed, _ = replay_file(rounds_out, drift)
         key = ("round_index", "kind", "slot", "tag")
         replay = {"alerts": len(replayed),
@@ -380,12 +383,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from bench.common import write_report, quick_overrides
-    from online_spec.checkpoint import load_head
-    from online_spec.target import load_target
-
     overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(DriftBenchConfig, args, **overrides)
     drift = config_from_args(DriftConfig, args, prefix="drift_")

@@ -59,14 +59,20 @@ A head better than these (one trained on the very replies the trace repeats) is 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import add_bench_args, quick_overrides, write_report
+from bench.demo import DEMO_TRAINER_ARGS
+from bench.heads import HEAD_CHOICES, resolve_head
+from bench.report import session_figures
+from bench.session import SessionConfig, run_session
+from bench.trace import build_drift_trace, load_trace, phases
 from online_spec.config import check, config_from_args, config_to_dict, doc
-from bench.heads import HEAD_CHOICES
+from online_spec.target import load_target
 
 QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_requests=2, bs1_requests=2,
              deadline_s=300.0)
@@ -125,15 +131,6 @@ def _ratio(a, b):
 
 
 def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> dict:
-    import torch
-
-    from bench.demo import DEMO_TRAINER_ARGS
-    from bench.heads import resolve_head
-    from bench.report import session_figures
-    from bench.session import SessionConfig, run_session
-    from online_spec.target import load_target
-    from bench.trace import build_drift_trace, load_trace, phases
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     target = target or load_target(device=cfg.device)
@@ -331,29 +328,16 @@ def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, E2EConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    from bench.common import machine_info, quick_overrides
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --quick shortens what the command line did not set (unset flags are absent from args)
     overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(E2EConfig, args, **overrides)
     res = run_bench(cfg)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": bool(args.quick), "machine": machine_info(),
-              **res}
-    text = json.dumps(report, indent=2, default=str)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print(json.dumps({k: report.get(k) for k in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted",
-                                                  "tokens_to_beat_plain_from_day0", "static_k", "overall",
-                                                  "overhead_split", "ceiling", "met")},
-                     indent=2, default=str))
+    write_report(args.json, {"quick": bool(args.quick), **res},
+                 show=("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted",
+                       "tokens_to_beat_plain_from_day0", "static_k", "overall", "overhead_split", "ceiling", "met"))
     return 0

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import median_time, quick_overrides, write_report
+from bench.common import add_bench_args, median_time, quick_overrides, write_report
+from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 from online_spec.checkpoint import load_head
 from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
@@ -29,8 +30,8 @@ from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
+from serving.cuda_graphs import CudaGraphs
 from serving.engine import Engine, EngineConfig
-from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ def cost_ratios(target, head, steps: list[int], ctx_len: int, repeats: int, grap
     head.step(emb, feats, AttentionBatch([0], ctx_len, dev), dcache, target.rope)
     hidden = torch.randn(1, 1, head.cfg.hidden_size, dtype=target.dtype, device=dev)
     if graphs:
-        from serving.cuda_graphs import CudaGraphs
         cg = CudaGraphs(target, 1, ctx_len + 16)
 
         def fwd(t):
@@ -234,8 +234,6 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, EngineBenchConfig, QUICK, "a few-minute version")
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import online_spec
-from online_spec.config import ConfigError, check
+from online_spec.config import ConfigError, check, config_to_dict
 
 PRETRAINED = Path(online_spec.__file__).resolve().parent / "pretrained"  # the heads that ship with the package
 SHIPPED_HEAD = PRETRAINED / "sharegpt-chat-h100"
@@ -54,6 +54,8 @@ def resolve_head(name: str, target=None, head_tokens: int = 16_000) -> str:
 
 def cached_sharegpt_heads(min_tokens: int) -> list[tuple[int, Path]]:
     """Finished ShareGPT pretrain runs in the cache with at least `min_tokens`: [(tokens, head dir)]."""
+    # torch comes with online_spec.target (and transformers with the trainer): resolving a packaged
+    # head, what most commands do, needs neither
     from online_spec.target import cache_dir
 
     found = []
@@ -71,7 +73,6 @@ def cached_sharegpt_heads(min_tokens: int) -> list[tuple[int, Path]]:
 def build_sharegpt_head(target, tokens: int) -> Path:
     """The best finished ShareGPT head in ~/.cache/online-spec/heads with >= `tokens` training
     tokens; if none, pretrain ~/.cache/online-spec/heads/sharegpt-demo-N once (resumable)."""
-    from online_spec.config import config_to_dict
     from online_spec.target import cache_dir
     from trainer.distill import DistillConfig
     from trainer.pretrain import PretrainConfig, load_configs, pretrain

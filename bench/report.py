@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.session import SessionResult
 from bench.traffic import CANCELLED
+from online_spec.controller.replay import TraceRecorder
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -89,14 +90,8 @@ def write_rounds(result: SessionResult, path: str | Path) -> int:
     since the start), gzip'd when the name ends in .gz: the drift monitor's settings can be tried on
     the session's own traffic offline. Rounds of plain decode (K = 0) are kept (the detector skips
     them). Returns the number of rounds written."""
-    import gzip
-
-    from online_spec.controller.replay import TraceRecorder
-
     rid_phase = request_phases(result)
-    path = Path(path)
-    stream = (gzip.open if path.name.endswith(".gz") else open)(path, "wt", encoding="utf-8")
-    with TraceRecorder(stream, owns_stream=True) as rec:
+    with TraceRecorder.open(path) as rec:
         for rd in result.rounds:
             ids = [str(r) for r in rd["request_ids"]]
             rec.record(rd["batch_size"], rd["accepted"], num_steps=rd["num_steps"], request_ids=ids,

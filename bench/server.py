@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import torch
 
-from bench.common import machine_info, quick_overrides
-from online_spec.config import check, config_from_args, config_to_dict, doc
+from bench.common import add_bench_args, quick_overrides, write_report
 from bench.heads import HEAD_CHOICES, resolve_head
+from bench.traffic import sse_event
+from online_spec.checkpoint import load_head
+from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.data import sharegpt_conversations
+from online_spec.head import new_head
+from online_spec.target import load_target
 from serving.control import ControlConfig
 from serving.engine import EngineConfig
 from serving.server import ServerConfig, SpecServer, build_policy
@@ -49,8 +52,8 @@ class ServerBenchConfig:
     num_steps: int = doc("K of the speculative mode (the other mode runs K = 0)", 3)
     max_batch: int = doc("engine max_batch", 32)
     max_len: int = doc("engine max_len", 1024)
-    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped; until 2026-11-24 a random day-0 head, "
-                     "which accepts nothing, so the speculative mode measured only its overhead)", "")
+    draft: str = doc("head: " + HEAD_CHOICES + " (default: shipped; day0, a random head, accepts nothing, "
+                     "so the speculative mode measures only its overhead)", "")
     temperature: float = doc("sampling temperature of the requests (0 = greedy)", 0.0)
     policy: str = doc("K policy of the speculative mode: static (K = --num-steps), ema (SGLang's default "
                       "adaptive tiers) or cost (the cost-model policy, calibrated on the engine before the load; "
@@ -85,9 +88,9 @@ async def _one(client: httpx.AsyncClient, messages: list[dict], cfg: ServerBench
             if r.status_code != 200:
                 return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                ev = sse_event(line)
+                if ev is None:
                     continue
-                ev = json.loads(line[6:])
                 if "error" in ev:
                     error = ev["error"].get("message")
                     continue
@@ -151,7 +154,7 @@ def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list
             out = asyncio.run(_load(http.url, prompts, cfg))
             st = server.info()["internal_states"][0]
             out.update(num_steps=num_steps, avg_spec_accept_length=st["avg_spec_accept_length_lifetime"] or 1.0,
-                       rounds_failed=server.loop.rounds_failed, policy=getattr(server.engine.policy, "name", "static"),
+                       rounds_failed=server.loop.rounds_failed, policy=server.engine.policy.name,
                        steps_per_slot=st.get("speculative_num_steps_per_slot"))
             return out
         finally:
@@ -160,21 +163,13 @@ def run_mode(target, head, cfg: ServerBenchConfig, num_steps: int, prompts: list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, ServerBenchConfig, QUICK, "a short run")
 
 
 def run(args: argparse.Namespace) -> int:
-    from online_spec.checkpoint import load_head
-    from online_spec.data import sharegpt_conversations
-    from online_spec.head import new_head
-    from online_spec.target import load_target
-
     overrides = quick_overrides(args, QUICK)
     cfg = config_from_args(ServerBenchConfig, args, **overrides)
-    results: dict[str, Any] = {"bench": "server", "quick": bool(args.quick), "config": config_to_dict(cfg),
-                               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info()}
+    results: dict[str, Any] = {"bench": "server", "quick": bool(args.quick), "config": config_to_dict(cfg)}
     target = load_target()
     draft = resolve_head(cfg.draft or "shipped", target)
     head = load_head(draft, target.info, dtype=target.dtype)[0] if draft else new_head(target)
@@ -188,9 +183,5 @@ def run(args: argparse.Namespace) -> int:
     results["plain"] = run_mode(target, head, cfg, 0, prompts)
     results["failed_requests"] = results["spec"]["failed_requests"] + results["plain"]["failed_requests"]
     results["speedup_tokens_per_s"] = results["spec"]["tokens_per_s"] / max(results["plain"]["tokens_per_s"], 1e-9)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    write_report(args.json, results)
     return 0 if results["failed_requests"] == 0 else 1

@@ -34,9 +34,12 @@ from pathlib import Path
 
 import torch
 
-from online_spec.config import check, doc
 from bench.trace import TraceItem
 from bench.traffic import RequestResult, replay
+from collector.publisher import CapturePublisher, PublisherConfig
+from online_spec.alerts import CallbackAlertSink
+from online_spec.config import check, doc
+from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +117,7 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
     """The session's K policy: SGLang's EMA tiers, or the cost-model policy as `serve --policy
     cost` builds it (every K from 0 to max_steps; round-time model calibrated on this engine,
     stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
-    from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-    from serving.calibrate import engine_cost_policy
+    from serving.calibrate import engine_cost_policy  # transformers: see run_session
 
     if cfg.policy == "static":
         return None
@@ -134,8 +136,7 @@ def _control_available() -> bool:
 
 def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionResult:
     """Serve `items` with the configured head/policy (and trainer); always cleans up."""
-    from collector.publisher import CapturePublisher, PublisherConfig
-    from online_spec.alerts import CallbackAlertSink
+    # transformers comes with these: the benches that import this module keep their --help fast
     from online_spec.checkpoint import load_head
     from online_spec.head import new_head
     from serving.engine import EngineConfig
@@ -247,7 +248,7 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, 
 
 def _wait_ready(proc, trainer_dir: Path, timeout_s: float) -> None:
     """Records published before the trainer subscribes are lost (ZMQ PUB/SUB): wait for it."""
-    from bench.demo_trainer import READY_FILE
+    from bench.demo_trainer import READY_FILE  # the trainer's module: transformers and datasets
 
     t0 = time.monotonic()
     while timeout_s > 0 and not (trainer_dir / READY_FILE).exists():

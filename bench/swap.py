@@ -32,9 +32,6 @@ written checkpoint directory. Reported:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -45,8 +42,18 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench.common import add_bench_args, write_report
+from bench.traffic import sse_event
+from online_spec.checkpoint import save_head
 from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.data import sharegpt_conversations
+from online_spec.head import new_head
+from online_spec.sampling import SamplingParams
+from online_spec.target import load_target
+from serving.control import ControlClient, ControlConfig
 from serving.engine import Engine, EngineConfig
+from serving.server import ServerConfig, SpecServer
+from serving.server_app import HttpThread
 
 
 @dataclass
@@ -64,7 +71,7 @@ class SwapBenchConfig:
     threads: int = doc("torch CPU threads (the CPU may be shared)", 2)
     device: str = doc("torch device of the served model ('cuda': the engine replays CUDA graphs)", "cpu")
     swap_fill_rows: int = doc("EngineConfig.swap_fill_rows: cache rows rebuilt per round before the switch "
-                              "(0 = old behaviour: switch at once, rebuild every row in the swap round)", 48)
+                              "(0 = switch at once, rebuilding every row in the swap round)", 48)
 
     def __post_init__(self):
         check(self.swaps >= 1, "swaps", "must be >= 1")
@@ -115,9 +122,9 @@ class LoadClients:
                 if r.status_code != 200:
                     return None, f"HTTP {r.status_code}"
                 for line in r.iter_lines():
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    ev = sse_event(line)
+                    if ev is None:
                         continue
-                    ev = json.loads(line[5:])
                     if "error" in ev:
                         return None, str(ev["error"])
                     ids = ev["output_ids"]
@@ -130,15 +137,6 @@ class LoadClients:
 def measure(cfg: SwapBenchConfig, prompts: list[list[int]] | None = None) -> dict:
     """The figures above; `prompts` (token ids) replace the ShareGPT prompts where that package
     is missing (the GPU machine)."""
-    from online_spec.checkpoint import save_head
-    from online_spec.data import sharegpt_conversations
-    from online_spec.head import new_head
-    from online_spec.sampling import SamplingParams
-    from online_spec.target import load_target
-    from serving.control import ControlClient, ControlConfig
-    from serving.server import ServerConfig, SpecServer
-    from serving.server_app import HttpThread
-
     torch.set_num_threads(cfg.threads)
     # fp32: greedy is token-identical (bf16 only up to near-ties)
     target = load_target(dtype=torch.float32, device=cfg.device)
@@ -254,8 +252,6 @@ def measure(cfg: SwapBenchConfig, prompts: list[list[int]] | None = None) -> dic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.common import add_bench_args
-
     add_bench_args(parser, SwapBenchConfig, QUICK, "a short run")
 
 
@@ -263,14 +259,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(SwapBenchConfig, args, **(QUICK if args.quick else {}))
     t0 = time.time()
     results = measure(cfg)
-    out = {"bench": "swap", "config": config_to_dict(cfg), "results": results,
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "load_avg": os.getloadavg()},
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": round(time.time() - t0, 1)}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
+    write_report(args.json, {"bench": "swap", "config": config_to_dict(cfg), "results": results,
+                             "wall_s": round(time.time() - t0, 1)})
     return 0

@@ -8,8 +8,8 @@ A trace is a JSONL file, one request a line:
 `messages` (chat, through the model's template) or `prompt` (raw completion), exactly one;
 optional `tag` (the traffic tag the server sees, default ""), `max_tokens` (default: the
 replayer's) and `phase` (default: the tag). Phases are runs of consecutive lines with the same
-phase; the demo reports each one separately. Validation names the file and line of anything
-wrong.
+phase; the demo reports each one separately. Lines are read through `online_spec.jsonl`;
+validation names the file and line of anything wrong.
 
 `build_drift_trace(path, n_chat, n_code, n_mix, seed)` writes the built-in drifting trace:
 held-out ShareGPT chat conversations (phase "chat"; no programming: `online_spec.data.
@@ -22,7 +22,6 @@ split never saw these conversations.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from dataclasses import dataclass
@@ -30,14 +29,14 @@ from itertools import groupby
 from pathlib import Path
 
 from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED
+from online_spec.jsonl import JsonLinesError, parse_json_line, read_json_file, write_json_lines
 
 log = logging.getLogger(__name__)
 
 KEYS = {"messages", "prompt", "tag", "max_tokens", "phase"}
 
-
-class TraceError(ValueError):
-    """A malformed trace; the message names the file and line."""
+# A malformed trace (bad JSON, a bad field, no requests): one type with every JSON-lines reader.
+TraceError = JsonLinesError
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,11 @@ class TraceItem:
 def parse_line(raw: str, index: int, where: str = "<trace>") -> TraceItem:
     """One JSONL line -> TraceItem, or TraceError naming `where:line`."""
     at = f"{where}:{index + 1}"
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{at}: not valid JSON ({e.msg})") from None
-    if not isinstance(obj, dict):
-        raise TraceError(f"{at}: expected a JSON object, got {type(obj).__name__}")
+    return trace_item(parse_json_line(raw, at), index, at)
+
+
+def trace_item(obj: dict, index: int, at: str) -> TraceItem:
+    """One trace line's object -> TraceItem, or TraceError naming `at` (file:line)."""
     unknown = set(obj) - KEYS
     if unknown:
         raise TraceError(f"{at}: unknown key(s) {sorted(unknown)}; allowed: {sorted(KEYS)}")
@@ -98,13 +96,10 @@ def load_trace(path: str | Path) -> list[TraceItem]:
     path = Path(path)
     if not path.exists():
         raise TraceError(f"{path}: no such trace file")
-    items = []
-    for i, raw in enumerate(path.read_text().splitlines()):
-        if raw.strip():
-            items.append(parse_line(raw, i, str(path)))
+    items = [trace_item(obj, k, where) for k, (where, obj) in enumerate(read_json_file(path))]
     if not items:
         raise TraceError(f"{path}: the trace has no requests")
-    return [TraceItem(k, it.messages, it.prompt, it.tag, it.phase, it.max_tokens) for k, it in enumerate(items)]
+    return items
 
 
 def phases(items: list[TraceItem]) -> list[tuple[str, list[TraceItem]]]:
@@ -115,9 +110,10 @@ def phases(items: list[TraceItem]) -> list[tuple[str, list[TraceItem]]]:
 def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, seed: int = 0,
                       max_tokens: int | None = None, max_prompt_tokens: int = 200) -> Path:
     """Write the built-in drifting trace (chat, then code, then a mix) as JSONL; returns the path."""
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
+    # torch and transformers come with these; reading a trace needs neither
     from transformers import AutoTokenizer
 
+    from online_spec.data import humaneval_conversations, sharegpt_conversations
     from online_spec.target import prepare_smollm2
 
     tok = AutoTokenizer.from_pretrained(prepare_smollm2())
@@ -150,6 +146,6 @@ def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, se
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    write_json_lines(tmp, lines)
     tmp.replace(path)
     return path

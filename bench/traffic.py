@@ -8,6 +8,9 @@ those in flight are cancelled (the server aborts them when the stream closes). W
 budget, a phase's remaining lines are skipped once it has run that long.
 
     results = asyncio.run(replay(url, items, concurrency=4, max_tokens=64, deadline_s=600))
+
+`sse_event(line)` reads one line of a streamed response (server-sent events) for every
+streaming client of the benches.
 """
 
 from __future__ import annotations
@@ -49,6 +52,15 @@ class RequestResult:
         return {**asdict(self), "tpot_s": self.tpot_s}
 
 
+def sse_event(line: str) -> dict | None:
+    """The JSON event of one server-sent-events line (`data: {...}`); None for any other line
+    and for the closing `data: [DONE]`. A `data:` line that is not JSON raises JSONDecodeError."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data == "[DONE]" else json.loads(data)
+
+
 def request_body(item: TraceItem, max_tokens: int) -> tuple[str, dict]:
     """(path, JSON body) of one trace item: greedy, streamed, with usage."""
     body = {"max_tokens": item.max_tokens or max_tokens, "temperature": 0.0, "stream": True,
@@ -68,9 +80,9 @@ async def _one(client, url: str, item: TraceItem, max_tokens: int, res: RequestR
                 return
             res.request_id = r.headers.get("x-request-id", "")
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                chunk = sse_event(line)
+                if chunk is None:
                     continue
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     res.error = str(chunk["error"].get("message", chunk["error"]))
                     return

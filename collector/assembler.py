@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from online_spec.capture import CaptureRecord
-
 from collector.span import CaptureSpan
+from online_spec.capture import CaptureRecord, adjacency_error
 
 CLOSE_REASONS = ("end", "gap", "idle", "limit", "evict", "flush")
 
@@ -36,12 +35,8 @@ class _OpenSpan:
 
 
 def is_adjacent(prev: CaptureRecord, rec: CaptureRecord) -> bool:
-    """Whether `rec` directly continues `prev` (same request, next position, same token, same layout)."""
-    return (rec.request_id == prev.request_id
-            and rec.first_pos == prev.end_pos
-            and int(rec.tokens[0]) == int(prev.tokens[-1])
-            and rec.features.dtype == prev.features.dtype
-            and rec.final_hidden.shape[1] == prev.final_hidden.shape[1])
+    """Whether `rec` directly continues `prev` (`online_spec.capture.adjacency_error`)."""
+    return adjacency_error(prev, rec) is None
 
 
 class SpanAssembler:

@@ -42,6 +42,7 @@ import torch
 
 from collector.span import PER_ROW, PER_ROW_DTYPES, CaptureSpan
 from collector.wire import FLOAT_DTYPES
+from online_spec.capture import row_shapes
 
 SCHEMA_VERSION = 1
 SHARD_PREFIX = "shard-"
@@ -90,13 +91,14 @@ def row_to_span(row: dict) -> CaptureSpan:
     """The span of one Arrow row; ValueError if the row is inconsistent or of another schema."""
     if row["schema"] != SCHEMA_VERSION:
         raise ValueError(f"span row of schema {row['schema']}, this reader understands {SCHEMA_VERSION}")
-    n, h, dtype = row["num_rows"], row["hidden_size"], FLOAT_DTYPES[row["float_dtype"]]
+    dtype = FLOAT_DTYPES[row["float_dtype"]]
+    shapes = row_shapes(row["num_rows"], row["hidden_size"])
     span = CaptureSpan(
         request_id=row["request_id"],
         first_pos=row["first_pos"],
         tokens=torch.tensor(row["tokens"], dtype=torch.int64),
-        features=_from_bytes(row["features"], dtype, (n, 3 * h)),
-        final_hidden=_from_bytes(row["final_hidden"], dtype, (n, h)),
+        features=_from_bytes(row["features"], dtype, shapes["features"]),
+        final_hidden=_from_bytes(row["final_hidden"], dtype, shapes["final_hidden"]),
         tag=row["tag"],
         **{name: torch.tensor(row[name], dtype=PER_ROW_DTYPES[name]).reshape(-1) for name in PER_ROW},
     )

@@ -23,7 +23,8 @@ and per-row information about the round that produced each row:
 Drafts after the first rejected one were conditioned on a wrong prefix and belong to no
 committed row; they are not kept. `CaptureSpan.from_records(records)` builds a span and raises
 ValueError unless the records are adjacent (each starts at the previous one's `end_pos` and
-its first token is the previous record's last token).
+its first token is the previous record's last token). The geometry of rows, adjacency and the
+per-row draft information are the capture record's (`online_spec.capture`), not restated here.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from online_spec.capture import CaptureRecord
+from online_spec.capture import CaptureRecord, adjacency_error, check_rows
 
 PER_ROW = ("accepted", "draft_token", "draft_prob", "num_steps", "batch_size", "draft_version",
            "is_prefill", "timestamp")
@@ -89,16 +90,9 @@ class CaptureSpan:
             raise ValueError("a span needs at least one record")
         first = records[0]
         for prev, rec in zip(records, records[1:]):
-            if rec.request_id != first.request_id:
-                raise ValueError(f"records of requests {first.request_id!r} and {rec.request_id!r} in one span")
-            if rec.first_pos != prev.end_pos:
-                raise ValueError(f"request {rec.request_id!r}: record at position {rec.first_pos} does not "
-                                 f"follow the previous record ending at {prev.end_pos}")
-            if int(rec.tokens[0]) != int(prev.tokens[-1]):
-                raise ValueError(f"request {rec.request_id!r}: token at position {rec.first_pos} is "
-                                 f"{int(rec.tokens[0])} here but {int(prev.tokens[-1])} in the previous record")
-            if rec.features.dtype != first.features.dtype or rec.final_hidden.shape[1] != first.final_hidden.shape[1]:
-                raise ValueError(f"request {rec.request_id!r}: records differ in hidden size or dtype")
+            error = adjacency_error(prev, rec)
+            if error:
+                raise ValueError(error)
         tokens = torch.cat([r.tokens[:-1].to(torch.int64) for r in records] + [records[-1].tokens[-1:].to(torch.int64)])
         rows = [_row_info(r) for r in records]
         return cls(
@@ -124,7 +118,7 @@ class CaptureSpan:
     def cut_generated(self, max_generated: int | None = None) -> "CaptureSpan | None":
         """The span up to where serving stops drafting on it: all its prompt rows (the head
         attends to them: cut to its last 64 rows, the shipped head's simulated accept length on
-        HumanEval requests fell from 1.40 to 0.83) and its first `max_generated` rows that drafts
+        HumanEval requests falls from 1.40 to 0.83) and its first `max_generated` rows that drafts
         start from (the last prompt row on), with the row after them (their drafts' target);
         None if it has no generated rows."""
         prompt = int(self.is_prefill.sum())
@@ -136,17 +130,8 @@ class CaptureSpan:
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistency (shapes, dtypes, non-finite values)."""
+        check_rows("span", self.first_pos, self.tokens, self.features, self.final_hidden)
         n = self.num_rows
-        if n < 1:
-            raise ValueError("span has no rows")
-        if self.first_pos < 0:
-            raise ValueError(f"first_pos {self.first_pos} < 0")
-        if self.tokens.shape != (n + 1,):
-            raise ValueError(f"tokens shape {tuple(self.tokens.shape)}, expected ({n + 1},)")
-        if self.final_hidden.dim() != 2 or self.final_hidden.shape[0] != n:
-            raise ValueError(f"final_hidden shape {tuple(self.final_hidden.shape)} does not match {n} rows")
-        if self.features.shape != (n, 3 * self.hidden_size):
-            raise ValueError(f"features shape {tuple(self.features.shape)}, expected ({n}, {3 * self.hidden_size})")
         for name in PER_ROW:
             t = getattr(self, name)
             if t.shape != (n,) or t.dtype != PER_ROW_DTYPES[name]:
@@ -157,20 +142,9 @@ class CaptureSpan:
 
 
 def _row_info(r: CaptureRecord) -> dict[str, torch.Tensor]:
-    """Per-row arrays of one record. Row j of a verify round with a accepted drafts (a+1 rows):
-    j < a predicted an accepted draft; j == a predicted the rejected draft d[a] if a < K, and
-    nothing if all K drafts were accepted (its label is the bonus token)."""
+    """Per-row arrays of one record: its drafts (`CaptureRecord.row_drafts`) and its round's values."""
     n = r.num_rows
-    accepted = torch.full((n,), -1, dtype=torch.int8)
-    draft_token = torch.full((n,), -1, dtype=torch.int64)
-    draft_prob = torch.zeros(n, dtype=torch.float32)
-    if not r.is_prefill and r.num_steps > 0:
-        m = min(r.accept_len + 1, r.num_steps)  # rows that had a draft for their next token
-        accepted[:r.accept_len] = 1
-        if r.accept_len < r.num_steps:
-            accepted[r.accept_len] = 0
-        draft_token[:m] = r.draft_tokens[:m].to(torch.int64)
-        draft_prob[:m] = r.draft_probs[:m].to(torch.float32)
+    accepted, draft_token, draft_prob = r.row_drafts()
     return {
         "accepted": accepted, "draft_token": draft_token, "draft_prob": draft_prob,
         "num_steps": torch.full((n,), r.num_steps, dtype=torch.int32),

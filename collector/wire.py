@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from online_spec.capture import CaptureRecord
+from online_spec.capture import CaptureRecord, row_shapes
 
 MAGIC = b"OSCP"
 VERSION = 1
@@ -157,7 +157,7 @@ def _round_small_arrays(records: Sequence[CaptureRecord]) -> list[tuple] | None:
     tokens = tokens.astype(np.int32)
     out, t, d = [], 0, 0
     for r in records:
-        nt, nd = r.num_rows + 1, r.num_steps
+        nt, nd = r.tokens.numel(), r.num_steps  # validated: num_rows + 1 tokens
         out.append((tokens[t:t + nt], draft_tokens[d:d + nd], draft_probs[d:d + nd], "int32"))
         t, d = t + nt, d + nd
     return out
@@ -184,7 +184,7 @@ def _frames(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_
         "request_id": record.request_id,
         "first_pos": int(record.first_pos),
         "num_rows": record.num_rows,
-        "hidden_size": int(record.final_hidden.shape[1]),
+        "hidden_size": record.hidden_size,
         "num_steps": int(record.num_steps),
         "accept_len": int(record.accept_len),
         "batch_size": int(record.batch_size),
@@ -232,10 +232,11 @@ def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
     if tname not in TOKEN_DTYPES:
         raise WireError(f"unknown token_dtype {tname!r}")
     fdt, tdt = FLOAT_DTYPES[fname], TOKEN_DTYPES[tname]
+    shapes = row_shapes(rows, hidden)
     parts = {
-        "tokens": _tensor(bufs[1], tdt, (rows + 1,), "tokens"),
-        "features": _tensor(bufs[2], fdt, (rows, 3 * hidden), "features"),
-        "final_hidden": _tensor(bufs[3], fdt, (rows, hidden), "final_hidden"),
+        "tokens": _tensor(bufs[1], tdt, shapes["tokens"], "tokens"),
+        "features": _tensor(bufs[2], fdt, shapes["features"], "features"),
+        "final_hidden": _tensor(bufs[3], fdt, shapes["final_hidden"], "final_hidden"),
         "draft_tokens": _tensor(bufs[4], torch.int32, (steps,), "draft_tokens"),
         "draft_probs": _tensor(bufs[5], torch.float32, (steps,), "draft_probs"),
     }

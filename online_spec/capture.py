@@ -15,8 +15,12 @@ forward and whose input tokens are committed; rows after the first rejection are
     draft_probs      [num_steps]      the head's probability of each drafted token
     accept_len       drafts accepted, bonus excluded (0..num_steps)
 
-The wire codec (`collector.wire`) and the replay buffer import this type; the engine makes it,
-the trainer consumes it, offline or live alike.
+The geometry of rows is defined here once, for the record and for the span the collector joins
+records into (`collector.span.CaptureSpan`): `row_shapes` (n rows -> tokens n + 1, features 3H,
+final_hidden H), `check_rows` (both types' validation of it), `adjacency_error` (when a record
+directly continues another), `CaptureRecord.row_drafts` (per row: was its next token drafted,
+accepted, rejected). The wire codec (`collector.wire`) and the replay buffer import this type;
+the engine makes it, the trainer consumes it, offline or live alike.
 """
 
 from __future__ import annotations
@@ -25,6 +29,48 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+FEATURE_LAYERS = 3
+"""Target layers EAGLE-3 captures; a row's features are their hidden states concatenated (3H)."""
+
+
+def row_shapes(num_rows: int, hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of `num_rows` committed rows: tokens [n + 1] (the last one is the token the target
+    committed after the last row), features [n, 3H], final_hidden [n, H]."""
+    return {"tokens": (num_rows + 1,), "features": (num_rows, FEATURE_LAYERS * hidden_size),
+            "final_hidden": (num_rows, hidden_size)}
+
+
+def check_rows(what: str, first_pos: int, tokens: torch.Tensor, features: torch.Tensor,
+               final_hidden: torch.Tensor) -> None:
+    """Raise ValueError naming the first way the rows of `what` (a record, a span) break
+    `row_shapes`; the number of rows is the features' first dimension."""
+    n = int(features.shape[0]) if features.dim() > 0 else 0
+    if n < 1:
+        raise ValueError(f"{what} has no rows")
+    if first_pos < 0:
+        raise ValueError(f"first_pos {first_pos} < 0")
+    hidden = int(final_hidden.shape[-1]) if final_hidden.dim() > 0 else 0
+    want = row_shapes(n, hidden)
+    for name, t in (("tokens", tokens), ("final_hidden", final_hidden), ("features", features)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} shape {tuple(t.shape)}, expected {want[name]} for {n} rows of hidden size {hidden}")
+
+
+def adjacency_error(prev, rec) -> str | None:
+    """Why `rec` does not directly continue `prev` (records or spans: same request, starting at
+    `prev.end_pos`, its first token `prev`'s last, same hidden size and dtype); None if it does."""
+    if rec.request_id != prev.request_id:
+        return f"records of requests {prev.request_id!r} and {rec.request_id!r} in one span"
+    if rec.first_pos != prev.end_pos:
+        return (f"request {rec.request_id!r}: record at position {rec.first_pos} does not follow the previous "
+                f"record ending at {prev.end_pos}")
+    if int(rec.tokens[0]) != int(prev.tokens[-1]):
+        return (f"request {rec.request_id!r}: token at position {rec.first_pos} is {int(rec.tokens[0])} here but "
+                f"{int(prev.tokens[-1])} in the previous record")
+    if rec.features.dtype != prev.features.dtype or rec.final_hidden.shape[1] != prev.final_hidden.shape[1]:
+        return f"request {rec.request_id!r}: records differ in hidden size or dtype"
+    return None
 
 
 @dataclass
@@ -53,21 +99,14 @@ class CaptureRecord:
         """First position after this record's rows; the next record of the request starts here."""
         return self.first_pos + self.num_rows
 
+    @property
+    def hidden_size(self) -> int:
+        return int(self.final_hidden.shape[1])
+
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistency; used by both ends of the stream."""
+        check_rows("capture record", self.first_pos, self.tokens, self.features, self.final_hidden)
         r = self.num_rows
-        if r < 1:
-            raise ValueError("capture record has no rows")
-        if self.first_pos < 0:
-            raise ValueError(f"first_pos {self.first_pos} < 0")
-        if self.tokens.dim() != 1 or self.tokens.numel() != r + 1:
-            raise ValueError(f"tokens has {self.tokens.numel()} entries, expected num_rows+1 = {r + 1}")
-        if self.final_hidden.dim() != 2 or self.final_hidden.shape[0] != r:
-            raise ValueError(f"final_hidden shape {tuple(self.final_hidden.shape)} does not match {r} rows")
-        if self.features.dim() != 2 or self.features.shape[1] != 3 * self.final_hidden.shape[1]:
-            raise ValueError(
-                f"features width {self.features.shape[1]} != 3 * hidden {self.final_hidden.shape[1]}"
-            )
         k = self.num_steps
         if k < 0 or self.draft_tokens.numel() != k or self.draft_probs.numel() != k:
             raise ValueError(f"draft_tokens/draft_probs must have num_steps={k} entries")
@@ -75,3 +114,23 @@ class CaptureRecord:
             raise ValueError(f"accept_len {self.accept_len} outside 0..num_steps={k}")
         if not self.is_prefill and r != self.accept_len + 1:
             raise ValueError(f"a verify record has accept_len+1 = {self.accept_len + 1} rows, got {r}")
+
+    def row_drafts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row i, what the live head drafted for position first_pos + i + 1: accepted int8 [n]
+        (1 accepted, 0 rejected, -1 nothing drafted), draft_token int64 [n] (-1: none), draft_prob
+        float32 [n] (0: none). Row j of a verify round with a accepted drafts (a + 1 rows): j < a
+        predicted an accepted draft; j == a predicted the rejected draft d[a] if a < K, and nothing
+        if all K drafts were accepted (its label is the bonus token). Prefill rows and plain
+        decode (K = 0) had no drafts. Drafts after the first rejected one belong to no row."""
+        n = self.num_rows
+        accepted = torch.full((n,), -1, dtype=torch.int8)
+        draft_token = torch.full((n,), -1, dtype=torch.int64)
+        draft_prob = torch.zeros(n, dtype=torch.float32)
+        if not self.is_prefill and self.num_steps > 0:
+            m = min(self.accept_len + 1, self.num_steps)  # rows that had a draft for their next token
+            accepted[:self.accept_len] = 1
+            if self.accept_len < self.num_steps:
+                accepted[self.accept_len] = 0
+            draft_token[:m] = self.draft_tokens[:m].to(torch.int64)
+            draft_prob[:m] = self.draft_probs[:m].to(torch.float32)
+        return accepted, draft_token, draft_prob

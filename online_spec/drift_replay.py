@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from online_spec.config import add_config_args, check, config_from_args, config_to_dict, doc
-from online_spec.controller.replay import TraceError, read_trace_rows, run_replay_command, write_json_lines
+from online_spec.controller.replay import TraceError, read_trace_rows, run_replay_command
 from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig, DriftDetector, round_observations
+from online_spec.jsonl import open_text, write_json_lines
 
 
 @dataclass(frozen=True)
@@ -106,14 +107,6 @@ def summarize(rounds_by_phase: dict[str, int], first_round: dict[str, int], aler
     return {"rounds": sum(rounds_by_phase.values()), "alerts": len(alerts), "phases": phases}
 
 
-def open_trace(path: Path):
-    """A trace file for reading as text; a name ending in .gz is read through gzip."""
-    if str(path).endswith(".gz"):
-        import gzip
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
 def replay_file(path: Path, cfg: DriftConfig) -> tuple[list[dict], dict]:
     """(alerts, summary) of a trace file replayed through a fresh detector with `cfg`."""
     counted: dict[str, int] = {}
@@ -123,7 +116,7 @@ def replay_file(path: Path, cfg: DriftConfig) -> tuple[list[dict], dict]:
         first.setdefault(row["phase"], index)
         counted[row["phase"]] = counted.get(row["phase"], 0) + 1
 
-    with open_trace(path) as f:
+    with open_text(path) as f:
         alerts = list(replay_rounds(DriftDetector(cfg), read_rounds(f, source=str(path)), on_round=tally))
     return alerts, summarize(counted, first, alerts)
 

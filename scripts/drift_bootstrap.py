@@ -33,7 +33,8 @@ from pathlib import Path
 
 from online_spec.config import add_config_args, config_from_args, config_to_dict
 from online_spec.drift import DriftConfig, DriftDetector
-from online_spec.drift_replay import open_trace, read_rounds, replay_rounds
+from online_spec.drift_replay import read_rounds, replay_rounds
+from online_spec.jsonl import open_text
 
 
 def requests_by_phase(path: Path) -> tuple[dict[str, list[list[int]]], int]:
@@ -42,7 +43,7 @@ def requests_by_phase(path: Path) -> tuple[dict[str, list[list[int]]], int]:
     seqs: dict[str, dict[str, list[int]]] = {}
     last: dict[str, set] = {}
     ks = set()
-    with open_trace(path) as f:
+    with open_text(path) as f:
         for row in read_rounds(f, str(path)):
             ks.add(row["num_steps"])
             per = seqs.setdefault(row["phase"], {})

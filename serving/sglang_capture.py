@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.capture import CaptureRecord
+from serving.sglang_adaptive import LIVE_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,6 @@ class CaptureHooks:
     def after_weight_update(self, result, manager, recv_req):
         """A new draft head is live: re-warm every online-spec policy in this process."""
         if getattr(result, "success", False) and recv_req.selector in ("draft", "all"):
-            from serving.sglang_adaptive import LIVE_POLICIES
-
             for policy in list(LIVE_POLICIES):
                 policy.rewarm()
             if recv_req.weight_version and str(recv_req.weight_version).isdigit():
@@ -114,8 +114,6 @@ class CaptureHooks:
 
     def _publisher_or_none(self):
         if self._publisher is None:
-            from collector.publisher import CapturePublisher, PublisherConfig
-
             self._publisher = CapturePublisher(PublisherConfig(endpoint=self.cfg.endpoint,
                                                                sample_fraction=self.cfg.sample_fraction))
             log.info("online-spec capture publishing on %s", self._publisher.endpoint)

@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass
 
 from online_spec.config import check, doc
+from serving.sglang_adaptive import OnlineSpecAdaptiveParams
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def register() -> list[str]:
         return []
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    # torch comes with the capture hooks: every SGLang process imports this entry point, enabled or not
     from serving.sglang_capture import CaptureHooks
 
     hooks = CaptureHooks(cfg)
@@ -109,8 +111,6 @@ def register() -> list[str]:
         HookRegistry.register(TARGETS["final_hidden"], around_last_hidden, HookType.AROUND)
         chosen += [TARGETS["decode"], TARGETS["prefill"], TARGETS["final_hidden"]]
     if cfg.replace_policy:
-        from serving.sglang_adaptive import OnlineSpecAdaptiveParams
-
         OnlineSpecAdaptiveParams.default_config = staticmethod(_sglang_default_adaptive_config)
         HookRegistry.register(TARGETS["policy"], OnlineSpecAdaptiveParams, HookType.REPLACE)
         chosen.append(TARGETS["policy"])

@@ -16,7 +16,10 @@ import argparse
 import json
 import sys
 
+import httpx
+
 from serving.control import ControlClient, ControlError
+from serving.sglang_client import SglangSwapError, push_head_to_sglang
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +62,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_sglang(args: argparse.Namespace) -> int:
     """`swap --sglang --server URL DIR`: SGLang's own `/update_weights_from_tensor` path (contract 4)."""
-    import httpx
-
-    from serving.sglang_client import SglangSwapError, push_head_to_sglang
-
     if not args.server:
         print("error: --sglang needs --server http://HOST:PORT", file=sys.stderr)
         return 1

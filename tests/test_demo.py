@@ -37,7 +37,7 @@ def test_trace_parses_in_file_order_with_phases(tmp_path):
 
 @pytest.mark.parametrize("line, needle", [
     ("{not json", "not valid JSON"),
-    ('["a"]', "expected a JSON object"),
+    ('["a"]', "must be a JSON object"),
     ('{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "exactly one of"),
     ('{"tag": "chat"}', "exactly one of"),
     ('{"messages": []}', "non-empty list"),
@@ -112,8 +112,9 @@ def test_demo_end_to_end_writes_the_report(smol, tmp_path):
     assert [a["shift"] for a in saved["adaptation"]] == ["chat->code", "code->mix"]
     assert "| chat |" in (out / "summary.md").read_text()
     # every verify round, readable by `online-spec drift replay`, labelled with its phase
-    from online_spec.drift_replay import open_trace, read_rounds
-    with open_trace(out / "rounds.jsonl.gz") as f:
+    from online_spec.drift_replay import read_rounds
+    from online_spec.jsonl import open_text
+    with open_text(out / "rounds.jsonl.gz") as f:
         rounds = list(read_rounds(f, source="rounds.jsonl.gz"))
     spec = [r for r in rounds if r["num_steps"] > 0]
     assert sum(len(r["accepted"]) for r in spec) == saved["overall"]["verify_request_rounds"] > 0

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from online_spec.capture import CaptureRecord
+
 
 @dataclass
 class TrainBatch:
@@ -42,14 +44,11 @@ class TrainBatch:
 
 
 def rejected_tokens(item) -> torch.Tensor:
-    """bool [n+1]: which of the item's tokens corrected a rejected draft."""
-    n = int(item.features.shape[0])
-    out = torch.zeros(n + 1, dtype=torch.bool)
-    accepted = getattr(item, "accepted", None)  # a CaptureSpan carries it per row
-    if accepted is not None:
-        out[1:] = accepted.to(torch.int64) == 0
-    elif not item.is_prefill and item.accept_len < item.num_steps:
-        out[item.accept_len + 1] = True  # a verify record: its row accept_len met the rejection
+    """bool [n+1]: which of the item's tokens corrected a rejected draft (token j + 1 where row
+    j's draft was rejected: a span carries `accepted` per row, a record derives it)."""
+    accepted = item.row_drafts()[0] if isinstance(item, CaptureRecord) else item.accepted
+    out = torch.zeros(int(item.features.shape[0]) + 1, dtype=torch.bool)
+    out[1:] = accepted.to(torch.int64) == 0
     return out
 
 

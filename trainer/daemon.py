@@ -40,9 +40,9 @@ from collector.span import CaptureSpan
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
 from online_spec.checkpoint import META, load_head
 from online_spec.config import check, doc
-from online_spec.head import EagleHead
+from online_spec.head import EagleHead, new_head
 from trainer.batch import collate
-from trainer.distill import DistillConfig, Distiller
+from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.evaluate import acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
@@ -357,8 +357,6 @@ class TrainerDaemon:
         if self.cfg.init_head:
             head, self._init_meta = load_head(self.cfg.init_head, self.target.info, dtype=torch.float32)
             return head
-        from online_spec.head import new_head
-        from trainer.distill import init_from_target
         return init_from_target(new_head(self.target).float(), self.target)
 
     def _live_head_from(self, head: EagleHead) -> EagleHead:

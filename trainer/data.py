@@ -24,8 +24,11 @@ from typing import Iterable, Iterator
 
 import torch
 
+from collector.span import CaptureSpan
 from online_spec.capture import CaptureRecord
 from online_spec.kvcache import AttentionBatch
+from online_spec.sampling import SamplingParams
+from serving.requests import Request
 
 STORE_DTYPE = torch.bfloat16
 
@@ -108,8 +111,6 @@ class SpanSink:
             self.pending.setdefault(r.request_id, []).append(_detached(r))
 
     def end_request(self, request_id: str) -> None:
-        from collector.span import CaptureSpan
-
         recs = self.pending.pop(request_id, [])
         if recs:
             self.done.append(CaptureSpan.from_records(recs))
@@ -129,8 +130,8 @@ def generate_records(target, prompts: Iterable[list[int]], max_new_tokens: int, 
     Plain batched decoding through `serving.engine.Engine` (K=0); its capture records carry the
     features of every committed row at no extra forward. Yields one `CaptureSpan` per request
     (prompt rows then generated rows) until `max_tokens` rows."""
-    from online_spec.sampling import SamplingParams
-    from serving.engine import Engine, EngineConfig, Request
+    # transformers comes with the engine: teacher-forced capture needs only torch
+    from serving.engine import Engine, EngineConfig
 
     sink = SpanSink()
     eng = Engine(target, None, EngineConfig(max_batch=max_batch, max_len=max_len, max_steps=0, num_steps=0),
@@ -158,8 +159,7 @@ def generate_records(target, prompts: Iterable[list[int]], max_new_tokens: int, 
 def save_records(records: Iterable[CaptureRecord], out: str | Path, shard_bytes: int = 256 << 20) -> dict:
     """Write records as `collector.shards` span shards under `out` (each record one span), then
     mark the directory complete. An incomplete directory from an interrupted run is replaced."""
-    from collector.shards import save_spans
-    from collector.span import CaptureSpan
+    from collector.shards import save_spans  # datasets (Arrow): only where records are stored
 
     out = Path(out)
     if out.exists() and not records_complete(out):
@@ -179,7 +179,7 @@ def save_records(records: Iterable[CaptureRecord], out: str | Path, shard_bytes:
 def load_records(path: str | Path) -> list:
     """The spans `save_records` (or the replay buffer) wrote: `collector.span.CaptureSpan`s,
     which the trainer consumes like records (first_pos, tokens, features, final_hidden)."""
-    from collector.shards import load_spans
+    from collector.shards import load_spans  # datasets: see save_records
 
     return load_spans(path)
 

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from online_spec.sampling import SamplingParams
 from trainer.batch import collate
 from trainer.loss import SharedTarget, ttt_unroll
 
@@ -101,8 +102,7 @@ def engine_accept_length(target, head, prompts: list[list[int]], num_steps: int,
                          max_len: int = 2048) -> dict:
     """Greedy decode of `prompts` one at a time (batch 1) with K = num_steps (0: plain decode)
     -> accept_length (mean over rounds, bonus excluded), tokens_per_s, outputs."""
-    from online_spec.sampling import SamplingParams
-    from serving.engine import Engine, EngineConfig
+    from serving.engine import Engine, EngineConfig  # transformers: the gate's simulation needs only torch
 
     eng = Engine(target, head if num_steps > 0 else None,
                  EngineConfig(max_batch=1, max_len=max_len, max_steps=max(num_steps, 1), num_steps=num_steps))

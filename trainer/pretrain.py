@@ -35,9 +35,16 @@ from pathlib import Path
 
 import torch
 
+from online_spec.checkpoint import load_head
 from online_spec.config import add_config_args, check, config_to_dict, doc
+from online_spec.data import humaneval_conversations, is_heldout, sharegpt_conversations
+from online_spec.head import new_head
+from online_spec.jsonl import json_line, open_text
+from online_spec.target import load_target
 from trainer.batch import collate
+from trainer.data import capture_conversations, generate_records, load_records, records_complete, save_records
 from trainer.distill import REPO, DistillConfig, Distiller, init_from_target
+from trainer.evaluate import engine_accept_length, simulate_acceptance
 from trainer.loss import LossConfig
 
 log = logging.getLogger(__name__)
@@ -68,8 +75,8 @@ class PretrainConfig:
     eval_steps: int = doc("K for the engine accept-length measurement", 5)
     config: str = doc("distillation config JSON (sections distill, loss)", "configs/distill/default.json")
     threads: int = doc("torch CPU threads; 1 on a shared CPU: with 2 threads every op waits for both "
-                       "(measured 2026-11-23 under load 10 on 2 cores: a [16,576]x[576,1536] bf16 matmul "
-                       "takes 10 ms with 2 threads, 0.55 ms with 1)", 1)
+                       "(under load 10 on 2 cores a [16,576]x[576,1536] bf16 matmul takes 10 ms with 2 "
+                       "threads, 0.55 ms with 1)", 1)
 
     def __post_init__(self):
         check(self.tokens >= 1, "tokens", "must be >= 1")
@@ -101,8 +108,6 @@ def load_configs(path: str, ns: argparse.Namespace | None = None) -> tuple[Disti
 
 
 def source_conversations(name: str, split: str, tokenizer):
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
-
     if name == "sharegpt":
         return sharegpt_conversations(split=split, seed=0)
     if name == "humaneval":
@@ -112,10 +117,6 @@ def source_conversations(name: str, split: str, tokenizer):
 
 def build_records(target, cfg: PretrainConfig, run: Path) -> tuple[list, list]:
     """Capture (or reload) train and held-out records into run/records."""
-    from online_spec.data import is_heldout
-    from trainer.data import (capture_conversations, generate_records, load_records, records_complete,
-                              save_records)
-
     if cfg.data not in ("sharegpt", "humaneval"):
         recs = load_records(cfg.data)
         train = [r for r in recs if not is_heldout(r.request_id)]
@@ -183,8 +184,6 @@ def draft_vocab_counts(records: list, vocab_size: int) -> torch.Tensor:
 
 
 def heldout_prompts(name: str, tokenizer, encode, n: int) -> list[list[int]]:
-    from online_spec.data import humaneval_conversations, sharegpt_conversations
-
     if name == "humaneval":
         convs = humaneval_conversations(limit=n, split="heldout")
     else:
@@ -194,7 +193,6 @@ def heldout_prompts(name: str, tokenizer, encode, n: int) -> list[list[int]]:
 
 def train(target, train_recs: list, cfg: PretrainConfig, dcfg: DistillConfig, lcfg: LossConfig,
           run: Path) -> Distiller:
-    from online_spec.head import new_head
     from tqdm import tqdm
 
     steps = plan_batches(train_recs, cfg.batch_tokens, cfg.epochs, dcfg.seed)
@@ -210,7 +208,7 @@ def train(target, train_recs: list, cfg: PretrainConfig, dcfg: DistillConfig, lc
         log.info("resumed at step %d (%d tokens)", d.step, d.tokens)
     t0, tok0 = time.time(), d.tokens
     bar = tqdm(total=len(steps), initial=d.step, desc="distill", unit="step", disable=d.rank != 0)
-    with open(run / "metrics.jsonl", "a") as mf:
+    with open_text(run / "metrics.jsonl", "a") as mf:
         while d.step < len(steps):
             items = [train_recs[j] for j in steps[d.step]][d.rank::d.world_size] or [train_recs[steps[d.step][0]]]
             m = d.train_step(collate(items))
@@ -218,7 +216,7 @@ def train(target, train_recs: list, cfg: PretrainConfig, dcfg: DistillConfig, lc
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
             if d.rank == 0:
-                mf.write(json.dumps(m) + "\n")
+                mf.write(json_line(m))
                 mf.flush()
             if d.step % cfg.save_every == 0 or d.step == len(steps):
                 d.save_state(state)
@@ -229,8 +227,6 @@ def train(target, train_recs: list, cfg: PretrainConfig, dcfg: DistillConfig, lc
 
 
 def evaluate_run(target, head, heldout: list, cfg: PretrainConfig) -> dict:
-    from trainer.evaluate import engine_accept_length, simulate_acceptance
-
     head = head.to(target.dtype).eval()
     gen = cfg.source == "generate" and cfg.data in ("sharegpt", "humaneval")
     out = {"simulated": simulate_acceptance(head, target, heldout, generated_only=gen) if heldout else None}
@@ -262,9 +258,6 @@ def run(args: argparse.Namespace) -> int:
 
 def pretrain(cfg: PretrainConfig, dcfg: DistillConfig, lcfg: LossConfig, target=None) -> dict:
     """The whole run; returns (and writes) DIR/eval.json. Resumes from what DIR holds."""
-    from online_spec.checkpoint import load_head
-    from online_spec.target import load_target
-
     run = Path(cfg.out).expanduser()
     run.mkdir(parents=True, exist_ok=True)
     if (run / "eval.json").exists():

@@ -21,6 +21,7 @@ from collector.subscriber import SubscriberConfig
 from online_spec.config import add_config_args, config_from_args, config_to_dict
 from online_spec.target import load_target
 from online_spec.wandb_run import init_wandb
+from serving.control import ControlClient
 from trainer.daemon import DaemonConfig, TrainerDaemon, install_signal_handlers
 from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
@@ -58,7 +59,6 @@ def build_daemon(args: argparse.Namespace) -> TrainerDaemon:
                               **({} if hasattr(args, "replay_root") else {"root": str(run_dir / "replay")}))
     publisher = None
     if args.control_run_dir is not None:
-        from serving.control import ControlClient
         publisher = ControlClient.from_run_dir(args.control_run_dir)
     run = None
     if args.wandb_mode != "disabled":

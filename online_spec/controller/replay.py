@@ -13,12 +13,12 @@ so a trace replayed here and through SGLang's `AdaptiveSpeculativeParams` gives 
 
 `TraceRecorder` writes such a trace; `attach_trace_recorder(engine, path)` hooks one onto a live
 engine's `on_round`, so recorded traffic replays here to the K sequence the live EMA policy ran.
+Traces are read and written through `online_spec.jsonl` (a name ending in .gz goes through gzip).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +27,10 @@ from typing import IO, Callable, Iterable, Iterator, Sequence
 from online_spec.config import ConfigError, add_config_args, check, config_from_args, doc
 from online_spec.controller.config import adaptive_config_path, load_adaptive_config
 from online_spec.controller.ema import EmaTierPolicy
+from online_spec.jsonl import JsonLinesError, json_line, open_text, read_json_lines, write_json_lines
 
-
-class TraceError(ValueError):
-    """A trace line is malformed; the message names the line and the field."""
+# A trace line's JSON errors and its field errors are one type, named `file:line` first.
+TraceError = JsonLinesError
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ReplayConfig:
     config: Path | None = doc("adaptive JSON config (SGLang format); default: configs/adaptive/sglang_default.json", None)
     initial_steps: int | None = doc("initial K of every slot (SGLang's --speculative-num-steps; a slot "
                                     "without it starts at its middle tier); default: middle of all tiers", None)
-    trace: Path | None = doc("JSON-lines trace, one verify round per line (required)", None)
+    trace: Path | None = doc("JSON-lines trace, one verify round per line (required; .gz is read through gzip)", None)
     out: Path | None = doc("where to write {\"steps\": k} lines; default: stdout", None)
 
     def __post_init__(self) -> None:
@@ -50,16 +50,7 @@ class ReplayConfig:
 def read_trace_rows(lines: Iterable[str], source: str = "trace") -> Iterator[tuple[str, dict]]:
     """(where, row) per non-blank line, batch_size and accepted checked; extra keys are left to
     the reader that wants them. Raises TraceError naming line and field."""
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{source}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not valid JSON ({e.msg})") from e
-        if not isinstance(row, dict):
-            raise TraceError(f"{where}: must be a JSON object, got {type(row).__name__}")
+    for where, row in read_json_lines(lines, source):
         b = row.get("batch_size")
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise TraceError(f"{where}: batch_size: must be an int >= 1, got {b!r}")
@@ -95,13 +86,14 @@ class TraceRecorder:
 
     @classmethod
     def open(cls, path: str | Path) -> "TraceRecorder":
-        return cls(open(path, "w", encoding="utf-8"), owns_stream=True)
+        """A recorder writing to `path` (a name ending in .gz: gzip'd)."""
+        return cls(open_text(path, "w"), owns_stream=True)
 
     def record(self, batch_size: int, accepted: Sequence[int], **extra) -> None:
         """One round; `extra` (num_steps, ctx_len, draft_s, ...) is written where not None."""
         row = {"batch_size": int(batch_size), "accepted": [int(a) for a in accepted]}
         row.update({k: v for k, v in extra.items() if v is not None})
-        self._stream.write(json.dumps(row) + "\n")
+        self._stream.write(json_line(row))
         self.rounds += 1
 
     def close(self) -> None:
@@ -153,17 +145,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(sub.add_parser("replay", help=help_text, description=help_text), ReplayConfig)
 
 
-def write_json_lines(path: Path | None, rows: Iterable[dict]) -> None:
-    """Each row as one JSON line, to `path` or (None) to stdout."""
-    out = open(path, "w", encoding="utf-8") if path is not None else sys.stdout
-    try:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
-
-
 def run_replay_command(prog: str, body: Callable[[], None]) -> int:
     """Run a replay command: a bad trace, setting or file is one line naming it, exit 2."""
     try:
@@ -184,7 +165,7 @@ def run_replay_command(prog: str, body: Callable[[], None]) -> int:
 def _replay(cfg: ReplayConfig) -> None:
     adaptive = load_adaptive_config(cfg.config or adaptive_config_path())
     policy = EmaTierPolicy(adaptive, initial_steps=cfg.initial_steps)
-    with open(cfg.trace, encoding="utf-8") as trace:
+    with open_text(cfg.trace) as trace:
         write_json_lines(cfg.out, ({"steps": k} for k in replay_trace(policy, read_trace(trace, source=str(cfg.trace)))))
 
 
