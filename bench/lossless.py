@@ -29,6 +29,7 @@ class CyclingSteps(StepPolicyBase):
     """K cycling through `ks`, one per round (a policy the engine must follow exactly)."""
 
     name = "cycling"
+    tree_rounds = True
 
     def __init__(self, ks=(0, 1, 3, 7)):
         self._ks = itertools.cycle(ks)

@@ -31,6 +31,16 @@ class KVCache:
         self.lengths[dst] = n
         self.lengths[src] = 0
 
+    def gather_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy row src[b, j] to row dst[b, j] of slot b (slots 0..B-1), every layer: a tree
+        round's accepted path moved from its scratch rows to consecutive positions. Keys keep
+        their rope (the path node at depth d was written at position base + d, where it lands)."""
+        B = src.shape[0]
+        b_idx = torch.arange(B, device=src.device)[:, None].expand_as(src)
+        for layer in range(self.num_layers):
+            self.k[layer][b_idx, :, dst] = self.k[layer][b_idx, :, src]
+            self.v[layer][b_idx, :, dst] = self.v[layer][b_idx, :, src]
+
 
 def packed_gqa_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
                          packed_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -94,6 +104,42 @@ class AttentionBatch:
         else:
             ck[self.b_idx, :, self.positions] = k.transpose(1, 2)
             cv[self.b_idx, :, self.positions] = v.transpose(1, 2)
+        keys = ck[:self.B, :, :self.kv_len]
+        vals = cv[:self.B, :, :self.kv_len]
+        return packed_gqa_attention(q, keys, vals, self.mask, self._packed_masks)
+
+
+class TreeAttentionBatch:
+    """Where a forward over draft-tree nodes writes, and what each node may attend to.
+
+    Slot b's committed rows are 0..base[b]-1; the tree's rows live in a scratch region of
+    `scratch` rows from base[b]. write [B,T] is each new row's cache index (in the scratch
+    region), positions [B,T] its rope position (base + depth, so siblings share a position),
+    visible [B,T,scratch] which scratch rows it attends to (its ancestors and itself). Every
+    node attends to all committed rows. Same interface as `AttentionBatch`."""
+
+    def __init__(self, base: list[int], write: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                 device: torch.device | str = "cpu"):
+        self.starts = base
+        self.B, self.T = write.shape
+        scratch = visible.shape[-1]
+        self.kv_len = max(base) + scratch
+        self.rope_bound = self.kv_len
+        self.positions = positions.to(device)
+        self.write = write.to(device)
+        self.b_idx = torch.arange(self.B, device=device)[:, None].expand(self.B, self.T)
+        keys = torch.arange(self.kv_len)
+        off = keys[None, :] - torch.tensor(base)[:, None]  # [B, L]: key's offset into the scratch region
+        in_scratch = (off >= 0) & (off < scratch)
+        seen = visible.gather(2, off.clamp(0, scratch - 1)[:, None, :].expand(self.B, self.T, self.kv_len))
+        self.mask = ((off < 0)[:, None, :] | (in_scratch[:, None, :] & seen))[:, None].to(device)  # [B,1,T,L]
+        self._packed_masks: dict[int, torch.Tensor] = {}
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B,nh,T,hd], k/v [B,kvh,T,hd] (rope applied) -> attention output [B,T,nh*hd]."""
+        ck, cv = cache.k[layer], cache.v[layer]
+        ck[self.b_idx, :, self.write] = k.transpose(1, 2)
+        cv[self.b_idx, :, self.write] = v.transpose(1, 2)
         keys = ck[:self.B, :, :self.kv_len]
         vals = cv[:self.B, :, :self.kv_len]
         return packed_gqa_attention(q, keys, vals, self.mask, self._packed_masks)

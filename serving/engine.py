@@ -12,8 +12,10 @@ target KV cache and the draft KV cache. A slot's target cache holds positions 0.
 tok_buf[L] is the last committed token, not yet fed to the target; the draft cache trails the
 target's and is caught up (`_extend_draft`) just before drafting.
 
-A new head is installed with `swap_head` (any thread; serving/head_swap.py); it takes effect
-between rounds, never inside one. Whatever head is live, the output equals the target's
+A round is a chain (topk 1: serving/chain_round.py) or a tree (topk > 1: serving/tree_round.py,
+SGLang's `num_steps`, `topk`, `num_draft_tokens`); `step` reads the round top to bottom either
+way. A new head is installed with `swap_head` (any thread; serving/head_swap.py); it takes
+effect between rounds, never inside one. Whatever head is live, the output equals the target's
 (greedy: token-identical; sampling: the same distribution).
 
     engine = Engine(load_target(), head, EngineConfig())
@@ -33,15 +35,18 @@ from typing import Callable
 import torch
 
 from online_spec.capture import CaptureRecord
-from online_spec.config import check, doc
+from online_spec.config import ConfigError, check, doc
 from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
 from online_spec.kvcache import AttentionBatch
-from online_spec.sampling import SamplingParams, accept_sampled, probs_from_logits
+from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import TargetModel
+from online_spec.tree import TreeShape
+from serving.chain_round import ChainRounds
 from serving.cuda_graphs import CudaGraphs
 from serving.head_swap import HeadSwapping, StagedHead
 from serving.requests import CaptureSink, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
+from serving.tree_round import TreeRounds
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,13 @@ class EngineConfig:
     max_batch: int = doc("requests decoded together; more wait in the queue", 16)
     max_len: int = doc("longest sequence (prompt + output) per request, in tokens", 2048)
     max_steps: int = doc("largest number of draft steps K per round", 7)
-    num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode)", 3)
+    num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode); with "
+                         "speculative_eagle_topk > 1, the tree's depth", 3)
+    speculative_eagle_topk: int = doc("branching of the draft tree (SGLang's --speculative-eagle-topk); "
+                                      "1 = a chain", 1)
+    speculative_num_draft_tokens: int = doc("tokens verified per request in a tree round, the root included "
+                                            "(SGLang's --speculative-num-draft-tokens); 0 = num_steps + 1, "
+                                            "the chain's", 0)
     cuda_graphs: bool = doc("on a CUDA device, replay CUDA graphs for the decode/verify/draft shapes "
                             "(serving/cuda_graphs.py); ignored on CPU", True)
     max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
@@ -65,15 +76,41 @@ class EngineConfig:
         check(self.max_len >= 16, "max_len", "must be >= 16")
         check(self.max_queue >= 0, "max_queue", "must be >= 0")
         check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
+        check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
+              "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
+        check(self.speculative_num_draft_tokens >= 0, "speculative_num_draft_tokens", "must be >= 0")
+        if self.speculative_eagle_topk == 1:
+            check(self.speculative_num_draft_tokens in (0, self.num_steps + 1), "speculative_num_draft_tokens",
+                  f"a chain (speculative_eagle_topk 1) verifies num_steps + 1 = {self.num_steps + 1} tokens, "
+                  f"got {self.speculative_num_draft_tokens}")
+        elif self.max_steps > 0:
+            self.tree_shape(self.max_steps)  # raises naming the bad field
+
+    @property
+    def tree(self) -> bool:
+        """Rounds draft trees (topk > 1), not chains."""
+        return self.speculative_eagle_topk > 1
+
+    def tree_shape(self, num_steps: int) -> TreeShape:
+        """The tree of a round at depth `num_steps` (num_draft_tokens cut to what it can draft)."""
+        n = self.speculative_num_draft_tokens or num_steps + 1
+        return TreeShape.capped(num_steps, self.speculative_eagle_topk, n)
+
+    @property
+    def reserve(self) -> int:
+        """Cache rows a round may need beyond a request's committed ones (its largest shape)."""
+        if self.tree and self.max_steps > 0:
+            return max(self.max_steps, self.tree_shape(self.max_steps).footprint)
+        return self.max_steps
 
 
-class Engine(HeadSwapping):
+class Engine(ChainRounds, TreeRounds, HeadSwapping):
     def __init__(self, target: TargetModel, head: EagleHead | None, cfg: EngineConfig | None = None,
                  policy: StepPolicy | None = None, publisher: CaptureSink | None = None,
                  head_version: int = 0):
         self.target, self.cfg = target, cfg or EngineConfig()
         self.policy = policy or StaticSteps(self.cfg.num_steps)
-        check_policy(self.policy)
+        self._check_policy(self.policy)
         self.publisher = publisher
         c, info = self.cfg, target.info
         S, L = c.max_batch, c.max_len
@@ -103,7 +140,7 @@ class Engine(HeadSwapping):
         """Queue a request; raises EngineFull / PromptTooLong / ValueError without side effects."""
         if not req.prompt_ids:
             raise ValueError("empty prompt")
-        if len(req.prompt_ids) + self.cfg.max_steps + 2 >= self.cfg.max_len:
+        if len(req.prompt_ids) + self.cfg.reserve + 2 >= self.cfg.max_len:
             raise PromptTooLong(f"prompt of {len(req.prompt_ids)} tokens leaves no room within "
                                 f"max_len={self.cfg.max_len}")
         vocab = self.target.info.vocab_size
@@ -132,9 +169,16 @@ class Engine(HeadSwapping):
     def set_policy(self, policy: StepPolicy) -> None:
         """Install a new step policy before the next round. Thread-safe; a policy lacking a
         `StepPolicy` member is refused here (TypeError), not rounds later."""
-        check_policy(policy)
+        self._check_policy(policy)
         with self._lock:
             self._pending_policy = policy
+
+    def _check_policy(self, policy: StepPolicy) -> None:
+        check_policy(policy)
+        if self.cfg.tree and not policy.tree_rounds:
+            raise ConfigError(f"policy: {policy.name} drives chain rounds only (speculative_eagle_topk "
+                              f"{self.cfg.speculative_eagle_topk} asks for trees): serve trees with the static "
+                              "policy, as SGLang does (its adaptive mode requires topk 1)")
 
     @property
     def has_pending(self) -> bool:
@@ -175,67 +219,57 @@ class Engine(HeadSwapping):
         room = self.cfg.max_len - max(tlen) - 2
         K = 0 if self.head is None else max(0, min(self.policy.steps_for(B, ctx), self.cfg.max_steps, room))
 
-        # 1) draft: catch the draft cache up on committed features, then up to K chained steps
-        #    (fewer when the policy predicts the next step does not pay).
+        if self.cfg.tree:  # a tree's cache footprint must fit the room left
+            while K > 0 and self.cfg.tree_shape(K).footprint > room:
+                K -= 1
         t1 = time.perf_counter()
         captures = [self._captures()]
         self._catchup_s = 0.0
-        q_full: list[torch.Tensor] | None = None
-        if K > 0:
-            drafts, draft_probs, q_full = self._draft(reqs, tlen, K, ctx)
-            K = drafts.shape[1]
+        if K > 0 and self.cfg.tree:
+            # 1) draft a tree of depth K, 2) verify it in one target forward, 3) accept a path,
+            # 4) commit, 5) capture: serving/tree_round.py
+            shape = self.cfg.tree_shape(K)
+            tree = self._draft_tree(reqs, tlen, shape)
+            t2 = time.perf_counter()
+            captures.append(self._captures())
+            accepted, records, round_outs = self._verify_tree(reqs, tlen, tree, shape)
+            lens, drafted, confidences, verified = [K] * B, K, None, shape.num_draft_tokens
         else:
-            drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0)
-        # verify length (confidence-prior verifier): low-confidence tails are not verified. The
-        # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
-        # length for the batch: a request cut shorter than the rest would save nothing.
-        lens = [K] * B
-        drafted = K
-        confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
-        if K > 0 and self.policy.truncates:
-            lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
-            K = max(lens)
-            drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
-            confidences = confidences[:, :K]
-        t2 = time.perf_counter()
-        captures.append(self._captures())
-
-        # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
-        #    target forward over the KV cache. tokens [B, K+1] -> logits [B, K+1, V].
-        tokens = torch.cat([self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None]), drafts], dim=1)
-        if self.graphs is not None:
-            logits, feats, final = self.graphs.target_forward(tokens, tlen, self.tcache)
-        else:
-            batch = AttentionBatch(tlen, K + 1, self.target.device)
-            logits, feats, final = self.target.forward(tokens.to(self.target.device), batch, self.tcache)
-
-        # 3) accept, 4) commit, 5) capture
-        accepted, records, round_outs = [], [], []
-        greedy_choice = logits.argmax(-1).cpu() if any(r.params.greedy for r in reqs) else None
-        for b, r in enumerate(reqs):
-            n = lens[b]
-            if r.params.greedy:
-                # Greedy: accept drafts while each equals the target's argmax at its position; the
-                # target's argmax after the last accepted draft is committed too (the bonus).
-                match = (drafts[b, :n] == greedy_choice[b, :n]).int()
-                a = int(match.cumprod(0).sum()) if n else 0
-                nxt = int(greedy_choice[b, a])
+            # 1) draft: catch the draft cache up on committed features, then up to K chained steps
+            #    (fewer when the policy predicts the next step does not pay).
+            q_full: list[torch.Tensor] | None = None
+            if K > 0:
+                drafts, draft_probs, q_full = self._draft(reqs, tlen, K, ctx)
+                K = drafts.shape[1]
             else:
-                p = probs_from_logits(logits[b, :n + 1], r.params)
-                a, nxt = accept_sampled(p, q_full[b][:n], drafts[b, :n], r.gen)
-            accepted.append(a)
-            L = tlen[b]
-            new = drafts[b, :a].tolist() + [nxt]
-            self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
-            self.feat_buf[b, L:L + a + 1] = feats[b, :a + 1]
-            self.tcache.lengths[b] = L + a + 1
-            if r.capture:
-                records.append(CaptureRecord(
-                    request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
-                    features=feats[b, :a + 1], final_hidden=final[b, :a + 1],
-                    draft_tokens=drafts[b, :n].clone(), draft_probs=draft_probs[b, :n].clone(), accept_len=a,
-                    num_steps=n, batch_size=B, draft_version=self.head_version, tag=r.tag))
-            round_outs.append(self._commit_output(r, new, a, n))
+                drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0)
+            # verify length (confidence-prior verifier): low-confidence tails are not verified. The
+            # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
+            # length for the batch: a request cut shorter than the rest would save nothing.
+            lens = [K] * B
+            drafted = K
+            confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
+            if K > 0 and self.policy.truncates:
+                lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
+                K = max(lens)
+                drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
+                confidences = confidences[:, :K]
+            t2 = time.perf_counter()
+            captures.append(self._captures())
+
+            # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
+            #    target forward over the KV cache. tokens [B, K+1] -> logits [B, K+1, V].
+            tokens = torch.cat([self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None]), drafts], dim=1)
+            if self.graphs is not None:
+                logits, feats, final = self.graphs.target_forward(tokens, tlen, self.tcache)
+            else:
+                batch = AttentionBatch(tlen, K + 1, self.target.device)
+                logits, feats, final = self.target.forward(tokens.to(self.target.device), batch, self.tcache)
+
+            # 3) accept, 4) commit, 5) capture
+            accepted, records, round_outs = self._accept_chain(reqs, tlen, lens, drafts, draft_probs, q_full,
+                                                               logits, feats, final)
+            verified = K + 1
         t3 = time.perf_counter()
         captures.append(self._captures())
         stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,
@@ -244,7 +278,8 @@ class Engine(HeadSwapping):
                            head_version=self.head_version, ctx_len=ctx, swapped=swapped,
                            swap_fill_rows=self._filled, catchup_s=self._catchup_s,
                            draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1],
-                           drafted_steps=drafted)
+                           drafted_steps=drafted, topk=self.cfg.speculative_eagle_topk if self.cfg.tree else 1,
+                           num_draft_tokens=verified if K > 0 else 1)
         # every round counts, K=0 too: SGLang's policy probes up from plain decode. The cost policy
         # learns steady round times: one-off work (long catch-ups, graph captures) would read as
         # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
@@ -261,51 +296,6 @@ class Engine(HeadSwapping):
     # -- pieces of a round ------------------------------------------------------------------
     def _captures(self) -> int:
         return 0 if self.graphs is None else self.graphs.captures
-
-    def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
-        """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
-        full-vocab draft distributions per request (sampling requests only))."""
-        head, B = self.head, len(reqs)
-        logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
-        drafts = torch.zeros(B, K, dtype=torch.long)
-        probs = torch.zeros(B, K)
-        q_full = [torch.zeros(K, self.target.info.vocab_size) for _ in range(B)] \
-            if any(not r.params.greedy for r in reqs) else None
-        d2t = head.draft_to_target
-        for j in range(K):
-            if j > 0:
-                # step j+1 reads (embedding of draft j, hidden of step j) at position tlen + j - 1
-                emb = self.target.embed_tokens(drafts[:, j - 1:j].to(self.target.device))
-                starts = [t + j - 1 for t in tlen]
-                if self.graphs is not None:
-                    lg, hid = self.graphs.head_step(head, self.dcache, emb, hidden[:, None], starts)
-                else:
-                    batch = AttentionBatch(starts, 1, self.target.device)
-                    lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
-                logits, hidden = lg[:, 0], hid[:, 0]
-            lf = logits.float()
-            if any(r.params.greedy for r in reqs):  # greedy rows: one read-back for the whole batch
-                pr = torch.softmax(lf, -1)
-                d = pr.argmax(-1)
-                g_tok, g_prob = d2t[d].tolist(), pr.gather(1, d[:, None])[:, 0].tolist()
-            for b, r in enumerate(reqs):
-                if r.params.greedy:
-                    drafts[b, j], probs[b, j] = g_tok[b], g_prob[b]
-                else:
-                    full = torch.full((self.target.info.vocab_size,), float("-inf"))
-                    full[d2t] = lf[b]
-                    q = probs_from_logits(full, r.params)
-                    t = int(torch.multinomial(q, 1, generator=r.gen))
-                    drafts[b, j], probs[b, j] = t, float(q[t])
-                    q_full[b][j] = q
-            if j + 1 < K and self.policy.early_stop and \
-                    not self.policy.should_continue(j + 1, probs[:, j].numpy(), B, ctx):
-                drafts, probs = drafts[:, :j + 1], probs[:, :j + 1]
-                q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
-                break
-        for b in range(B):  # speculative rows are dropped; the next extend rewrites them
-            self.dcache.lengths[b] = tlen[b]
-        return drafts, probs, q_full
 
     def _extend_draft(self, tlen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the head every committed row it has not seen: row p reads (embedding of token
@@ -396,7 +386,7 @@ class Engine(HeadSwapping):
             cut = self._check_stop_strings(r)
             if cut:
                 del taken[max(0, len(taken) - cut):]
-        if r.finish_reason is None and self.tcache.lengths[r.slot] + self.cfg.max_steps + 2 >= self.cfg.max_len:
+        if r.finish_reason is None and self.tcache.lengths[r.slot] + self.cfg.reserve + 2 >= self.cfg.max_len:
             r.finish_reason = "length"
         return RequestOutput(r.request_id, taken, accept_len, K, r.finish_reason is not None, r.finish_reason)
 

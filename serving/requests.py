@@ -74,6 +74,8 @@ class RoundStats:
     draft_captures: int = 0  # CUDA graphs captured in the draft phase (a new shape, a new head)
     verify_captures: int = 0  # CUDA graphs captured in the verify phase
     drafted_steps: int = 0  # drafts made per request before the verify-length cut (>= num_steps)
+    topk: int = 1  # branching of the round's draft tree (1: a chain)
+    num_draft_tokens: int = 0  # tokens verified per request, the root included (a chain: num_steps + 1)
 
     @property
     def steady_draft_s(self) -> float | None:

@@ -33,6 +33,9 @@ class StepPolicy(Protocol):
     """True when `should_continue` may stop drafting inside a round."""
     truncates: bool
     """True when `verify_lengths` may verify fewer drafts than K for some requests."""
+    tree_rounds: bool
+    """True when the policy may drive tree rounds (topk > 1), its K then being the tree's depth.
+    SGLang's adaptive policy requires chains; a static K serves trees as SGLang's flags do."""
 
     def steps_for(self, batch_size: int, ctx_len: int = 0) -> int:
         """K for the next round of a batch of `batch_size` requests of mean context `ctx_len`."""
@@ -75,6 +78,7 @@ class StepPolicyBase:
     name = "policy"
     early_stop = False
     truncates = False
+    tree_rounds = False
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
         return True
@@ -171,6 +175,7 @@ class TimedPolicy:
         check_policy(policy)
         self.policy = policy
         self.name, self.early_stop, self.truncates = policy.name, policy.early_stop, policy.truncates
+        self.tree_rounds = policy.tree_rounds
         self.round_ns: list[int] = []
         self._acc = 0
 

@@ -12,6 +12,7 @@ class StaticSteps(StepPolicyBase):
     """K fixed; a `StepPolicy` with no in-round capabilities."""
 
     name = "static"
+    tree_rounds = True  # K is the tree's depth, as SGLang's --speculative-num-steps
 
     def __init__(self, num_steps: int):
         check(num_steps >= 0, "num_steps", f"must be >= 0, got {num_steps}")

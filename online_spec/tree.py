@@ -1,0 +1,180 @@
+"""Draft trees: the shape of a tree round, which candidates it verifies, what each node may
+attend to, and the exact acceptance rules over a tree. Pure tensor bookkeeping: no model.
+
+SGLang's names and meaning (`TreeShape`): `num_steps` = depth, `topk` = branching (1 = chain),
+`num_draft_tokens` = tokens verified per request, the root (the last committed token) included.
+
+Drafting (serving/tree_round.py) expands, at each of `num_steps` draft steps, the `topk`
+children of each of the `topk` best frontier nodes; every child is a candidate scored by its
+path's summed draft log-probability. `select_tree` keeps the `num_draft_tokens - 1` best
+candidates. A child's score never exceeds its parent's and its index is larger, so a stable
+sort by score keeps every kept node's parent: the kept set is a tree rooted at the last
+committed token. Nodes are numbered in candidate order (depth first, then score), so a
+parent's number is always smaller than its child's and siblings stand in their drafting order.
+
+Acceptance (lossless for any head and any tree):
+- greedy (`accept_greedy`): walk from the root, at each node follow the child whose token is
+  the target's argmax there; stop where none is; the argmax at the last node reached is the
+  bonus token. The committed tokens are exactly the target's greedy tokens.
+- sampling (`accept_sampled`): at each node its children are tried in order against the
+  target's residual distribution r (at first the target's p there): child x is accepted with
+  probability r(x) / sum(r); a rejected child's mass is removed from r. When every child is
+  rejected (or the node is a leaf) the bonus token is sampled from r. Each committed token is
+  then distributed exactly as p: token x_j is committed with probability
+  prod_{i<j}(1 - p(x_i)/R_i) * p(x_j)/R_j = p(x_j), any other token y with probability
+  (1 - sum_j p(x_j)) * p(y) / (1 - sum_j p(x_j)) = p(y).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from online_spec.config import check
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """One round's tree: depth `num_steps`, branching `topk`, `num_draft_tokens` verified."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.num_steps, int) and self.num_steps >= 1, "num_steps",
+              f"must be an int >= 1, got {self.num_steps!r}")
+        check(isinstance(self.topk, int) and self.topk >= 1, "topk", f"must be an int >= 1, got {self.topk!r}")
+        check(isinstance(self.num_draft_tokens, int) and 2 <= self.num_draft_tokens <= self.max_nodes + 1,
+              "num_draft_tokens", f"must be 2..{self.max_nodes + 1} for depth {self.num_steps} and topk "
+              f"{self.topk} (root included), got {self.num_draft_tokens!r}")
+
+    @property
+    def max_nodes(self) -> int:
+        """Candidates a round drafts: topk at depth 1, topk * topk below each later frontier."""
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def scratch_rows(self) -> int:
+        """Draft-cache rows the frontier nodes occupy beyond the committed ones."""
+        return (self.num_steps - 1) * self.topk
+
+    @property
+    def footprint(self) -> int:
+        """Cache rows a round needs beyond the committed ones (target or draft cache)."""
+        return max(self.num_draft_tokens, self.scratch_rows + 1)
+
+    @classmethod
+    def capped(cls, num_steps: int, topk: int, num_draft_tokens: int) -> "TreeShape":
+        """The shape at depth `num_steps` (a policy may pick less than the configured depth), with
+        `num_draft_tokens` cut to what that depth can draft."""
+        most = topk + (num_steps - 1) * topk * topk + 1
+        return cls(num_steps, topk, max(2, min(num_draft_tokens, most)))
+
+
+@dataclass
+class DraftTree:
+    """The nodes a round verifies, per request (all requests share N = num_draft_tokens).
+
+    tokens  [B, N] int64  target token ids; column 0 is the root (the last committed token)
+    parents [B, N] int64  parent column of each node (-1 for the root); parents[b, n] < n
+    depth   [B, N] int64  0 for the root
+    probs   [B, N] f32    the head's probability of each node's token given its parent (root: 1)
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    probs: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def visible(self) -> torch.Tensor:
+        """[B, N, N] bool: node n may attend to node m (m is n or one of its ancestors)."""
+        B, N = self.tokens.shape
+        vis = torch.zeros(B, N, N, dtype=torch.bool)
+        vis[:, 0, 0] = True
+        ar = torch.arange(B)
+        for n in range(1, N):
+            vis[:, n] = vis[ar, self.parents[:, n]]
+            vis[:, n, n] = True
+        return vis
+
+    def children(self) -> list[list[list[int]]]:
+        """Per request, per node, its children's columns in drafting order."""
+        out = []
+        for row in self.parents.tolist():
+            kids: list[list[int]] = [[] for _ in row]
+            for n, p in enumerate(row[1:], 1):
+                kids[p].append(n)
+            out.append(kids)
+        return out
+
+
+def select_tree(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
+                cand_probs: torch.Tensor, root_tokens: torch.Tensor, num_draft_tokens: int) -> DraftTree:
+    """The best `num_draft_tokens - 1` candidates of each request, as a tree under its root.
+
+    cand_* [B, C] in drafting order (a parent before its children): target token ids, parent
+    candidate index (-1 = the root), summed draft log-probability of the path, the head's
+    probability of the token given its parent. root_tokens [B]."""
+    B, C = cand_tokens.shape
+    n = min(num_draft_tokens - 1, C)
+    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :n]
+    keep = torch.sort(order, dim=1).values  # [B, n] candidate indices in drafting order
+    column = torch.full((B, C), -1, dtype=torch.long)
+    column.scatter_(1, keep, torch.arange(1, n + 1).expand(B, n))
+    par = cand_parents.gather(1, keep)
+    par_col = torch.where(par < 0, torch.zeros_like(par), column.gather(1, par.clamp_min(0)))
+    if bool((par_col < 0).any()):
+        raise AssertionError("select_tree: a kept candidate's parent was not kept")
+    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long), par_col], dim=1)
+    depth = torch.zeros(B, n + 1, dtype=torch.long)
+    ar = torch.arange(B)
+    for j in range(1, n + 1):
+        depth[:, j] = depth[ar, parents[:, j]] + 1
+    tokens = torch.cat([root_tokens.reshape(B, 1).long(), cand_tokens.gather(1, keep)], dim=1)
+    probs = torch.cat([torch.ones(B, 1), cand_probs.gather(1, keep).float()], dim=1)
+    return DraftTree(tokens, parents, depth, probs)
+
+
+def accept_greedy(tokens: list[int], children: list[list[int]], target_choice: list[int]) -> tuple[list[int], int]:
+    """One request's greedy walk: (accepted node columns in path order, bonus token).
+
+    tokens [N] and target_choice [N] (the target's argmax at each node) as lists."""
+    path, u = [], 0
+    while True:
+        g = target_choice[u]
+        nxt = next((c for c in children[u] if tokens[c] == g), None)
+        if nxt is None:
+            return path, g
+        path.append(nxt)
+        u = nxt
+
+
+def accept_sampled(tokens: list[int], children: list[list[int]], p: torch.Tensor,
+                   gen: torch.Generator | None) -> tuple[list[int], int]:
+    """One request's exact multi-candidate rejection sampling over its tree: (accepted node
+    columns in path order, bonus token). p [N, V]: the target's probabilities at each node
+    (temperature, top-k, top-p applied)."""
+    path, u = [], 0
+    while True:
+        resid = p[u].clone()
+        taken = None
+        for c in children[u]:
+            x = tokens[c]
+            mass = float(resid.sum())
+            px = float(resid[x])
+            if mass > 0 and float(torch.rand((), generator=gen)) * mass < px:
+                taken = c
+                break
+            resid[x] = 0.0
+        if taken is None:
+            mass = float(resid.sum())
+            dist = resid / mass if mass > 0 else p[u]
+            return path, int(torch.multinomial(dist, 1, generator=gen))
+        path.append(taken)
+        u = taken

@@ -1,0 +1,98 @@
+"""Chain rounds of the engine: K chained draft steps, a verify of K + 1 tokens, accept a prefix.
+
+`ChainRounds` is the part of `Engine` (serving/engine.py) that drafts and accepts a chain
+(topk 1, today's EAGLE rounds and SGLang's adaptive mode): `_draft` runs up to K head steps
+after the draft cache's catch-up, each on the previous step's token and hidden state, and asks
+the policy (where it declares `early_stop`) whether one more step pays; `_accept_chain` takes
+the verify's logits and commits the accepted prefix and the target's next token. The verify
+itself, one target forward over [last committed token, drafts], stays in `Engine.step`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from online_spec.capture import CaptureRecord
+from online_spec.kvcache import AttentionBatch
+from online_spec.sampling import accept_sampled, probs_from_logits
+from serving.requests import Request
+
+
+class ChainRounds:
+    """Drafting and accepting chains; mixed into `Engine`."""
+
+    def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
+        """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
+        full-vocab draft distributions per request (sampling requests only))."""
+        head, B = self.head, len(reqs)
+        logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
+        drafts = torch.zeros(B, K, dtype=torch.long)
+        probs = torch.zeros(B, K)
+        q_full = [torch.zeros(K, self.target.info.vocab_size) for _ in range(B)] \
+            if any(not r.params.greedy for r in reqs) else None
+        d2t = head.draft_to_target
+        for j in range(K):
+            if j > 0:
+                # step j+1 reads (embedding of draft j, hidden of step j) at position tlen + j - 1
+                emb = self.target.embed_tokens(drafts[:, j - 1:j].to(self.target.device))
+                starts = [t + j - 1 for t in tlen]
+                if self.graphs is not None:
+                    lg, hid = self.graphs.head_step(head, self.dcache, emb, hidden[:, None], starts)
+                else:
+                    batch = AttentionBatch(starts, 1, self.target.device)
+                    lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
+                logits, hidden = lg[:, 0], hid[:, 0]
+            lf = logits.float()
+            if any(r.params.greedy for r in reqs):  # greedy rows: one read-back for the whole batch
+                pr = torch.softmax(lf, -1)
+                d = pr.argmax(-1)
+                g_tok, g_prob = d2t[d].tolist(), pr.gather(1, d[:, None])[:, 0].tolist()
+            for b, r in enumerate(reqs):
+                if r.params.greedy:
+                    drafts[b, j], probs[b, j] = g_tok[b], g_prob[b]
+                else:
+                    full = torch.full((self.target.info.vocab_size,), float("-inf"))
+                    full[d2t] = lf[b]
+                    q = probs_from_logits(full, r.params)
+                    t = int(torch.multinomial(q, 1, generator=r.gen))
+                    drafts[b, j], probs[b, j] = t, float(q[t])
+                    q_full[b][j] = q
+            if j + 1 < K and self.policy.early_stop and \
+                    not self.policy.should_continue(j + 1, probs[:, j].numpy(), B, ctx):
+                drafts, probs = drafts[:, :j + 1], probs[:, :j + 1]
+                q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
+                break
+        for b in range(B):  # speculative rows are dropped; the next extend rewrites them
+            self.dcache.lengths[b] = tlen[b]
+        return drafts, probs, q_full
+
+    def _accept_chain(self, reqs, tlen, lens, drafts, draft_probs, q_full, logits, feats, final):
+        """3) accept, 4) commit, 5) capture for a chain. Returns (accepted, records, outputs)."""
+        B = len(reqs)
+        accepted, records, round_outs = [], [], []
+        greedy_choice = logits.argmax(-1).cpu() if any(r.params.greedy for r in reqs) else None
+        for b, r in enumerate(reqs):
+            n = lens[b]
+            if r.params.greedy:
+                # Greedy: accept drafts while each equals the target's argmax at its position; the
+                # target's argmax after the last accepted draft is committed too (the bonus).
+                match = (drafts[b, :n] == greedy_choice[b, :n]).int()
+                a = int(match.cumprod(0).sum()) if n else 0
+                nxt = int(greedy_choice[b, a])
+            else:
+                p = probs_from_logits(logits[b, :n + 1], r.params)
+                a, nxt = accept_sampled(p, q_full[b][:n], drafts[b, :n], r.gen)
+            accepted.append(a)
+            L = tlen[b]
+            new = drafts[b, :a].tolist() + [nxt]
+            self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
+            self.feat_buf[b, L:L + a + 1] = feats[b, :a + 1]
+            self.tcache.lengths[b] = L + a + 1
+            if r.capture:
+                records.append(CaptureRecord(
+                    request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
+                    features=feats[b, :a + 1], final_hidden=final[b, :a + 1],
+                    draft_tokens=drafts[b, :n].clone(), draft_probs=draft_probs[b, :n].clone(), accept_len=a,
+                    num_steps=n, batch_size=B, draft_version=self.head_version, tag=r.tag))
+            round_outs.append(self._commit_output(r, new, a, n))
+        return accepted, records, round_outs
