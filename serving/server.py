@@ -174,6 +174,8 @@ class SpecServer:
             "model_path": self.model_name, "served_model_name": self.model_name,
             "speculative_algorithm": "EAGLE3" if e.head is not None else None,
             "speculative_num_steps": e.cfg.num_steps, "speculative_max_steps": e.cfg.max_steps,
+            "speculative_eagle_topk": e.cfg.speculative_eagle_topk,
+            "speculative_num_draft_tokens": e.cfg.speculative_num_draft_tokens or e.cfg.num_steps + 1,
             "head_version": e.head_version,
             "internal_states": [{**summary, "head_version": e.head_version, "policy": policy_info}],
             "running_requests": len(e.running), "waiting_requests": len(e.waiting),
