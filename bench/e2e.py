@@ -7,6 +7,8 @@ after the other (`bench.session.run_session`, streaming HTTP clients on loopback
                   `--calib-steps` serves the first `--calib-requests` requests of the trace's
                   first phase (what a static deployment is tuned on) and the best tokens/s wins
   3. adaptive     the same head with SGLang's default adaptive policy (EMA tiers, sglang_default)
+     tree         the same head as a static tree (`--tree`, SGLang's default 5,4,8 for Llama
+                  targets): `sglang_default_tree`, `speedup_vs_sglang_default_tree`
   4. online-spec  the same head, the trainer daemon beside the server (capture, gated swaps over
                   the control endpoint, drift alerts) and the project's cost-model controller
 then two batch-1 measurements on the last phase's first `--bs1-requests` requests (plain, and
@@ -71,8 +73,9 @@ from bench.heads import HEAD_CHOICES, resolve_head
 from bench.report import session_figures
 from bench.session import SessionConfig, run_session
 from bench.trace import build_drift_trace, load_trace, phases
-from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
 from online_spec.target import load_target
+from online_spec.tree import TreeShape
 
 QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_requests=2, bs1_requests=2,
              deadline_s=300.0)
@@ -103,6 +106,8 @@ class E2EConfig:
                                 "--server-threads)", 0)
     overhead_split: bool = doc("also run cost_policy and online_no_training (see the module doc): where "
                                "online-spec's tokens/s go against static", False)
+    tree: str = doc("a static tree 'num_steps,topk,num_draft_tokens' served by the static head "
+                    "(`sglang_default_tree`; SGLang's default for Llama targets: 5,4,8); empty = none", "5,4,8")
     ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
                              "controller and no trainer, for the per-phase ceiling (see the module doc); "
                              "empty = none", "")
@@ -115,9 +120,18 @@ class E2EConfig:
         check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
+        if self.tree:
+            self.tree_shape()  # raises naming the field
         names = [s.strip() for s in self.ceiling_heads.split(",") if s.strip()]
         check(len(self.ceiling_labels) == len(names) and "day0" not in names, "ceiling_heads",
               f"must be head names or paths with distinct last parts (not day0), got {self.ceiling_heads!r}")
+
+    def tree_shape(self) -> TreeShape:
+        try:
+            steps, topk, tokens = (int(x) for x in self.tree.split(","))
+        except ValueError:
+            raise ConfigError(f"tree: {self.tree!r} is not 'num_steps,topk,num_draft_tokens'") from None
+        return TreeShape(steps, topk, tokens)
 
     @property
     def ceiling_labels(self) -> dict[str, str]:
@@ -177,6 +191,10 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                    "static": session(f"{pre}static", items, num_steps=best_k, **alone),
                    "sglang_adaptive": session(f"{pre}sglang_adaptive", items, policy="sglang_default",
                                               num_steps=best_k, **alone)}
+        if cfg.tree:
+            t = cfg.tree_shape()
+            configs["sglang_default_tree"] = session(f"{pre}sglang_default_tree", items, num_steps=t.num_steps,
+                                                     eagle_topk=t.topk, num_draft_tokens=t.num_draft_tokens, **alone)
         if cfg.overhead_split or ceiling:
             configs["cost_policy"] = session(f"{pre}cost_policy", items, policy="cost", num_steps=best_k)
         if cfg.overhead_split:
@@ -219,7 +237,8 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
 
 
 NEVER_TRAIN_TOKENS = 10**12  # a replay buffer never holds this many rows: the daemon ingests, never trains
-RATIOS = ("speedup_vs_static_sglang_adaptive", "speedup_vs_static", "speedup_vs_plain", "speedup_vs_plain_bs1_adapted")
+RATIOS = ("speedup_vs_static_sglang_adaptive", "speedup_vs_static", "speedup_vs_plain", "speedup_vs_plain_bs1_adapted",
+          "speedup_vs_sglang_default_tree", "tree_vs_static")
 TARGETS = {"speedup_vs_static_sglang_adaptive": 1.3, "speedup_vs_plain_bs1_adapted": 2.5}
 
 
@@ -285,6 +304,8 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
            "speedup_vs_static": _ratio(tps("online_spec"), tps("static")),
            "speedup_vs_plain": _ratio(tps("online_spec"), tps("plain")),
            "speedup_vs_plain_bs1_adapted": _ratio(bs1["online_spec"]["tokens_per_s"], bs1["plain"]["tokens_per_s"]),
+           "speedup_vs_sglang_default_tree": _ratio(tps("online_spec"), tps("sglang_default_tree")),
+           "tree_vs_static": _ratio(tps("sglang_default_tree"), tps("static")),
            "per_phase": {p: {name: phase_figures(c, p) for name, c in configs.items()} for p in phases},
            "overall": {name: overall_figures(c) for name, c in configs.items()},
            "adaptation_online_spec": configs["online_spec"]["adaptation"],

@@ -24,12 +24,13 @@ import torch
 from bench.common import add_bench_args, median_time, quick_overrides, write_report
 from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 from online_spec.checkpoint import load_head
-from online_spec.config import check, config_from_args, config_to_dict, doc
-from online_spec.data import sharegpt_conversations
+from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
+from online_spec.data import humaneval_conversations, sharegpt_conversations
 from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
+from online_spec.tree import TreeShape
 from serving.cuda_graphs import CudaGraphs
 from serving.engine import Engine, EngineConfig
 
@@ -51,20 +52,49 @@ class EngineBenchConfig:
     bf16_tie_tol: float = doc("top-2 logit gap under which a bf16 divergence counts as a near-tie", 0.25)
     device: str = doc("torch device of the target and head ('cuda': the engine replays CUDA graphs, and "
                       "the eager figures are measured beside them)", "cpu")
+    trees: list[str] = doc("tree shapes of the shape grid, each 'num_steps,topk,num_draft_tokens' (SGLang's "
+                           "default for Llama targets is 5,4,8)", lambda: ["5,4,8", "6,4,16", "6,8,32"])
+    grid_chains: list[int] = doc("chain K values of the shape grid", lambda: [1, 2, 3, 5, 7])
+    grid_batch_sizes: list[int] = doc("batch sizes of the shape grid", lambda: [1, 4, 16])
+    grid_data: list[str] = doc("traffic of the shape grid: chat (held-out ShareGPT chat) and/or code "
+                               "(HumanEval tasks the shipped heads did not train on)", lambda: ["chat", "code"])
+    only: str = doc("run one part: all | grid (the shape grid and the tree lossless check) | classic "
+                    "(everything but the grid)", "all")
 
     def __post_init__(self):
         check(self.new_tokens >= 1, "new_tokens", "must be >= 1")
         check(self.repeats >= 1, "repeats", "must be >= 1")
         check(self.requests_per_run >= 1, "requests_per_run", "must be >= 1")
         check(all(b >= 1 for b in self.batch_sizes), "batch_sizes", "must be >= 1")
+        check(all(b >= 1 for b in self.grid_batch_sizes), "grid_batch_sizes", "must be >= 1")
+        check(set(self.grid_data) <= {"chat", "code"}, "grid_data", f"must be chat and/or code, got {self.grid_data}")
+        check(self.only in ("all", "grid", "classic"), "only", f"must be all, grid or classic, got {self.only!r}")
+        self.tree_shapes()  # raises naming the field
+
+    def tree_shapes(self) -> list[TreeShape]:
+        out = []
+        for s in self.trees:
+            try:
+                steps, topk, tokens = (int(x) for x in str(s).split(","))
+            except ValueError:
+                raise ConfigError(f"trees: {s!r} is not 'num_steps,topk,num_draft_tokens'") from None
+            out.append(TreeShape(steps, topk, tokens))
+        return out
 
 
 QUICK = dict(new_tokens=32, repeats=3, batch_sizes=[1, 4, 16], steps=[1, 3, 7], lossless_prompts=4,
-             lossless_tokens=32, requests_per_run=4)
+             lossless_tokens=32, requests_per_run=4, trees=["5,4,8"], grid_chains=[1, 3], grid_batch_sizes=[1],
+             grid_data=["chat"])
 
 
-def _prompts(target, n: int, split: str = "heldout") -> list[list[int]]:
-    convs = sharegpt_conversations(limit=n, seed=1, split=split, max_prompt_tokens=160, tokenizer=target.tokenizer)
+def _prompts(target, n: int, split: str = "heldout", data: str = "all") -> list[list[int]]:
+    """n prompts: held-out ShareGPT (data "all" or "chat": its non-programming part), or "code":
+    HumanEval tasks of the split no shipped head trained on."""
+    if data == "code":
+        convs = humaneval_conversations(limit=n, seed=1, split="heldout")
+    else:
+        convs = sharegpt_conversations(limit=n, seed=1, split=split, max_prompt_tokens=160, tokenizer=target.tokenizer,
+                                       topic="chat" if data == "chat" else "all")
     return [target.encode_chat(c[:1]) for c in convs]
 
 
@@ -116,12 +146,15 @@ def run_prompts(prompts: list[list[int]], repeat: int, batch: int, requests: int
 
 
 def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
-                 graphs: bool = True) -> tuple[float, float]:
-    """(tokens/s, mean accept length incl. bonus) of the engine serving `prompts` at static K,
-    at most `batch` at a time (continuous batching). On a GPU (graphs: CUDA graphs on) one
-    untimed run first captures the graphs."""
-    eng = Engine(target, head if K > 0 else None,
-                 EngineConfig(max_batch=batch, max_len=1024, num_steps=K, cuda_graphs=graphs))
+                 graphs: bool = True, tree: TreeShape | None = None) -> tuple[float, float]:
+    """(tokens/s, mean accept length incl. bonus) of the engine serving `prompts` at static K (or
+    the static `tree`), at most `batch` at a time (continuous batching). On a GPU (graphs: CUDA
+    graphs on; tree rounds run eagerly) one untimed run first captures the graphs."""
+    shape = {} if tree is None else dict(num_steps=tree.num_steps, max_steps=tree.num_steps,
+                                         speculative_eagle_topk=tree.topk,
+                                         speculative_num_draft_tokens=tree.num_draft_tokens)
+    eng = Engine(target, head if (K > 0 or tree) else None,
+                 EngineConfig(max_batch=batch, max_len=1024, cuda_graphs=graphs, **({"num_steps": K} | shape)))
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ps = list(prompts)
     if eng.graphs is not None:
@@ -133,6 +166,67 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
     dt = time.perf_counter() - t0
     acc = sum(c for c, _ in rounds) / max(1, sum(b for _, b in rounds)) if rounds else 1.0
     return sum(len(o) for o in outs) / dt, acc
+
+
+def shape_name(K: int, tree: TreeShape | None) -> str:
+    return f"tree_{tree.num_steps}_{tree.topk}_{tree.num_draft_tokens}" if tree else ("plain" if K == 0 else f"chain_{K}")
+
+
+def shape_grid(cfg: EngineBenchConfig, target, head) -> dict:
+    """Tokens/s and accepted drafts per request-round of plain decode, every chain K and every
+    tree, per traffic and batch size; shapes interleaved within each repeat (drift in machine
+    load hits them alike). `best` at each batch: the fastest chain and tree and their ratios."""
+    shapes = [(0, None)] + [(k, None) for k in cfg.grid_chains] + [(t.num_steps, t) for t in cfg.tree_shapes()]
+    out = {}
+    for data in cfg.grid_data:
+        prompts = _prompts(target, cfg.repeats * max([cfg.requests_per_run] + cfg.grid_batch_sizes), data=data)
+        per_batch = {}
+        for b in cfg.grid_batch_sizes:
+            runs: dict[str, list[tuple[float, float]]] = {shape_name(k, t): [] for k, t in shapes}
+            for r in range(cfg.repeats):
+                ps = run_prompts(prompts, r, b, cfg.requests_per_run)
+                for k, t in shapes:
+                    runs[shape_name(k, t)].append(tokens_per_s(target, head, ps, b, k, cfg.new_tokens, tree=t))
+            row = {name: {"tokens_per_s": statistics.median(x[0] for x in v),
+                          "accept_length": statistics.median(x[1] for x in v),
+                          "accepted_drafts_per_round": statistics.median(x[1] for x in v) - 1.0}
+                   for name, v in runs.items()}
+            chains = {n: v for n, v in row.items() if n.startswith("chain_")}
+            trees = {n: v for n, v in row.items() if n.startswith("tree_")}
+            best_chain = max(chains, key=lambda n: chains[n]["tokens_per_s"]) if chains else None
+            best_tree = max(trees, key=lambda n: trees[n]["tokens_per_s"]) if trees else None
+            plain = row["plain"]["tokens_per_s"]
+            row["best"] = {"chain": best_chain, "tree": best_tree,
+                           "tree_vs_chain": (trees[best_tree]["tokens_per_s"] / chains[best_chain]["tokens_per_s"]
+                                             if best_chain and best_tree else None),
+                           "tree_vs_plain": trees[best_tree]["tokens_per_s"] / plain if best_tree else None,
+                           "chain_vs_plain": chains[best_chain]["tokens_per_s"] / plain if best_chain else None}
+            log.info("grid %s batch %d: %s", data, b, row["best"])
+            per_batch[str(b)] = row
+        out[data] = per_batch
+    return out
+
+
+def tree_lossless_check(prompts, n_tokens: int, head_path: str, shapes: list[TreeShape], device: str = "cpu") -> dict:
+    """fp32 greedy through tree rounds (each grid shape and top-k 2/8, batch 1 and 8, the
+    measured head and a random one) token-identical to plain decoding."""
+    t32 = load_target(dtype=torch.float32, device=device)
+    sp = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
+    ref = Engine(t32, None, EngineConfig(max_batch=8, max_len=1024, num_steps=0)).generate(prompts, sp)
+    heads = {"random": new_head(t32, seed=7)}
+    if head_path:
+        heads["measured"] = load_head(head_path, t32.info, dtype=torch.float32)[0].to(t32.device)
+    cases, ok = [], True
+    for kind, head in heads.items():
+        for tree in shapes + [TreeShape(3, 2, 6), TreeShape(4, 8, 24)]:
+            for batch in (1, 8):
+                ps = prompts[:2] if batch == 1 else prompts
+                cfg = EngineConfig(max_batch=batch, max_len=1024, num_steps=tree.num_steps, max_steps=tree.num_steps,
+                                   speculative_eagle_topk=tree.topk, speculative_num_draft_tokens=tree.num_draft_tokens)
+                same = Engine(t32, head, cfg).generate(ps, sp) == ref[:len(ps)]
+                ok &= same
+                cases.append({"head": kind, "tree": shape_name(tree.num_steps, tree), "batch": batch, "identical": same})
+    return {"tree_lossless": bool(ok), "tree_fp32_cases": cases}
 
 
 def hf_generate_tokens_per_s(target, prompt, new_tokens: int) -> float:
@@ -201,6 +295,14 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
     gpu = target.device.type == "cuda"
     out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": str(target.dtype).removeprefix("torch."),
                  "cuda_graphs": gpu, "distinct_prompts": len({tuple(p) for p in prompts})}
+    if cfg.only in ("all", "grid"):
+        log.info("shape grid: plain, chains %s, trees %s", cfg.grid_chains, cfg.trees)
+        out["shape_grid"] = shape_grid(cfg, target, head)
+        out.update(tree_lossless_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, cfg.draft,
+                                       cfg.tree_shapes(), cfg.device))
+        if cfg.only == "grid":
+            out["lossless"] = out["tree_lossless"]
+            return out
     log.info("cost ratios")
     out.update(cost_ratios(target, head, cfg.steps, cfg.ctx_len, cfg.repeats, graphs=gpu))
     if gpu:  # the same ratios without graphs: what the graphs buy per forward
@@ -230,6 +332,7 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
     log.info("lossless spot check")
     out.update(lossless_spot_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, cfg.bf16_tie_tol,
                                    cfg.device))
+    out["lossless"] = out["lossless"] and out.get("tree_lossless", True)
     return out
 
 

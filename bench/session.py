@@ -54,7 +54,9 @@ class SessionConfig:
     policy: str = doc("K policy: static (K = num_steps), sglang_default (SGLang's EMA tiers), "
                       "cost (the project's cost-model controller, every K from 0 to the engine's max_steps)",
                       "static")
-    num_steps: int = doc("K of the static policy (0 = plain decoding)", 3)
+    num_steps: int = doc("K of the static policy (0 = plain decoding); with eagle_topk > 1 the tree's depth", 3)
+    eagle_topk: int = doc("draft tree branching (SGLang's --speculative-eagle-topk; 1 = chains)", 1)
+    num_draft_tokens: int = doc("tokens a tree round verifies, root included (0 = num_steps + 1)", 0)
     online: bool = doc("run the trainer daemon beside the server (capture on, gated swaps)", False)
     concurrency: int = doc("streaming clients in flight", 4)
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
@@ -162,7 +164,9 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             head = init_from_target(new_head(target).float(), target).to(target.dtype).eval()
         else:
             head = None
-        engine_cfg = EngineConfig(max_batch=cfg.max_batch, num_steps=0 if plain else max(cfg.num_steps, 1))
+        engine_cfg = EngineConfig(max_batch=cfg.max_batch, num_steps=0 if plain else max(cfg.num_steps, 1),
+                                  max_steps=max(7, cfg.num_steps), speculative_eagle_topk=1 if plain else cfg.eagle_topk,
+                                  speculative_num_draft_tokens=0 if plain else cfg.num_draft_tokens)
         publisher = None
         if cfg.online:
             publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"))

@@ -20,7 +20,10 @@ Hooks (SGLang 0.5.23 names, `TARGETS`):
 - `LogitsProcessor._get_last_hidden_states_to_store` (AROUND): SGLang keeps the post-norm
   hidden only for `--enable-return-aux-hidden-states`; with capture on it is kept whenever aux
   features are captured in full mode. Chain drafting only (`--speculative-eagle-topk 1`):
-  tree compaction moves `hidden_states` but not `last_hidden_states`.
+  tree compaction moves `hidden_states` but not `last_hidden_states`, so a tree round's rows
+  cannot be aligned at the hook; with capture on,
+- `Scheduler.__init__` (AFTER) refuses a tree (`--speculative-eagle-topk` > 1) at start-up,
+  saying why and what to change: never misaligned rows.
 - `adaptive_spec_params.AdaptiveSpeculativeParams` (class REPLACE, `ONLINE_SPEC_SGLANG_POLICY=1`):
   `serving.sglang_adaptive.OnlineSpecAdaptiveParams`, same JSON file.
 - `SchedulerWeightUpdaterManager.update_weights_from_tensor` (AFTER): a successful update of the
@@ -51,6 +54,7 @@ TARGETS = {
     "policy": "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams",
     "weights": "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
                ".update_weights_from_tensor",
+    "scheduler_init": "sglang.srt.managers.scheduler.Scheduler.__init__",
 }
 
 
@@ -109,7 +113,8 @@ def register() -> list[str]:
         HookRegistry.register(TARGETS["decode"], hooks.around_decode, HookType.AROUND)
         HookRegistry.register(TARGETS["prefill"], hooks.around_prefill, HookType.AROUND)
         HookRegistry.register(TARGETS["final_hidden"], around_last_hidden, HookType.AROUND)
-        chosen += [TARGETS["decode"], TARGETS["prefill"], TARGETS["final_hidden"]]
+        HookRegistry.register(TARGETS["scheduler_init"], refuse_tree_capture, HookType.AFTER)
+        chosen += [TARGETS["decode"], TARGETS["prefill"], TARGETS["final_hidden"], TARGETS["scheduler_init"]]
     if cfg.replace_policy:
         OnlineSpecAdaptiveParams.default_config = staticmethod(_sglang_default_adaptive_config)
         HookRegistry.register(TARGETS["policy"], OnlineSpecAdaptiveParams, HookType.REPLACE)
@@ -118,6 +123,24 @@ def register() -> list[str]:
     chosen.append(TARGETS["weights"])
     log.info("online-spec SGLang plugin: hooks on %s", ", ".join(chosen))
     return chosen
+
+
+class TreeCaptureRefused(RuntimeError):
+    """Capture was asked for beside SGLang's tree drafting, whose rows cannot be aligned."""
+
+
+def refuse_tree_capture(result, self, server_args, *args, **kwargs):
+    """After SGLang's scheduler is built: capture with a draft tree (topk > 1) is refused, since
+    SGLang's tree verify compacts the accepted path in `hidden_states` but not in
+    `last_hidden_states`, and a record of misaligned rows would teach the head wrong targets."""
+    topk = getattr(server_args, "speculative_eagle_topk", None)  # SGLang's own optional field
+    if topk not in (None, 1):
+        raise TreeCaptureRefused(
+            f"online-spec capture needs chain drafting (--speculative-eagle-topk 1), got {topk}: SGLang's tree "
+            "verify keeps the accepted path's target features but not its post-norm hidden states, so captured "
+            "rows would be misaligned. Serve with --speculative-eagle-topk 1, or set ONLINE_SPEC_CAPTURE=0 to "
+            "keep the tree without capture.")
+    return result
 
 
 def around_last_hidden(original, self, hidden_states, aux_hidden_states, logits_metadata):

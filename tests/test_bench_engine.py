@@ -19,3 +19,23 @@ def test_tokens_per_s_serves_more_prompts_than_the_batch(tiny):
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     tps, acc = tokens_per_s(tiny, head, prompts, batch=2, K=3, new_tokens=5)
     assert tps > 0 and 1.0 <= acc <= 4.0  # committed per request-round, bonus included
+
+
+def test_tokens_per_s_of_a_static_tree(tiny):
+    from online_spec.tree import TreeShape
+    head = new_head(tiny, seed=0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    tps, acc = tokens_per_s(tiny, head, prompts, batch=2, K=0, new_tokens=5, tree=TreeShape(3, 2, 5))
+    assert tps > 0 and 1.0 <= acc <= 4.0  # at most depth 3 drafts + the bonus per request-round
+
+
+def test_tree_shapes_are_parsed_and_checked():
+    import pytest
+    from online_spec.config import ConfigError
+    from bench.engine import EngineBenchConfig, shape_name
+    cfg = EngineBenchConfig(trees=["5,4,8", "6,8,32"])
+    assert [shape_name(t.num_steps, t) for t in cfg.tree_shapes()] == ["tree_5_4_8", "tree_6_8_32"]
+    with pytest.raises(ConfigError, match="trees"):
+        EngineBenchConfig(trees=["5,4"])
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        EngineBenchConfig(trees=["2,2,9"])  # depth 2, topk 2 drafts at most 6 nodes

@@ -34,6 +34,7 @@ _FILES = {
                      ["self", "hidden_states", "aux_hidden_states", "logits_metadata"]),
     "weights": ("srt/managers/scheduler_components/weight_updater.py",
                 "SchedulerWeightUpdaterManager.update_weights_from_tensor", ["self", "recv_req"]),
+    "scheduler_init": ("srt/managers/scheduler.py", "Scheduler.__init__", ["self", "server_args", "port_args"]),
 }
 
 
@@ -180,3 +181,12 @@ def test_decode_hook_slices_committed_rows_per_request_by_stride():
     assert sent[0].features[:, 0].tolist() == [0.0, 1.0] and sent[1].features[:, 0].tolist() == [4.0]
     assert sent[0].first_pos == 2 and sent[0].tokens.tolist() == [3, 10, 11] and sent[1].accept_len == 0
     assert hooks.enabled
+
+
+def test_capture_refuses_sglang_trees_at_start_up():
+    """A tree's rows cannot be aligned at the decode hook: capture with topk > 1 fails the
+    scheduler's start with a message saying what to change; chains (and SGLang's unset topk) pass."""
+    for topk in (None, 1):
+        assert sglang_plugin.refuse_tree_capture("built", None, SimpleNamespace(speculative_eagle_topk=topk)) == "built"
+    with pytest.raises(sglang_plugin.TreeCaptureRefused, match="--speculative-eagle-topk 1.*ONLINE_SPEC_CAPTURE=0"):
+        sglang_plugin.refuse_tree_capture(None, None, SimpleNamespace(speculative_eagle_topk=4))
