@@ -141,18 +141,35 @@ def select_tree(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scor
     return DraftTree(tokens, parents, depth, probs)
 
 
+def greedy_step(tokens: list[int], children: list[int], choice: int) -> int | None:
+    """At one node: the child whose token is the target's argmax `choice` there, or None."""
+    return next((c for c in children if tokens[c] == choice), None)
+
+
+def sampled_step(tokens: list[int], children: list[int], p: torch.Tensor,
+                 gen: torch.Generator | None) -> tuple[int | None, int | None]:
+    """At one node, with p [V] the target's probabilities there: (the accepted child, None), or
+    (None, the bonus token) when every child was rejected (a leaf: at once)."""
+    resid = p.clone()
+    for c in children:
+        x = tokens[c]
+        mass = float(resid.sum())
+        if mass > 0 and float(torch.rand((), generator=gen)) * mass < float(resid[x]):
+            return c, None
+        resid[x] = 0.0
+    mass = float(resid.sum())
+    return None, int(torch.multinomial(resid / mass if mass > 0 else p, 1, generator=gen))
+
+
 def accept_greedy(tokens: list[int], children: list[list[int]], target_choice: list[int]) -> tuple[list[int], int]:
     """One request's greedy walk: (accepted node columns in path order, bonus token).
 
     tokens [N] and target_choice [N] (the target's argmax at each node) as lists."""
     path, u = [], 0
-    while True:
-        g = target_choice[u]
-        nxt = next((c for c in children[u] if tokens[c] == g), None)
-        if nxt is None:
-            return path, g
-        path.append(nxt)
-        u = nxt
+    while (c := greedy_step(tokens, children[u], target_choice[u])) is not None:
+        path.append(c)
+        u = c
+    return path, target_choice[u]
 
 
 def accept_sampled(tokens: list[int], children: list[list[int]], p: torch.Tensor,
@@ -162,19 +179,8 @@ def accept_sampled(tokens: list[int], children: list[list[int]], p: torch.Tensor
     (temperature, top-k, top-p applied)."""
     path, u = [], 0
     while True:
-        resid = p[u].clone()
-        taken = None
-        for c in children[u]:
-            x = tokens[c]
-            mass = float(resid.sum())
-            px = float(resid[x])
-            if mass > 0 and float(torch.rand((), generator=gen)) * mass < px:
-                taken = c
-                break
-            resid[x] = 0.0
-        if taken is None:
-            mass = float(resid.sum())
-            dist = resid / mass if mass > 0 else p[u]
-            return path, int(torch.multinomial(dist, 1, generator=gen))
-        path.append(taken)
-        u = taken
+        c, bonus = sampled_step(tokens, children[u], p[u], gen)
+        if c is None:
+            return path, bonus
+        path.append(c)
+        u = c

@@ -87,6 +87,8 @@ class TreeRounds:
         base = torch.tensor(tlen)
         batch = TreeAttentionBatch(tlen, base[:, None] + torch.arange(N), base[:, None] + tree.depth,
                                    tree.visible(), dev)
+        # one lm_head pass over all N rows: on a CPU it reads the 49k x 576 weights once, where a
+        # pass per depth of the walk (only the nodes reached) read them depth + 1 times and was slower
         logits, feats, final = self.target.forward(tree.tokens.to(dev), batch, self.tcache)  # [B, N, V]
         kids = tree.children()
         tokens = tree.tokens.tolist()
