@@ -10,7 +10,10 @@ after the other (`bench.session.run_session`, streaming HTTP clients on loopback
      tree         the same head as a static tree (`--tree`, SGLang's default 5,4,8 for Llama
                   targets): `sglang_default_tree`, `speedup_vs_sglang_default_tree`
   4. online-spec  the same head, the trainer daemon beside the server (capture, gated swaps over
-                  the control endpoint, drift alerts) and the project's cost-model controller
+                  the control endpoint, drift alerts) and the project's cost-model controller,
+                  which runs, round by round, the chain or one of `--policy-trees` (a tree's
+                  measured tokens/s against the chain's predicted; every cost-policy
+                  configuration below takes the same trees)
 then two batch-1 measurements on the last phase's first `--bs1-requests` requests (plain, and
 the online-spec head the trainer left live with the controller): `speedup_vs_plain_bs1_adapted`;
 and online-spec from a random day-0 head: `tokens_to_beat_plain_from_day0`, the tokens the
@@ -108,6 +111,9 @@ class E2EConfig:
                                "online-spec's tokens/s go against static", False)
     tree: str = doc("a static tree 'num_steps,topk,num_draft_tokens' served by the static head "
                     "(`sglang_default_tree`; SGLang's default for Llama targets: 5,4,8); empty = none", "5,4,8")
+    policy_trees: str = doc("trees the cost policy may choose per round in every cost-policy configuration "
+                            "(online-spec included), 'steps,topk,tokens' separated by spaces; empty = chains "
+                            "only", "3,4,10 5,4,8")
     ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
                              "controller and no trainer, for the per-phase ceiling (see the module doc); "
                              "empty = none", "")
@@ -122,6 +128,7 @@ class E2EConfig:
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
         if self.tree:
             self.tree_shape()  # raises naming the field
+        self.policy_tree_list()
         names = [s.strip() for s in self.ceiling_heads.split(",") if s.strip()]
         check(len(self.ceiling_labels) == len(names) and "day0" not in names, "ceiling_heads",
               f"must be head names or paths with distinct last parts (not day0), got {self.ceiling_heads!r}")
@@ -132,6 +139,17 @@ class E2EConfig:
         except ValueError:
             raise ConfigError(f"tree: {self.tree!r} is not 'num_steps,topk,num_draft_tokens'") from None
         return TreeShape(steps, topk, tokens)
+
+    def policy_tree_list(self) -> list[list[int]]:
+        out = []
+        for s in self.policy_trees.split():
+            try:
+                t = [int(x) for x in s.split(",")]
+                TreeShape(*t)
+            except (ValueError, TypeError, ConfigError) as e:
+                raise ConfigError(f"policy_trees: {s!r} is not a tree 'num_steps,topk,num_draft_tokens' ({e})") from None
+            out.append(t)
+        return out
 
     @property
     def ceiling_labels(self) -> dict[str, str]:
@@ -159,6 +177,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
 
     def session(name, items_, **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
+                    tree_candidates=cfg.policy_tree_list(),
                     max_tokens=cfg.max_tokens, deadline_s=cfg.deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device)
         t0 = time.time()

@@ -57,6 +57,8 @@ class SessionConfig:
     num_steps: int = doc("K of the static policy (0 = plain decoding); with eagle_topk > 1 the tree's depth", 3)
     eagle_topk: int = doc("draft tree branching (SGLang's --speculative-eagle-topk; 1 = chains)", 1)
     num_draft_tokens: int = doc("tokens a tree round verifies, root included (0 = num_steps + 1)", 0)
+    tree_candidates: list = doc("trees [num_steps, topk, num_draft_tokens] the cost policy may run instead of "
+                                "a chain (empty: chains only)", list)
     online: bool = doc("run the trainer daemon beside the server (capture on, gated swaps)", False)
     concurrency: int = doc("streaming clients in flight", 4)
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
@@ -128,7 +130,8 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
         tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
         return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
     return engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
-                              store=run_dir / "cost_model.json", max_len=engine_cfg.max_len)[0]
+                              store=run_dir / "cost_model.json", max_len=engine_cfg.max_len,
+                              trees=cfg.tree_candidates)[0]
 
 
 def _control_available() -> bool:

@@ -226,12 +226,15 @@ def engine_cost_model(target, head, max_batch: int, max_steps: int, store: str |
 
 
 def engine_cost_policy(target, head, max_batch: int, max_steps: int, store: str | Path | None = None,
-                       adaptive=None, max_len: int = 0) -> tuple[CostModelPolicy, dict]:
+                       adaptive=None, max_len: int = 0, trees: list[list[int]] | None = None
+                       ) -> tuple[CostModelPolicy, dict]:
     """The cost-model policy an engine serves with: its round-time model from
     `engine_cost_model` (stored with the run), its tiers those of `adaptive` or, by default,
     every K from 0 to max_steps in one slot (the policy weighs every K by its predicted tokens
-    per second; SGLang's tiers exist for its EMA rule). Returns (policy, the model's report)."""
+    per second; SGLang's tiers exist for its EMA rule), with `trees` ([num_steps, topk,
+    num_draft_tokens] each) as that slot's tree candidates. Returns (policy, the model's report)."""
     if adaptive is None:
-        adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(max_steps + 1))}})
+        adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(range(max_steps + 1)),
+                                                   "tree_candidates": [list(t) for t in trees or []]}})
     model, report = engine_cost_model(target, head, max_batch, max_steps, store=store, max_len=max_len)
     return CostModelPolicy(adaptive, cost_model=model), report

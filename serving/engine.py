@@ -219,16 +219,21 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         room = self.cfg.max_len - max(tlen) - 2
         K = 0 if self.head is None else max(0, min(self.policy.steps_for(B, ctx), self.cfg.max_steps, room))
 
-        if self.cfg.tree:  # a tree's cache footprint must fit the room left
+        shape: TreeShape | None = None  # this round's tree, or None for a chain of K
+        if self.head is not None and self.policy.chooses_trees:
+            shape = self.policy.tree_for(B, ctx)
+            shape = shape if shape is not None and shape.footprint <= room else None
+        elif self.cfg.tree:  # a tree's cache footprint must fit the room left
             while K > 0 and self.cfg.tree_shape(K).footprint > room:
                 K -= 1
+            shape = self.cfg.tree_shape(K) if K > 0 else None
         t1 = time.perf_counter()
         captures = [self._captures()]
         self._catchup_s = 0.0
-        if K > 0 and self.cfg.tree:
-            # 1) draft a tree of depth K, 2) verify it in one target forward, 3) accept a path,
-            # 4) commit, 5) capture: serving/tree_round.py
-            shape = self.cfg.tree_shape(K)
+        if shape is not None:
+            # 1) draft a tree, 2) verify it in one target forward, 3) accept a path, 4) commit,
+            # 5) capture: serving/tree_round.py
+            K = shape.num_steps
             tree = self._draft_tree(reqs, tlen, shape)
             t2 = time.perf_counter()
             captures.append(self._captures())
@@ -278,14 +283,14 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                            head_version=self.head_version, ctx_len=ctx, swapped=swapped,
                            swap_fill_rows=self._filled, catchup_s=self._catchup_s,
                            draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1],
-                           drafted_steps=drafted, topk=self.cfg.speculative_eagle_topk if self.cfg.tree else 1,
+                           drafted_steps=drafted, topk=shape.topk if shape is not None else 1,
                            num_draft_tokens=verified if K > 0 else 1)
         # every round counts, K=0 too: SGLang's policy probes up from plain decode. The cost policy
         # learns steady round times: one-off work (long catch-ups, graph captures) would read as
         # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
         if self.head is not None:
             self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=stats.steady_draft_s,
-                               verify_s=stats.steady_verify_s, confidences=confidences)
+                               verify_s=stats.steady_verify_s, confidences=confidences, tree=shape)
         if self.publisher is not None and records:
             self.publisher.submit(records)
         for hook in self.on_round:

@@ -36,6 +36,9 @@ class StepPolicy(Protocol):
     tree_rounds: bool
     """True when the policy may drive tree rounds (topk > 1), its K then being the tree's depth.
     SGLang's adaptive policy requires chains; a static K serves trees as SGLang's flags do."""
+    chooses_trees: bool
+    """True when the policy picks, round by round, a draft tree to run instead of its chain
+    (`tree_for`), whatever the engine's configured topk."""
 
     def steps_for(self, batch_size: int, ctx_len: int = 0) -> int:
         """K for the next round of a batch of `batch_size` requests of mean context `ctx_len`."""
@@ -43,8 +46,9 @@ class StepPolicy(Protocol):
     def update(self, batch_size: int, accepted: Sequence[int], *,
                num_steps: int | Sequence[int] | None = None, ctx_len: int = 0,
                draft_s: float | None = None, verify_s: float | None = None,
-               confidences: Sequence[Sequence[float]] | None = None) -> int:
-        """Feed one verify round (accepted drafts per request, bonus excluded); returns the next K."""
+               confidences: Sequence[Sequence[float]] | None = None, tree=None) -> int:
+        """Feed one verify round (accepted drafts per request, bonus excluded); returns the next K.
+        `tree`: the `TreeShape` the round ran, None for a chain."""
 
     def rewarm(self) -> None:
         """A new head went live: relearn its acceptance from scratch."""
@@ -70,6 +74,10 @@ class StepPolicy(Protocol):
         """Predicted seconds of a round at this batch, K and context; None for a policy without a
         round-time model (the drift monitor's "losing" rule then has nothing to compare)."""
 
+    def tree_for(self, batch_size: int, ctx_len: float = 0):
+        """The `TreeShape` the next round drafts instead of `steps_for`'s chain, or None. Called
+        after `steps_for`, only when `chooses_trees`."""
+
 
 class StepPolicyBase:
     """The optional members of `StepPolicy` in their absent form: no in-round early stop, no
@@ -79,6 +87,7 @@ class StepPolicyBase:
     early_stop = False
     truncates = False
     tree_rounds = False
+    chooses_trees = False
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
         return True
@@ -87,6 +96,9 @@ class StepPolicyBase:
         return [len(row) for row in confidences]
 
     def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
+        return None
+
+    def tree_for(self, batch_size: int, ctx_len: float = 0):
         return None
 
     def rewarm(self) -> None:
@@ -175,7 +187,7 @@ class TimedPolicy:
         check_policy(policy)
         self.policy = policy
         self.name, self.early_stop, self.truncates = policy.name, policy.early_stop, policy.truncates
-        self.tree_rounds = policy.tree_rounds
+        self.tree_rounds, self.chooses_trees = policy.tree_rounds, policy.chooses_trees
         self.round_ns: list[int] = []
         self._acc = 0
 
@@ -194,6 +206,12 @@ class TimedPolicy:
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
         t = time.perf_counter_ns()
         out = self.policy.verify_lengths(confidences, ctx_len, padded=padded)
+        self._acc += time.perf_counter_ns() - t
+        return out
+
+    def tree_for(self, batch_size: int, ctx_len: float = 0):
+        t = time.perf_counter_ns()
+        out = self.policy.tree_for(batch_size, ctx_len)
         self._acc += time.perf_counter_ns() - t
         return out
 

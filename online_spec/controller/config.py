@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from online_spec.config import ConfigError, check, doc
+from online_spec.tree import TreeShape
 
 DEFAULT_CONFIG_NAME = "sglang_default"
 
@@ -61,6 +62,8 @@ class SlotConfig:
     down_hysteresis: float = doc("margin added to the step-down threshold (negative = stickier)", -0.25)
     up_hysteresis: float = doc("margin added to the step-up threshold (positive = stickier)", 0.0)
     ceiling_coeff: float = doc("cap holds and down-moves at ceil(EMA * coeff); 0 = off", 0.0)
+    tree_candidates: tuple = doc("our extension (SGLang's parser ignores it): draft trees "
+                                 "[num_steps, topk, num_draft_tokens] the cost policy may run instead of a chain", ())
 
     def __post_init__(self) -> None:
         name = f'slots["{self.min_batch_size}"]'
@@ -81,6 +84,20 @@ class SlotConfig:
             check(_is_number(getattr(self, f)), f"{name}.{f}", f"must be a finite number, got {getattr(self, f)!r}")
         check(_is_number(self.ceiling_coeff) and self.ceiling_coeff >= 0, f"{name}.ceiling_coeff",
               f"must be a number >= 0 (0 = off), got {self.ceiling_coeff!r}")
+        trees = self.tree_candidates
+        check(isinstance(trees, (list, tuple)) and all(isinstance(t, (list, tuple)) and len(t) == 3
+                                                       and all(_is_int(x) for x in t) for t in trees),
+              f"{name}.tree_candidates", f"must be a list of [num_steps, topk, num_draft_tokens], got {trees!r}")
+        for t in trees:
+            try:
+                TreeShape(*t)
+            except ConfigError as e:
+                raise ConfigError(f"{name}.tree_candidates: {list(t)}: {e}") from None
+        object.__setattr__(self, "tree_candidates", tuple(tuple(t) for t in trees))
+
+    @property
+    def trees(self) -> list[TreeShape]:
+        return [TreeShape(*t) for t in self.tree_candidates]
 
 
 # Keys a slot may set, and the subset that may also appear at top level as a global default.
@@ -135,8 +152,11 @@ class AdaptiveConfig:
 
     def to_dict(self) -> dict[str, dict]:
         """SGLang's JSON format, every field written out per slot."""
-        return {str(s.min_batch_size): {k: (list(getattr(s, k)) if k == "candidate_steps" else getattr(s, k))
-                                        for k in SLOT_KEYS} for s in self.slots}
+        def value(s, k):
+            v = getattr(s, k)
+            return list(v) if k == "candidate_steps" else [list(t) for t in v] if k == "tree_candidates" else v
+        return {str(s.min_batch_size): {k: value(s, k) for k in SLOT_KEYS if k != "tree_candidates" or s.tree_candidates}
+                for s in self.slots}
 
     @property
     def keys(self) -> list[int]:

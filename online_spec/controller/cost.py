@@ -32,6 +32,8 @@ from online_spec.controller.acceptance import (PRIOR_TRIALS, AcceptanceEstimate,
 from online_spec.controller.base import StepPolicyBase
 from online_spec.controller.config import AdaptiveConfig
 from online_spec.controller.round_time import CostModel
+from online_spec.controller.tree_choice import TreeChoiceConfig, TreeChooser
+from online_spec.tree import TreeShape
 
 @dataclass(frozen=True)
 class CostPolicyConfig:
@@ -76,7 +78,7 @@ class CostModelPolicy(StepPolicyBase):
     truncates = True
 
     def __init__(self, adaptive: AdaptiveConfig, config: CostPolicyConfig | None = None,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, tree_config: TreeChoiceConfig | None = None):
         self.adaptive = adaptive
         self.config = cfg = config or CostPolicyConfig()
         self.cost = cost_model or CostModel()
@@ -89,6 +91,20 @@ class CostModelPolicy(StepPolicyBase):
         self._below = [0] * len(self._slots)  # decisions since the slot last drafted its next tier up
         self._probing = [False] * len(self._slots)  # the slot's current round is a probe: draft and verify all of it
         self._choice: tuple | None = None  # (estimates, round terms, K) of the last choose_steps
+        self._trees = TreeChooser([s.trees for s in self._slots], tree_config)  # the slots' tree_candidates
+
+    @property
+    def chooses_trees(self) -> bool:
+        """Some slot lists tree candidates: each round's tree (or chain) is then chosen by value."""
+        return self._trees.any
+
+    def tree_for(self, batch_size: int, ctx_len: float = 0) -> TreeShape | None:
+        """A tree instead of the chain `steps_for` chose, where a candidate's measured committed
+        tokens per second beat the chain's predicted ones (online_spec/controller/tree_choice.py)."""
+        i = self.adaptive.slot_index(batch_size)
+        k = self._last[i] or 0
+        chain = self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)
+        return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len))
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -293,14 +309,20 @@ class CostModelPolicy(StepPolicyBase):
 
     def update(self, batch_size: int, accepted: Sequence[int], *, num_steps: int | Sequence[int] | None = None,
                ctx_len: float = 0, draft_s: float | None = None, verify_s: float | None = None,
-               confidences: Sequence[Sequence[float]] | None = None) -> int:
+               confidences: Sequence[Sequence[float]] | None = None, tree: TreeShape | None = None) -> int:
         """Learn from one verify round; returns `choose_steps` for the same batch size and context.
 
         num_steps: K drafted (or drafts verified per request, after `verify_lengths` or an early
         stop); defaults to the slot's last `steps_for`. draft_s / verify_s: measured seconds.
-        confidences: the head's confidence per draft per request, to calibrate.
+        confidences: the head's confidence per draft per request, to calibrate. tree: the shape a
+        tree round ran; its figures go to the tree's own means, never to the chain's estimates.
         """
         i = self.adaptive.slot_index(batch_size)
+        if tree is not None:
+            round_s = None if draft_s is None or verify_s is None else draft_s + verify_s
+            self._trees.observe(i, tree, accepted, round_s, self.cost.predict_round_s(batch_size, 0, ctx_len))
+            return self.choose_steps(batch_size, ctx_len)
+        self._trees.chain_ran(i)
         if num_steps is None:
             num_steps = self._last[i]
             if num_steps is None:
@@ -325,21 +347,23 @@ class CostModelPolicy(StepPolicyBase):
         for acc in self._accept:
             acc.soften(self.config.rewarm_keep_trials)
         self._calib.soften(self.config.rewarm_keep_trials)
+        self._trees.rewarm()
 
     def info(self) -> dict:
         slots = {}  # read from other threads (status, progress lines): never through the engine's cache
-        for slot, acc, last, n in zip(self._slots, self._accept, self._last, self._decisions):
+        for i, (slot, acc, last, n) in enumerate(zip(self._slots, self._accept, self._last, self._decisions)):
             a = acc.fresh_estimates()
             slots[str(slot.min_batch_size)] = {
                 "steps": last, "decisions": n, "accept": a,
                 "expected_tokens": {str(k): self.expected_tokens(slot.min_batch_size, k, a)
-                                    for k in slot.candidate_steps}}
+                                    for k in slot.candidate_steps},
+                **({"trees": self._trees.info(i)} if slot.trees else {})}
         return {"policy": self.name, "slots": slots,
                 "cost": {"draft_coef": list(self.cost.draft_coef), "verify_coef": list(self.cost.verify_coef),
                          "observations": self.cost.observations, "time_factors": self.cost.factors_info()}}
 
     def state_dict(self) -> dict:
-        return {"policy": self.name, "cost": self.cost.state_dict(),
+        return {"policy": self.name, "cost": self.cost.state_dict(), "trees": self._trees.state_dict(),
                 "calibrator": {"hits": self._calib.hits[:], "trials": self._calib.trials[:]},
                 "slots": {str(s.min_batch_size): {"rates": acc.rates[:], "seen": acc.seen[:],
                                                   "weight": acc.weight[:], "steps": last,
@@ -368,3 +392,5 @@ class CostModelPolicy(StepPolicyBase):
               f"has {len(calib['hits'])} bins, the config has {self._calib.bins}")
         self._calib.load(calib["hits"], calib["trials"])
         self.cost.load_state_dict(state["cost"])
+        if "trees" in state:  # states of policies without tree candidates have none
+            self._trees.load_state_dict(state["trees"])

@@ -111,7 +111,7 @@ class EmaTierPolicy(StepPolicyBase):
         return self._states[self.config.slot_index(batch_size)].steps
 
     def update(self, batch_size: int, accepted: Sequence[int], *, num_steps=None, ctx_len: int = 0,
-               draft_s: float | None = None, verify_s: float | None = None, confidences=None) -> int:
+               draft_s: float | None = None, verify_s: float | None = None, confidences=None, tree=None) -> int:
         """Feed one verify round; returns the routed slot's K after it.
 
         `accepted` is drafts accepted per request, bonus excluded. Only the slot's own K decides

@@ -1,0 +1,107 @@
+"""The cost policy's tree choice (online_spec/controller/tree_choice.py) on fixed sequences, and
+through the engine: a tree is chosen where its measured value beats the chain's, its figures
+never reach the chain's estimates, and the output stays the target's."""
+
+import pytest
+import torch
+
+from online_spec.config import ConfigError
+from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
+from online_spec.controller.tree_choice import TreeChoiceConfig, TreeChooser
+from online_spec.head import new_head
+from online_spec.sampling import SamplingParams
+from online_spec.target import tiny_target
+from online_spec.tree import TreeShape
+from serving.engine import Engine, EngineConfig
+
+A, B = TreeShape(5, 4, 8), TreeShape(3, 4, 10)
+
+
+def test_untried_trees_are_tried_in_turn_then_the_best_wins_over_the_chain():
+    ch = TreeChooser([[A, B]], TreeChoiceConfig(min_trials=2, probe_interval=0))
+    seen = []
+    for _ in range(4):
+        s = ch.choose(0, chain_tokens_per_s=10.0, plain_round_s=0.1)
+        seen.append(s)
+        # A: 3 tokens a round at 1.5x plain = 20 tok/s; B: 2 tokens at 1.2x = 16.7 tok/s
+        ch.observe(0, s, [2, 2] if s == A else [1, 1], 0.15 if s == A else 0.12, 0.1)
+    assert seen == [A, A, B, B]
+    assert ch.choose(0, 10.0, 0.1) == A  # 20 > 16.7 > 10
+    assert ch.choose(0, 25.0, 0.1) is None  # the chain beats both
+    assert ch.info(0, 0.1)["5,4,8"]["tokens_per_s"] == pytest.approx(20.0)
+
+
+def test_the_least_recently_measured_option_is_probed():
+    ch = TreeChooser([[A, B]], TreeChoiceConfig(min_trials=1, probe_interval=4))
+    for s in (A, B):
+        assert ch.choose(0, 10.0, 0.1) == s
+        ch.observe(0, s, [3], 0.1, 0.1)  # both 40 tok/s, beat the chain
+    picks = []
+    for _ in range(8):
+        s = ch.choose(0, 10.0, 0.1)
+        picks.append(s)
+        if s is not None:
+            ch.observe(0, s, [3], 0.1, 0.1)
+        else:
+            ch.chain_ran(0)
+    # decisions 3..10: every 4th (4 and 8) runs the least recently measured option: the chain
+    # (never measured since the trees started), then the tree not run since its trial
+    assert picks[1] is None and picks[5] in (A, B) and picks.count(None) == 1
+
+
+def test_a_swap_lets_the_new_heads_rounds_decide_quickly():
+    ch = TreeChooser([[A]], TreeChoiceConfig(min_trials=1, probe_interval=0, rewarm_weight=1.0))
+    ch.choose(0, 1.0, 0.1)
+    for _ in range(30):
+        ch.observe(0, A, [4], 0.1, 0.1)  # 5 tokens a round
+    ch.rewarm()
+    ch.observe(0, A, [0], 0.1, 0.1)  # the new head: 1 token a round
+    # the old mean counts as one (decayed) round: the first round of the new head moves it halfway
+    assert ch.info(0)["5,4,8"]["tokens_per_round"] == pytest.approx(3.0, abs=0.05)
+
+
+def test_tree_candidates_are_validated_and_state_round_trips():
+    with pytest.raises(ConfigError, match=r'slots\["1"\].tree_candidates'):
+        AdaptiveConfig.from_dict({"1": {"candidate_steps": [1], "tree_candidates": [[5, 4]]}})
+    ch = TreeChooser([[A, B]])
+    ch.choose(0, 1.0, 0.1)
+    ch.observe(0, A, [2, 1], 0.2, 0.1)
+    again = TreeChooser([[A, B]])
+    again.load_state_dict(ch.state_dict())
+    assert again.info(0) == ch.info(0)
+
+
+def _policy(trees):
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3], "tree_candidates": trees}})
+    model = CostModel.with_coefficients([0.004, 0, 0, 0, 0], [0.04, 0, 0.004, 0, 0])
+    return CostModelPolicy(adaptive, cost_model=model)
+
+
+def test_tree_rounds_never_reach_the_chain_estimates():
+    p = _policy([[5, 4, 8]])
+    assert p.chooses_trees and not _policy([]).chooses_trees
+    p.steps_for(1, 100)
+    before = (p.info()["slots"]["1"]["accept"], p.cost.observations)
+    p.update(1, [5], num_steps=[5], ctx_len=100, draft_s=0.02, verify_s=0.05, tree=A)
+    assert (p.info()["slots"]["1"]["accept"], p.cost.observations) == before
+    assert p.info()["slots"]["1"]["trees"]["5,4,8"]["rounds"] == 1
+    state = p.state_dict()
+    q = _policy([[5, 4, 8]])
+    q.load_state_dict(state)
+    assert q.info()["slots"]["1"]["trees"] == p.info()["slots"]["1"]["trees"]
+
+
+def test_engine_runs_the_trees_the_cost_policy_picks_and_stays_lossless():
+    t = tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3).float()
+    head = new_head(t, draft_vocab_size=48, seed=1)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(t, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
+    policy = _policy([[3, 2, 6], [2, 4, 5]])
+    eng = Engine(t, head, EngineConfig(max_batch=4, max_len=128, max_steps=3), policy=policy)
+    rounds = []
+    eng.on_round.append(lambda s, o: rounds.append((s.topk, s.num_draft_tokens)))
+    assert eng.generate(prompts, sp) == ref
+    assert (2, 6) in rounds and (4, 5) in rounds  # both trees were run (tried in turn, at least)
+    info = policy.info()["slots"]["1"]["trees"]
+    assert info["3,2,6"]["rounds"] >= 3 and info["2,4,5"]["rounds"] >= 3
