@@ -3,16 +3,19 @@
 Starts the embedded server (SmolLM2) with a head, the capture publisher, the control endpoint,
 and the trainer daemon in a child process (`bench.session`); replays a drifting trace
 (ShareGPT chat -> HumanEval code -> a mix, or `--trace FILE`) over HTTP with streaming clients;
-prints a progress line every few seconds (rounds, tokens/s, accept_len per batch-size slot, K,
-head version, swaps, alerts); writes OUT/summary.md, OUT/figures.json, two PNGs and OUT/rounds.jsonl.gz (every
-verify round, for `online-spec drift replay --trace`).
+echoes the trainer's start-up and gate verdicts from its own log (bench/trainer_watch.py) and prints
+a progress line every few seconds (rounds, tokens/s, accept_len and K per batch size, head
+version, swaps, the trainer's step, alerts); writes OUT/summary.md, OUT/figures.json, two PNGs
+and OUT/rounds.jsonl.gz (every verify round, for `online-spec drift replay --trace`). Times in
+the report count from the first request; the start-up before it is reported apart.
 
     online-spec demo                                  # ~15 min on 2 cores the first time, ~10 after
     online-spec demo --minutes 3 --head day0          # quick look, random day-0 head
     online-spec demo --trace my.jsonl --concurrency 8 --out runs/demo-mine
 
 Head (`--head`, resolved by bench.heads): `shipped` (default) is the ShareGPT head that
-ships with the package (trained on an H100 with the project's own loss); `sharegpt` is a head
+ships with the package (online_spec/pretrained/sharegpt-chat-h100, trained on an H100 with the
+project's own loss); `code` the packaged code head (online_spec/pretrained/code-h100); `sharegpt` is a head
 pretrained on this machine by `trainer.pretrain` with `--head-tokens` training tokens, built on
 first use into ~/.cache/online-spec/heads/sharegpt-demo-N and reused; `day0` is a random head; a
 directory is a head checkpoint or a pretrain run directory (its `head/`).
@@ -102,7 +105,7 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     import torch
 
     from bench.common import write_report
-    from bench.report import plot_session, session_figures, write_rounds
+    from bench.report import plot_session, session_figures, why_no_swap, write_rounds
     from bench.session import SessionConfig, run_session
     from online_spec.target import load_target
 
@@ -129,8 +132,23 @@ def run_demo(cfg: DemoConfig, target=None, trainer_args: list | None = None) -> 
     figs["plots"] = [p.name for p in pngs]
     figs = write_report(out / "figures.json", figs, show=())
     (out / "summary.md").write_text(summary_md(figs))
+    print(f"served {figs['overall']['requests']} of {figs['trace_lines']} trace lines in {figs['serving_s']:.0f} s "
+          f"(start-up {figs['startup_s']:.0f} s before). {skipped_note(figs)}", flush=True)
+    if why_no_swap(figs):
+        print(why_no_swap(figs), flush=True)
     print(f"report: {out / 'summary.md'}", flush=True)
     return figs
+
+
+def skipped_note(figs: dict) -> str:
+    """Why trace lines went unserved: by design with the built-in trace, the deadline with a file."""
+    n = figs["skipped_lines"]
+    if not n:
+        return "Every line was served."
+    if not figs["config"]["trace"]:
+        return (f"The other {n} were skipped by design: each phase gets a third of --minutes and the built-in "
+                f"trace holds more lines than the machine serves, so chat, code and mix all show.")
+    return f"The other {n} were not started before the --minutes deadline."
 
 
 def _f(x, nd=2) -> str:
@@ -138,28 +156,44 @@ def _f(x, nd=2) -> str:
 
 
 def summary_md(figs: dict) -> str:
+    from bench.report import why_no_swap
+
     o, tr = figs["overall"], figs.get("trainer") or {}
+    watch = tr.get("watch") or {}
+    verdicts = [e for e in watch.get("events", []) if e["kind"] == "gate"]
     lines = [f"# online-spec demo ({time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"head at start: `{figs['head']}`; {figs['duration_s']:.0f} s of serving; "
+             f"head at start: `{figs['head']}`; {figs['serving_s']:.0f} s of serving, after {figs['startup_s']:.0f} s "
+             f"of start-up (model, K calibration, the trainer's start; times below count from the first request); "
              f"{o['requests']} requests ({o['failed']} failed, {o['cancelled_at_deadline']} cut at the deadline), "
              f"{o['completion_tokens']} tokens.", "",
-             f"Trainer: {tr.get('step')} steps, {tr.get('swaps')} swaps (live v{tr.get('live_version')}), "
-             f"{len(tr.get('rolled_back') or [])} rollbacks, {tr.get('refused_swaps')} refused; "
-             f"{len(figs['alerts'])} drift alerts.", "",
-             "| phase | requests | tokens | tokens/s | accept_len (no bonus) | TPOT p50 / p99 (s) |",
-             "|---|---|---|---|---|---|"]
+             f"Trace: {o['requests']} of {figs['trace_lines']} lines served. {skipped_note(figs)}", "",
+             f"Trainer: {tr.get('step')} steps, {len(verdicts)} gate evaluations, {tr.get('swaps')} swaps "
+             f"(live v{tr.get('live_version')}), {len(tr.get('rolled_back') or [])} rollbacks, "
+             f"{tr.get('refused_swaps')} refused by the server; {len(figs['alerts'])} drift alerts."
+             + (f" {why_no_swap(figs)}." if why_no_swap(figs) else ""), ""]
+    if verdicts:
+        lines += ["Gate verdicts (s from the first request): "
+                  + "; ".join(f"{e['t_s']:.0f}: {e['text']}" for e in verdicts[-8:])
+                  + (f" (last 8 of {len(verdicts)})" if len(verdicts) > 8 else ""), ""]
+    lines += ["| phase | requests | tokens | tokens/s | accept_len (no bonus) | TPOT p50 / p99 (s) |",
+              "|---|---|---|---|---|---|"]
     for name, p in list(figs["phases"].items()) + [("overall", o)]:
         lines.append(f"| {name} | {p['requests']} | {p['completion_tokens']} | {_f(p['tokens_per_s'], 1)} | "
                      f"{_f(p['accept_len'])} | {_f(p['tpot_p50_s'], 3)} / {_f(p['tpot_p99_s'], 3)} |")
-    lines += ["", "Swaps (s from start): " + (", ".join(f"{s['t_s']:.0f} (v{s['to']}{', rollback' if s['rollback'] else ''})" for s in figs["swaps"]) or "none"),
+    lines += ["", "Swaps (s from the first request): " + (", ".join(f"{s['t_s']:.0f} (v{s['to']}{', rollback' if s['rollback'] else ''})" for s in figs["swaps"]) or "none"),
               "Alerts: " + (", ".join(f"{a['t_s']:.0f} ({a.get('kind', '?')}, slot {a.get('slot')}, "
                                       + ("all traffic" if a.get("tag") == MIX_TAG else f"tag {a.get('tag')!r}") + ")"
                                       for a in figs["alerts"]) or "none"), "",
               "Adaptation after each shift:", ""]
     for a in figs["adaptation"]:
-        lines.append(f"- {a['shift']} at {a['t_shift_s']:.0f}s: first swap after {_f(a['time_to_first_swap_s'], 0)} s "
-                     f"({_f(a['tokens_to_first_swap'])} tokens); 90 % of final accept_len ({_f(a['final_accept_len'])}) "
-                     f"after {_f(a['time_to_adapt_s'], 0)} s ({_f(a['tokens_to_adapt'])} tokens)")
+        if a["time_to_first_swap_s"] is None:
+            lines.append(f"- {a['shift']} at {a['t_shift_s']:.0f} s: {a['note']}")
+            continue
+        adapt = (a["note"] if a["time_to_adapt_s"] is None else
+                 f"accept_len {_f(a['first_accept_len'])} -> {_f(a['final_accept_len'])}, 90 % of the final level "
+                 f"after {a['time_to_adapt_s']:.0f} s ({_f(a['tokens_to_adapt'])} tokens)")
+        lines.append(f"- {a['shift']} at {a['t_shift_s']:.0f} s: first swap after {a['time_to_first_swap_s']:.0f} s "
+                     f"({_f(a['tokens_to_first_swap'])} tokens); {adapt}")
     lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in figs.get("plots", [])), ""]
     return "\n".join(lines)
 

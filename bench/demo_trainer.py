@@ -4,7 +4,9 @@ In: every `online-spec train` flag (the daemon, gate, distillation, replay, capt
 `--alerts-url URL` (the server's `/server_info`). A background thread polls that URL every
 `--alerts-every-s` seconds; each alert in `drift.recent_alerts` not seen before (counted by
 `drift.alerts_total`) is handed to `daemon.on_drift`, which makes the daemon evaluate every
-step for a while so it adapts sooner. Out: what the daemon writes in its run directory.
+step for a while so it adapts sooner. Out: what the daemon writes in its run directory, and a
+log that says what it is doing: each start-up stage, then `status: step N, ...` every
+`--status-every-s` seconds, the gate's verdicts and the swaps (read by bench/trainer_watch.py).
 SIGTERM: the daemon finishes its step, saves and exits.
 
     python -m bench.demo_trainer --alerts-url http://127.0.0.1:PORT/server_info \
@@ -17,6 +19,7 @@ import argparse
 import json
 import logging
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +30,15 @@ from trainer.train_cli import build_daemon, share_machine
 log = logging.getLogger("bench.demo_trainer")
 
 READY_FILE = "ready"
+
+
+def log_status(daemon, stop: threading.Event, every_s: float) -> None:
+    """One line every `every_s` seconds: steps, buffered rows, evaluations, swaps (plain reads of
+    counters the training thread updates; a line a step stale is fine)."""
+    while not stop.wait(every_s):
+        state = daemon.state
+        log.info("status: step %d, buffer %d rows, %d evaluations, %d swaps, live v%s", daemon.distiller.step,
+                 daemon.buffer.num_tokens, state.get("evals", 0), state.get("swaps", 0), state.get("live_version"))
 
 
 def poll_alerts(url: str, on_alert, stop: threading.Event, every_s: float) -> None:
@@ -55,13 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(parser)
     parser.add_argument("--alerts-url", default="", help="the server's /server_info URL (loopback)")
     parser.add_argument("--alerts-every-s", type=float, default=2.0, help="alert polling period")
+    parser.add_argument("--status-every-s", type=float, default=5.0, help="status line period")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     share_machine(args)
+    t0 = time.monotonic()
+    log.info("starting: target model, replay buffer, then the distiller (DeepSpeed op and process group)")
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
     (Path(daemon.cfg.run_dir) / READY_FILE).write_text("ready")  # the session waits for this before traffic
+    log.info("ready in %.0f s: subscribed to the capture stream; training starts at %d buffered rows",
+             time.monotonic() - t0, daemon.cfg.min_buffer_tokens)
     stop = threading.Event()
+    threading.Thread(target=log_status, args=(daemon, stop, args.status_every_s), daemon=True, name="status").start()
     if args.alerts_url:
         threading.Thread(target=poll_alerts, args=(args.alerts_url, daemon.on_drift, stop, args.alerts_every_s),
                          daemon=True, name="alerts").start()

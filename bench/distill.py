@@ -1,10 +1,10 @@
 """`online-spec bench distill`: distillation throughput, held-out and real accept lengths, speedup.
 
-    online-spec bench distill --json out/bench_distill.json [--quick] [--head DIR]
+    online-spec bench distill --json out/bench_distill.json [--quick] [--head shipped|code|sharegpt|day0|DIR]
 
 Writes: `train_tokens_per_s` (Distiller steps on real ShareGPT records, bf16 autocast, this CPU),
 `heldout_accept_length` {"sharegpt"|"humaneval": {"1","3","5","7": simulated accept length}} of
-the pretrained head (default: the `online-spec pretrain` run in the cache), `engine` (real accept
+the head (`--head`, resolved by bench.heads like every bench's; default: the shipped chat head), `engine` (real accept
 length and tokens/s per K at batch 1 on held-out ShareGPT prompts, median of repeats, plain
 decoding in the same run), `engine_speedup_vs_plain` (best K over plain), `trained_tokens`, and
 (`bench.common.write_report`) the date, command and machine.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.common import write_report
+from bench.heads import HEAD_CHOICES, resolve_head
 from online_spec.data import humaneval_conversations, sharegpt_conversations
 from online_spec.target import load_target
 from trainer.batch import collate
@@ -29,14 +29,10 @@ from trainer.data import capture_conversations
 from trainer.evaluate import engine_accept_length, simulate_acceptance
 from trainer.loss import LossConfig
 
-DEFAULT_HEAD = Path(os.environ.get("ONLINE_SPEC_CACHE", Path.home() / ".cache" / "online-spec")) \
-    / "heads" / "sharegpt-100k" / "head"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="fewer records, prompts and repeats")
-    parser.add_argument("--head", type=Path, default=DEFAULT_HEAD, help="pretrained head checkpoint")
+    parser.add_argument("--head", default="shipped", help=f"head: {HEAD_CHOICES} (default: shipped)")
     parser.add_argument("--ks", type=json.loads, default=None, help="JSON list of K to run (0 = plain); "
                         "default [0,1,3,5,7] ([0,3,5] with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per K (median); default 3 (1 quick)")
@@ -69,12 +65,14 @@ def train_throughput(target, records, steps: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from online_spec.checkpoint import load_head  # transformers: see train_throughput
+    from online_spec.head import new_head
 
     torch.set_num_threads(args.threads)
     q = args.quick
     target = load_target()
-    head, meta = load_head(args.head, target.info)
-    out: dict = {"head": str(args.head), "trained_tokens": meta.get("trained_tokens")}
+    head_dir = resolve_head(args.head, target)
+    head, meta = load_head(head_dir, target.info) if head_dir else (new_head(target), {})
+    out: dict = {"head": head_dir or "day0", "trained_tokens": meta.get("trained_tokens")}
     recs = {s: heldout_records(target, s, args.records or (2000 if q else 8000)) for s in ("sharegpt", "humaneval")}
     out["train_tokens_per_s"] = train_throughput(target, recs["sharegpt"], 2 if q else 6)
     out["heldout_accept_length"] = {s: simulate_acceptance(head, target, r)["accept_length"] for s, r in recs.items()}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import add_bench_args, median_time, quick_overrides, write_report
+from bench.heads import HEAD_CHOICES, resolve_head
 from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 from online_spec.checkpoint import load_head
 from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineBenchConfig:
-    draft: str = doc("head checkpoint to measure (default: a random day-0 head)", "")
+    draft: str = doc("head to measure: " + HEAD_CHOICES + " (default: a random day-0 head, whose drafts are "
+                     "rejected: speculative figures then measure overhead)", "")
     new_tokens: int = doc("tokens generated per request in throughput runs", 64)
     repeats: int = doc("repeats per measurement (the median is reported)", 3)
     requests_per_run: int = doc("requests served per throughput run (at least the batch size), so a "
@@ -286,8 +288,9 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
     """All figures; `prompts` (token ids) replace the held-out ShareGPT prompts where that
     package is missing (the GPU machine)."""
     target = load_target(device=cfg.device)
-    if cfg.draft:
-        head, _ = load_head(cfg.draft, target.info, dtype=target.dtype)
+    draft = resolve_head(cfg.draft, target) if cfg.draft else ""
+    if draft:
+        head, _ = load_head(draft, target.info, dtype=target.dtype)
         head = head.to(target.device)
     else:
         head = new_head(target)
@@ -298,7 +301,7 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
     if cfg.only in ("all", "grid"):
         log.info("shape grid: plain, chains %s, trees %s", cfg.grid_chains, cfg.trees)
         out["shape_grid"] = shape_grid(cfg, target, head)
-        out.update(tree_lossless_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, cfg.draft,
+        out.update(tree_lossless_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, draft,
                                        cfg.tree_shapes(), cfg.device))
         if cfg.only == "grid":
             out["lossless"] = out["tree_lossless"]

@@ -1,18 +1,12 @@
-"""Which draft head a command starts from: the one rule every command and bench uses.
+"""Which draft head a command starts from: the one rule every bench and the demo uses.
 
-`--head` / `--draft` values:
-- `shipped` (default of the benches and the demo): the ShareGPT chat head that ships with the
-  package (online_spec/pretrained/sharegpt-chat-h100, trained on an H100 by scripts/gpu_pretrain.py
-  with the project's own loss and data path on ShareGPT's chat conversations; its online_spec.json
-  and README.md say how). The CPU here trains ~100-200 rows/s, far from the 33M row-steps that head
-  saw, so a head built on this CPU is much weaker (docs/distill.md).
-- `code`: the code head that ships with the package (online_spec/pretrained/code-h100: ShareGPT's
-  code conversations and HumanEval's train tasks), the in-domain reference of `bench adapt`.
+`--head` / `--draft` values: those of `online_spec.heads` (`shipped`, the default; `code`; `day0`
+or empty; a head checkpoint or pretrain run directory), which `online-spec serve --draft` takes
+too, plus
 - `sharegpt`: a head pretrained on ShareGPT by `trainer.pretrain` on this machine, built on
   first use into ~/.cache/online-spec/heads/sharegpt-demo-N and reused (the console says how
-  long the build takes).
-- `day0` or empty: a random day-0 head (returned as "").
-- a directory: a head checkpoint, or a pretrain run directory (its `head/`).
+  long the build takes). The CPU here trains ~100-200 rows/s, far from the 33M row-steps the
+  shipped head saw, so a head built on this CPU is much weaker (docs/distill.md).
 """
 
 from __future__ import annotations
@@ -21,13 +15,11 @@ import json
 import time
 from pathlib import Path
 
-import online_spec
-from online_spec.config import ConfigError, check, config_to_dict
+from online_spec.config import check, config_to_dict
+from online_spec.heads import CODE_HEAD, PACKAGED, SHIPPED_HEAD, resolve_head_dir
 
-PRETRAINED = Path(online_spec.__file__).resolve().parent / "pretrained"  # the heads that ship with the package
-SHIPPED_HEAD = PRETRAINED / "sharegpt-chat-h100"
-CODE_HEAD = PRETRAINED / "code-h100"
-PACKAGED = {"shipped": SHIPPED_HEAD, "code": CODE_HEAD}
+__all__ = ["CODE_HEAD", "HEAD_CHOICES", "PACKAGED", "SHIPPED_HEAD", "resolve_head"]
+
 HEAD_CHOICES = "shipped | code | sharegpt | day0 | a head checkpoint or pretrain run directory"
 
 
@@ -35,21 +27,10 @@ def resolve_head(name: str, target=None, head_tokens: int = 16_000) -> str:
     """Checkpoint directory for a `--head` value ("" = random day-0 head).
 
     `target` is needed only for `sharegpt`, which builds a head on this machine once."""
-    if name in ("", "day0"):
-        return ""
-    if name in PACKAGED:
-        if not (PACKAGED[name] / "config.json").exists():
-            raise ConfigError(f"head: the {name} head is missing from {PACKAGED[name]} (a broken install?)")
-        return str(PACKAGED[name])
     if name == "sharegpt":
         check(target is not None, "head", "building the sharegpt head needs the target model")
         return str(build_sharegpt_head(target, head_tokens))
-    p = Path(name).expanduser()
-    if (p / "head" / "config.json").exists():
-        return str(p / "head")
-    check((p / "config.json").exists(), "head",
-          f"{name!r} is none of {HEAD_CHOICES} ({p} holds no config.json)")
-    return str(p)
+    return resolve_head_dir(name)
 
 
 def cached_sharegpt_heads(min_tokens: int) -> list[tuple[int, Path]]:

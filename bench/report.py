@@ -1,10 +1,12 @@
 """Figures and plots of serving sessions (`session.SessionResult`): per phase, over time, adaptation.
 
-In: session results (requests, rounds, swaps, alerts). Out: plain dicts (JSON-ready) and PNGs.
-Conventions: `accept_len` = drafts accepted per request per verify round, bonus excluded (the
-project's); `accept_length` = tokens committed per request per verify round, bonus included
-(SGLang's). Tokens/s of a phase = completion tokens of its requests / wall time from its
-first submission to its last token. TPOT = (last token - first token) / (tokens - 1) per request.
+In: session results (requests, rounds, swaps, alerts, the trainer's verdicts). Out: plain dicts
+(JSON-ready) and PNGs. Conventions: `accept_len` = drafts accepted per request per verify round,
+bonus excluded (the project's); `accept_length` = tokens committed per request per verify round,
+bonus included (SGLang's). Tokens/s of a phase = completion tokens of its requests / wall time
+from its first submission to its last token. TPOT = (last token - first token) / (tokens - 1)
+per request. Times (`t_s`) count from the start of traffic: the start-up before it (model,
+calibration, the trainer's start) is `startup_s`, apart from the `serving_s` after it.
 
     figs = session_figures(result)            # {"overall": {...}, "phases": {...}, "timeline": {...}, ...}
     plot_session(result, figs, "out/")        # accept_len_tokens_per_s.png, k_per_slot.png
@@ -75,13 +77,31 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
         reqs = [r for r in result.requests if r.phase == name]
         phases[name] = _block(reqs, acc_by_phase.get(name, []), len(acc_by_phase.get(name, [])))
     all_acc = [a for v in acc_by_phase.values() for a in v]
-    figs = {"name": result.name, "duration_s": result.t1 - result.t0, "overall": _block(result.requests, all_acc, len(all_acc)),
+    t0 = result.serve_t0
+    figs = {"name": result.name, "duration_s": result.t1 - result.t0, "startup_s": t0 - result.t0,
+            "serving_s": result.t1 - t0, "trace_lines": result.trace_lines,
+            "skipped_lines": max(0, result.trace_lines - len(result.requests)),
+            "overall": _block(result.requests, all_acc, len(all_acc)),
             "phases": phases, "timeline": timeline(result, bin_s),
-            "swaps": [{"t_s": s["t"] - result.t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"]}
+            "swaps": [{"t_s": s["t"] - t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"]}
                       for s in result.swaps],
-            "alerts": [{**a, "t_s": a["t"] - result.t0} for a in result.alerts],
+            "alerts": [{**a, "t_s": a["t"] - t0} for a in result.alerts],
             "adaptation": adaptation(result), "trainer": result.trainer, "policy_log": result.policy_log}
     return figs
+
+
+def why_no_swap(figs: dict) -> str | None:
+    """Why a session with a trainer swapped no head, from the trainer's own verdicts; None when
+    a head was swapped or no trainer ran."""
+    watch = (figs.get("trainer") or {}).get("watch")
+    if watch is None or any(not s["rollback"] for s in figs["swaps"]):
+        return None
+    if watch["gate_evaluations"]:
+        return (f"no swap: the gate refused all {watch['gate_evaluations']} candidates "
+                f"(last: {watch['last_gate']})")
+    step = watch["step"]
+    return ("no swap: the trainer never reached its first training step (too few rows captured?)" if not step else
+            f"no swap: the trainer made {step} steps and no gate evaluation yet")
 
 
 def write_rounds(result: SessionResult, path: str | Path) -> int:
@@ -96,24 +116,28 @@ def write_rounds(result: SessionResult, path: str | Path) -> int:
             ids = [str(r) for r in rd["request_ids"]]
             rec.record(rd["batch_size"], rd["accepted"], num_steps=rd["num_steps"], request_ids=ids,
                        tags=[str(t or "") for t in rd["tags"]], head_version=rd["head_version"],
-                       phase=rid_phase.get(ids[0], "") if ids else "", t_s=round(rd["t"] - result.t0, 4))
+                       phase=rid_phase.get(ids[0], "") if ids else "", t_s=round(rd["t"] - result.serve_t0, 4))
     return len(result.rounds)
 
 
 def timeline(result: SessionResult, bin_s: float) -> dict:
-    """Rounds binned by time: committed tokens/s, mean accept_len, K per batch-size slot."""
-    nbins = max(1, math.ceil((result.t1 - result.t0) / bin_s))
+    """Rounds binned by time from the start of traffic: committed tokens/s, mean accept_len, K
+    per batch size."""
+    t0 = result.serve_t0
+    span = max(result.t1 - t0, 1e-9)
+    nbins = max(1, round(span / bin_s))  # a last stretch shorter than half a bin joins the bin before it
+    widths = [bin_s] * (nbins - 1) + [span - (nbins - 1) * bin_s]
     tok = [0] * nbins
     acc: list[list[int]] = [[] for _ in range(nbins)]
     k_slot: dict[str, list] = {}
     for rd in result.rounds:
-        i = min(nbins - 1, int((rd["t"] - result.t0) / bin_s))
+        i = min(nbins - 1, max(0, int((rd["t"] - t0) / bin_s)))
         tok[i] += rd["committed"]
         if rd["num_steps"] > 0:
             acc[i].extend(rd["accepted"])
-        k_slot.setdefault(str(rd["batch_size"]), []).append([rd["t"] - result.t0, rd["num_steps"]])
-    return {"bin_s": bin_s, "t_s": [(i + 0.5) * bin_s for i in range(nbins)],
-            "tokens_per_s": [t / bin_s for t in tok], "accept_len": [_mean(a) for a in acc],
+        k_slot.setdefault(str(rd["batch_size"]), []).append([rd["t"] - t0, rd["num_steps"]])
+    return {"bin_s": bin_s, "t_s": [i * bin_s + w / 2 for i, w in enumerate(widths)],
+            "tokens_per_s": [t / w for t, w in zip(tok, widths)], "accept_len": [_mean(a) for a in acc],
             "num_steps_per_slot": {k: _thin(v, 400) for k, v in sorted(k_slot.items(), key=lambda kv: int(kv[0]))}}
 
 
@@ -125,43 +149,57 @@ def _thin(points: list, n: int) -> list:
 
 
 def adaptation(result: SessionResult, window: int = 32) -> list[dict]:
-    """After each phase change: time and tokens until the first head swap, and until the phase's
-    rolling accept_len (last `window` request-rounds) first reaches 90 % of its final level
-    (the mean of the phase's last quarter); None where it never did."""
+    """After each phase change: time and tokens until the first head swap within the new phase;
+    and, only where a head was swapped in the phase and acceptance then rose, until the phase's
+    rolling accept_len (last `window` request-rounds) first reaches 90 % of its final level (the
+    mean of the phase's last quarter) after that swap. Otherwise `time_to_adapt_s` is None and
+    `note` says why (no swap; acceptance did not rise: its first and final levels)."""
     rid_phase = request_phases(result)
     starts: dict[str, float] = {}
     for r in result.requests:
         starts.setdefault(r.phase, r.t_submit)
     names = phase_order(result)
     out = []
-    for prev, name in zip(names, names[1:]):
-        t0 = starts[name]
-        seq = [(rd["t"], a, rd["committed"]) for rd in result.rounds if rd["num_steps"] > 0 and rd["t"] >= t0
+    for i, (prev, name) in enumerate(zip(names, names[1:])):
+        t0, t_end = starts[name], starts[names[i + 2]] if i + 2 < len(names) else result.t1
+        seq = [(rd["t"], a) for rd in result.rounds if rd["num_steps"] > 0 and rd["t"] >= t0
                for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == name]
         tokens_after = [(rd["t"], rd["committed"]) for rd in result.rounds if rd["t"] >= t0]
-        swap = next((s for s in result.swaps if s["t"] >= t0 and not s["rollback"]), None)
-        final = _mean(a for _, a, _ in seq[-max(1, len(seq) // 4):]) if seq else None
-        t_adapt = None
-        if seq and final and final > 0:
-            for i in range(min(window, len(seq)), len(seq) + 1):
-                if sum(a for _, a, _ in seq[i - min(window, len(seq)):i]) / min(window, len(seq)) >= 0.9 * final:
-                    t_adapt = seq[i - 1][0]
+        swap = next((s for s in result.swaps if t0 <= s["t"] < t_end and not s["rollback"]), None)
+        first = _mean(a for _, a in seq[:window])
+        final = _mean(a for _, a in seq[-max(1, len(seq) // 4):])
+        t_adapt, note = None, ""
+        if swap is None:
+            note = "no head was swapped in this phase"
+        elif first is None or final is None or final <= first:
+            note = f"acceptance did not rise after the shift (first {_fmt(first)}, final {_fmt(final)})"
+        else:
+            w = min(window, len(seq))
+            for j in range(w, len(seq) + 1):
+                if seq[j - 1][0] >= swap["t"] and sum(a for _, a in seq[j - w:j]) / w >= 0.9 * final:
+                    t_adapt = seq[j - 1][0]
                     break
+            note = "" if t_adapt is not None else "never reached 90 % of the final level after the swap"
 
         def tokens_until(t):
             return None if t is None else sum(c for tt, c in tokens_after if tt <= t)
 
-        out.append({"shift": f"{prev}->{name}", "t_shift_s": t0 - result.t0,
+        out.append({"shift": f"{prev}->{name}", "t_shift_s": t0 - result.serve_t0,
                     "time_to_first_swap_s": None if swap is None else swap["t"] - t0,
                     "tokens_to_first_swap": tokens_until(None if swap is None else swap["t"]),
-                    "final_accept_len": final,
+                    "first_accept_len": first, "final_accept_len": final,
                     "time_to_adapt_s": None if t_adapt is None else t_adapt - t0,
-                    "tokens_to_adapt": tokens_until(t_adapt)})
+                    "tokens_to_adapt": tokens_until(t_adapt), "note": note})
     return out
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def plot_session(result: SessionResult, figs: dict, out_dir: str | Path, prefix: str = "") -> list[Path]:
-    """Two PNGs: accept_len and tokens/s over time (swap and alert markers), K per slot."""
+    """Two PNGs: accept_len and tokens/s over time since traffic began (swaps, rollbacks, alerts,
+    gate verdicts; why no head was swapped), and K per batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +210,8 @@ def plot_session(result: SessionResult, figs: dict, out_dir: str | Path, prefix:
     tl = figs["timeline"]
     starts = {}
     for r in result.requests:
-        starts.setdefault(r.phase, r.t_submit - result.t0)
+        starts.setdefault(r.phase, r.t_submit - result.serve_t0)
+    xlabel = f"time since traffic began (s); start-up before it: {figs['startup_s']:.0f} s, not shown"
 
     def marks(ax):
         swaps = [s for s in figs["swaps"] if not s["rollback"]]
@@ -187,32 +226,59 @@ def plot_session(result: SessionResult, figs: dict, out_dir: str | Path, prefix:
             ax.axvline(t, color="gray", lw=0.5)
             ax.text(t, ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="gray")
 
+    keep = _from_first_traffic(tl)
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    a1.plot(tl["t_s"], [x if x is not None else float("nan") for x in tl["accept_len"]], marker=".")
+    a1.plot(keep(tl["t_s"]), [x if x is not None else float("nan") for x in keep(tl["accept_len"])], marker=".")
     a1.set_ylabel("accept_len (drafts, no bonus)")
+    verdicts = [e for e in ((figs.get("trainer") or {}).get("watch") or {}).get("events", []) if e["kind"] == "gate"]
+    if verdicts:  # each gate evaluation along the top: refused (x) or passed (^)
+        top = a1.get_ylim()[1]
+        for passed, marker, color, label in ((False, "x", "gray", "gate refused"), (True, "^", "green", "gate passed")):
+            ts = [e["t_s"] for e in verdicts if (">=" in e["text"]) == passed]
+            if ts:
+                a1.plot(ts, [top] * len(ts), ls="none", marker=marker, color=color, ms=5, label=label, clip_on=False)
     marks(a1)
-    if figs["swaps"] or figs["alerts"]:
-        a1.legend(loc="upper left", fontsize=8)
-    a2.plot(tl["t_s"], tl["tokens_per_s"], marker=".", color="tab:orange")
+    if figs["swaps"] or figs["alerts"] or verdicts:
+        a1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the plot, off the data
+    reason = why_no_swap(figs)
+    if reason:
+        a1.text(0.99, 0.04, reason, transform=a1.transAxes, ha="right", va="bottom", fontsize=8, wrap=True,
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "gray"})
+    a2.plot(keep(tl["t_s"]), keep(tl["tokens_per_s"]), marker=".", color="tab:orange")
     a2.set_ylabel("tokens/s")
-    a2.set_xlabel("time (s)")
+    a2.set_xlabel(xlabel)
     marks(a2)
-    fig.suptitle(f"{result.name}: acceptance and throughput")
+    fig.suptitle(f"{result.name}: acceptance and throughput ({figs['serving_s']:.0f} s of serving)")
+    fig.tight_layout()
     p1 = out_dir / f"{prefix}accept_len_tokens_per_s.png"
-    fig.savefig(p1, dpi=100)
+    fig.savefig(p1, dpi=80)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(10, 3.5))
-    for slot, pts in tl["num_steps_per_slot"].items():
-        if pts:
-            ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=f"batch {slot}")
+    slots = [(b, pts) for b, pts in tl["num_steps_per_slot"].items() if pts]
+    styles = ["-", "--", ":", "-."]
+    for i, (b, pts) in enumerate(slots):
+        off = (i - (len(slots) - 1) / 2) * K_OFFSET  # equal K at two batch sizes stays two lines
+        ax.step([p[0] for p in pts], [p[1] + off for p in pts], where="post", ls=styles[i % len(styles)], lw=1.2,
+                color=K_COLORS[i % len(K_COLORS)], label=f"b{b} (batch {b})")
     ax.set_ylabel("K (draft steps)")
-    ax.set_xlabel("time (s)")
+    ax.set_xlabel(xlabel)
     marks(ax)
-    if tl["num_steps_per_slot"]:
-        ax.legend(loc="upper right", fontsize=8)
-    fig.suptitle(f"{result.name}: K per batch-size slot")
+    if slots:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.suptitle(f"{result.name}: K by batch size (lines offset by {K_OFFSET:g} per batch size to stay apart)")
+    fig.tight_layout()
     p2 = out_dir / f"{prefix}k_per_slot.png"
-    fig.savefig(p2, dpi=100)
+    fig.savefig(p2, dpi=80)
     plt.close(fig)
     return [p1, p2]
+
+
+K_OFFSET = 0.06
+K_COLORS = ["tab:blue", "tab:orange", "black", "tab:cyan", "tab:olive", "tab:pink", "gold"]  # not the markers'
+
+
+def _from_first_traffic(tl: dict):
+    """Cut a timeline series before its first bin with committed tokens (no leading zeros)."""
+    first = next((i for i, t in enumerate(tl["tokens_per_s"]) if t > 0), 0)
+    return lambda xs: xs[first:]

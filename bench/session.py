@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 
 from bench.trace import TraceItem
+from bench.trainer_watch import TrainerWatch
 from bench.traffic import RequestResult, replay
 from collector.publisher import CapturePublisher, PublisherConfig
+from online_spec.advice import warn
 from online_spec.alerts import CallbackAlertSink
 from online_spec.config import check, doc
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
@@ -84,8 +86,9 @@ class SessionConfig:
 @dataclass
 class SessionResult:
     name: str
-    t0: float
+    t0: float  # the session's start: loading, calibration, the trainer's start-up, then serving
     t1: float = 0.0
+    t_serve: float = 0.0  # when traffic began (0: it never did)
     requests: list[RequestResult] = field(default_factory=list)
     rounds: list[dict] = field(default_factory=list)
     alerts: list[dict] = field(default_factory=list)
@@ -94,6 +97,12 @@ class SessionResult:
     done: int = 0
     server_info: dict = field(default_factory=dict)
     policy_log: list[dict] = field(default_factory=list)  # the K policy's info() with each progress line
+    trace_lines: int = 0  # lines of the trace given to the session (served or skipped)
+
+    @property
+    def serve_t0(self) -> float:
+        """Time zero of the report: when traffic began (the session's start if it never did)."""
+        return self.t_serve or self.t0
 
 
 class RoundLog:
@@ -153,8 +162,8 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
     run_dir = Path(cfg.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(tempfile.mkdtemp(prefix="osd-"))  # short path: ipc socket names are limited to ~100 chars
-    result = SessionResult(cfg.name, time.time())
-    server = http = control = trainer = None
+    result = SessionResult(cfg.name, time.time(), trace_lines=len(items))
+    server = http = control = trainer = watch = None
     stop_progress = threading.Event()
     try:
         version, plain = 0, cfg.head == "none" or cfg.num_steps == 0 and cfg.policy == "static"
@@ -186,8 +195,12 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         if cfg.online:
             control = _start_control(server, sock_dir, run_dir)
             trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None)
+            if cfg.progress_every_s > 0:
+                print(f"trainer: starting (log: {run_dir / 'trainer.log'})", flush=True)
+            watch = TrainerWatch(run_dir / "trainer.log", echo=cfg.progress_every_s > 0).start()
             _wait_ready(trainer, run_dir / "trainer", cfg.wait_trainer_s)
-        progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress),
+        result.t_serve = time.time()
+        progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress, watch),
                                     daemon=True, name="progress")
         progress.start()
         def on_done(res: RequestResult) -> None:
@@ -201,6 +214,9 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         result.t1 = time.time()
         if trainer is not None:
             result.trainer = _stop_trainer(trainer, run_dir)
+        if watch is not None:
+            watch.stop()
+            result.trainer["watch"] = watch.figures(result.serve_t0)
         for closer in (control, http, server):
             if closer is not None:
                 try:
@@ -218,7 +234,8 @@ def _alert_dict(alert) -> dict:
 
 def _start_control(server, sock_dir: Path, run_dir: Path):
     if not _control_available():
-        log.warning("serving.control is not available: the trainer trains but cannot swap heads into the server")
+        warn(log, "session_no_control", "serving.control is not available",
+             cost="the trainer trains but cannot swap heads into the server", fix="reinstall the package (pip install -e .)")
         return None
     from serving.control import ControlConfig, ControlServer
 
@@ -262,7 +279,11 @@ def _wait_ready(proc, trainer_dir: Path, timeout_s: float) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the trainer exited with {proc.returncode}; see {trainer_dir.parent / 'trainer.log'}")
         if time.monotonic() - t0 > timeout_s:
-            log.warning("trainer not ready after %.0fs; sending traffic anyway", timeout_s)
+            warn(log, "session_trainer_late", f"trainer not ready after {timeout_s:.0f}s; sending traffic anyway",
+                 cost="capture records published before it subscribes are lost (ZMQ PUB/SUB), so its first "
+                      "training steps come later",
+                 fix=f"see {trainer_dir.parent / 'trainer.log'} for what it is doing; on a loaded machine allow "
+                     "more time (SessionConfig.wait_trainer_s)")
             return
         time.sleep(0.5)
     if timeout_s > 0:
@@ -278,7 +299,9 @@ def _stop_trainer(proc, run_dir: Path, grace_s: float = 60.0) -> dict:
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                log.warning("trainer did not stop in %.0fs: killing pid %d", grace_s, proc.pid)
+                warn(log, "session_trainer_kill", f"trainer did not stop in {grace_s:.0f}s: killing pid {proc.pid}",
+                     cost="its steps since the last state save are lost (the report's trainer figures come "
+                          "from that save)", fix=f"see {run_dir / 'trainer.log'} for where it hung")
                 proc.kill()
                 proc.wait(10)
     finally:
@@ -292,30 +315,39 @@ def _stop_trainer(proc, run_dir: Path, grace_s: float = 60.0) -> dict:
     return out
 
 
-def _progress(server, result: SessionResult, total: int, cfg: SessionConfig, stop: threading.Event) -> None:
-    """One console line every few seconds: what the loop is doing."""
+def _progress(server, result: SessionResult, total: int, cfg: SessionConfig, stop: threading.Event,
+              watch: TrainerWatch | None = None) -> None:
+    """One console line every few seconds (`progress_line`), and the K policy's state beside it."""
     if cfg.progress_every_s <= 0:
         return
     last_rounds = 0
     while not stop.wait(cfg.progress_every_s):
         rounds = result.rounds[last_rounds:]
         last_rounds += len(rounds)
-        spec = [r for r in rounds if r["num_steps"] > 0]
-        per_slot: dict[int, list] = {}
-        for r in spec:
-            per_slot.setdefault(r["batch_size"], []).extend(r["accepted"])
-        acc = " ".join(f"b{b}:{sum(v) / len(v):.2f}" for b, v in sorted(per_slot.items())) or "-"
-        ks = {k: v for k, v in (server.info()["internal_states"][0].get("speculative_num_steps_per_slot") or {}).items()
-              if v is not None}
         policy = server.engine.policy
         if hasattr(policy, "info"):  # why the policy chose its K (acceptance estimates, time model) over time
             try:
-                result.policy_log.append({"t_s": time.time() - result.t0, **policy.info()})
+                result.policy_log.append({"t_s": time.time() - result.serve_t0, **policy.info()})
             except (RuntimeError, ValueError, IndexError, KeyError) as e:  # read while the engine thread updates it
                 log.debug("policy info skipped: %s", e)
-        k_last = rounds[-1]["num_steps"] if rounds else "-"
-        tps = sum(r["committed"] for r in rounds) / cfg.progress_every_s
-        print(f"[{cfg.name} {time.time() - result.t0:5.0f}s] rounds {len(result.rounds):5d}  "
-              f"tok/s {tps:5.1f}  accept_len {acc}  K {k_last} "
-              f"K/slot {ks or '-'}  head v{server.engine.head_version}  swaps {len(result.swaps)}  "
-              f"alerts {len(result.alerts)}  done {result.done}/{total}", flush=True)
+        print(progress_line(cfg.name, result, rounds, cfg.progress_every_s, server.engine.head_version, total,
+                            False if watch is None else watch.step), flush=True)
+
+
+def progress_line(name: str, result: SessionResult, rounds: list[dict], every_s: float, head_version: int,
+                  total: int, trainer_step: int | None | bool = False) -> str:
+    """What the loop did over the last `every_s` seconds (`rounds`): times from the start of traffic;
+    accept_len and K per batch size as `b2:...`, the plots' labels (K: the last K at that batch
+    size); `trainer_step` None = the trainer has not trained yet, False = no trainer."""
+    per_batch: dict[int, list] = {}
+    for r in rounds:
+        if r["num_steps"] > 0:
+            per_batch.setdefault(r["batch_size"], []).extend(r["accepted"])
+    acc = " ".join(f"b{b}:{sum(v) / len(v):.2f}" for b, v in sorted(per_batch.items())) or "-"
+    k_by_batch = {r["batch_size"]: r["num_steps"] for r in rounds}
+    ks = " ".join(f"b{b}:{k}" for b, k in sorted(k_by_batch.items())) or "-"
+    tps = sum(r["committed"] for r in rounds) / every_s
+    trainer = "" if trainer_step is False else f"  trainer step {'-' if trainer_step is None else trainer_step}"
+    return (f"[{name} {time.time() - result.serve_t0:5.0f}s] rounds {len(result.rounds):5d}  tok/s {tps:5.1f}  "
+            f"accept_len {acc}  K {ks}  head v{head_version}  swaps {len(result.swaps)}{trainer}  "
+            f"alerts {len(result.alerts)}  done {result.done}/{total}")

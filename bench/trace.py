@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
+from online_spec.advice import warn
 from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED
 from online_spec.jsonl import JsonLinesError, parse_json_line, read_json_file, write_json_lines
 
@@ -130,8 +131,14 @@ def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, se
         if len(chat) <= n_mix_chat:
             raise TraceError(f"only {len(chat)} held-out ShareGPT chat conversations fit; the mix alone asks "
                              f"for {n_mix_chat}")
-        log.warning("only %d held-out ShareGPT chat conversations fit in %d prompt tokens: the chat phase gets "
-                    "%d lines instead of %d", len(chat), max_prompt_tokens, len(chat) - n_mix_chat, n_chat)
+        warn(log, "trace_chat_short",
+             f"only {len(chat)} held-out ShareGPT chat conversations fit in {max_prompt_tokens} prompt tokens: "
+             f"the chat phase gets {len(chat) - n_mix_chat} lines instead of {n_chat}",
+             cost="none while the machine serves fewer chat lines than that in the chat phase's time (the demo "
+                  "skips a phase's leftover lines by design; a 2-core CPU serves ~100 a minute); on a faster "
+                  "machine the chat phase ends early and the code phase starts sooner",
+             fix="nothing on a CPU; on a fast machine pass --trace with more chat lines, or fewer "
+                 "--requests-per-minute so the phases stay balanced")
         n_chat = len(chat) - n_mix_chat
     code = [code[i % len(code)] for i in range(n_code_total)]  # HumanEval held-out has ~40 tasks
     lines = [{"messages": c[:1], "tag": "chat", "phase": "chat"} for c in chat[:n_chat]]

@@ -33,6 +33,12 @@ Either side may start first or restart: the subscriber reconnects by itself, and
 publisher re-binds the ipc socket file left by a killed one. "Sent" means handed to ZMQ;
 messages queued towards a subscriber that is then killed are lost uncounted.
 
+Who can read it: the stream carries users' prompts and outputs. The default endpoint is an ipc
+socket in the run directory, which is made 0700 before the socket is bound, and the socket file
+0600 after; a non-loopback tcp endpoint is refused unless `allow_remote`, and across hosts CURVE
+(`curve_secret_key`, `curve_authorized`: collector/curve.py) encrypts the stream and admits only
+authorised subscribers. `close()` removes the ipc socket file.
+
 Sampling is per request and deterministic: `should_capture(id)` hashes the id (blake2b, with
 `sample_salt`) to a number in [0, 1) and compares it with `sample_fraction`, so a request is
 either captured in every round or in none and the trainer gets contiguous sequences.
@@ -53,7 +59,9 @@ import zmq
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, doc
 
-from collector.endpoint import check_endpoint, prepare_endpoint, resolve_endpoint
+from collector.curve import check_curve_files, make_curve_server
+from collector.endpoint import (check_endpoint, prepare_endpoint, remove_ipc_file, resolve_endpoint,
+                                secure_ipc_file)
 from collector.wire import FLOAT_DTYPES, EndOfRequest, WireError, encode_end, encode_round, frames_nbytes
 
 log = logging.getLogger(__name__)
@@ -65,7 +73,14 @@ _STOP = object()  # sentinel that ends the sender thread
 class PublisherConfig:
     endpoint: str = doc("ZMQ endpoint the publisher binds (ipc://PATH or tcp://HOST:PORT, PORT may be *); "
                         "empty = ipc://<run_dir>/capture.sock", "")
-    run_dir: str = doc("directory of the default ipc socket; empty = the system temp directory", "")
+    run_dir: str = doc("directory of the default ipc socket, made 0700; empty = the server's run directory "
+                       "(online-spec serve) or a per-user directory in the system temp directory", "")
+    allow_remote: bool = doc("allow a non-loopback tcp endpoint (the stream carries users' prompts: add CURVE "
+                             "keys, --capture-curve-*)", False)
+    curve_secret_key: str = doc("CURVE: this publisher's certificate (zmq.auth NAME.key_secret); the stream is "
+                                "encrypted and only subscribers in --capture-curve-authorized may connect; empty = off",
+                                "")
+    curve_authorized: str = doc("CURVE: directory of the public certificates (NAME.key) of allowed subscribers", "")
     sample_fraction: float = doc("fraction of requests captured, decided once per request by a hash of its id", 1.0)
     sample_salt: str = doc("salt of the sampling hash; change it to sample a different set of requests", "")
     queue_size: int = doc("records the in-process queue holds; submit drops (and counts) beyond it", 1024)
@@ -74,7 +89,9 @@ class PublisherConfig:
     linger_ms: int = doc("how long close() lets ZMQ flush queued messages", 200)
 
     def __post_init__(self) -> None:
-        check_endpoint(resolve_endpoint(self.endpoint, self.run_dir), "endpoint", allow_wildcard_port=True)
+        check_endpoint(resolve_endpoint(self.endpoint, self.run_dir), "endpoint", allow_wildcard_port=True,
+                       allow_remote=self.allow_remote, remote_flag="--capture-allow-remote")
+        check_curve_files("curve_secret_key", self.curve_secret_key, self.curve_authorized, other_is_dir=True)
         check(0.0 <= self.sample_fraction <= 1.0, "sample_fraction", f"{self.sample_fraction} is not in [0, 1]")
         check(self.queue_size >= 1, "queue_size", f"{self.queue_size} < 1")
         check(self.send_hwm >= 1, "send_hwm", f"{self.send_hwm} < 1 (0 would mean unbounded)")
@@ -99,15 +116,21 @@ class CapturePublisher:
         self._sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
         self._sock.setsockopt(zmq.SNDTIMEO, 1000)  # bounds the continuation frames (see _send)
         self._sock.setsockopt(zmq.LINGER, cfg.linger_ms)
+        self._auth = None
         endpoint = resolve_endpoint(cfg.endpoint, cfg.run_dir)
-        prepare_endpoint(endpoint)
         try:
+            prepare_endpoint(endpoint, private=not cfg.endpoint)
+            if cfg.curve_secret_key:
+                self._auth = make_curve_server(self._ctx, self._sock, cfg.curve_secret_key, cfg.curve_authorized)
             self._sock.bind(endpoint)
-        except zmq.ZMQError:
+            self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            secure_ipc_file(self.endpoint)
+        except BaseException:
             self._sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
             raise
-        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._queue: queue.Queue = queue.Queue()  # items: a round's records, or an end marker
         self._records_in = 0  # records and end markers queued (caller's thread)
         self._records_out = 0  # ... and taken by the sender thread: the depth is the difference
@@ -207,7 +230,10 @@ class CapturePublisher:
         if self._thread.is_alive():
             log.error("capture publisher: sender thread did not stop within %.1f s", timeout_s)
             return
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
+        remove_ipc_file(self.endpoint)
 
     def __enter__(self) -> "CapturePublisher":
         return self
@@ -243,7 +269,12 @@ class CapturePublisher:
     def _send_item(self, item: list[CaptureRecord] | EndOfRequest) -> None:
         self._read_subscriptions()
         if isinstance(item, EndOfRequest):
-            frames = encode_end(item.request_id, item.timestamp)
+            try:
+                frames = encode_end(item.request_id, item.timestamp)
+            except WireError as e:
+                self.end_markers_dropped += 1
+                self._warn("invalid", f"capture publisher: dropping an invalid end marker: {e}")
+                return
             if self._topics and self._send(frames):
                 self.end_markers_sent += 1
                 self.bytes_sent += frames_nbytes(frames)
@@ -259,7 +290,10 @@ class CapturePublisher:
                 self._warn("invalid", f"capture publisher: dropping an invalid record: {frames}")
             elif not self._send(frames):
                 self.dropped_hwm += 1
-                self._warn("hwm", "capture publisher: subscriber is slow, dropping records (send HWM reached)")
+                self._warn("hwm", f"capture publisher: the trainer reads slower than serving captures, dropping "
+                                  f"records ({self.dropped_hwm} so far, send HWM reached). Cost: the trainer learns "
+                                  f"from fewer requests; serving is not slowed. To do: nothing if it trains anyway; "
+                                  f"else capture less (--capture-sample-fraction) or give the trainer more CPU/GPU")
             else:
                 self.sent += 1
                 self.bytes_sent += frames_nbytes(frames)

@@ -128,6 +128,21 @@ class CaptureSpan:
             return self
         return self.slice(0, min(self.num_rows, max(prompt - 1, 0) + max_generated + 1))
 
+    def target_error(self, hidden_size: int, vocab_size: int, max_positions: int) -> str | None:
+        """Why the span cannot be trained on with a target of this hidden size, vocabulary and
+        context (a frame can be well-formed on the wire and still not fit the model), or None."""
+        if self.hidden_size != hidden_size or int(self.features.shape[1]) != 3 * hidden_size:
+            return (f"hidden size {self.hidden_size} (features {int(self.features.shape[1])}), "
+                    f"the target's is {hidden_size}")
+        for name, t, lo in (("tokens", self.tokens, 0), ("draft_token", self.draft_token, -1)):
+            if t.numel() and (int(t.min()) < lo or int(t.max()) >= vocab_size):
+                return f"{name} outside the target's vocabulary of {vocab_size}"
+        if self.end_pos + 1 > max_positions:
+            return f"positions up to {self.end_pos} beyond the target's {max_positions}"
+        if not self.features.is_floating_point() or not self.final_hidden.is_floating_point():
+            return "features are not floating point"
+        return None
+
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistency (shapes, dtypes, non-finite values)."""
         check_rows("span", self.first_pos, self.tokens, self.features, self.final_hidden)

@@ -31,6 +31,7 @@ import zmq
 from online_spec.config import check, doc
 
 from collector.assembler import SpanAssembler
+from collector.curve import check_curve_files, make_curve_client
 from collector.endpoint import check_endpoint, resolve_endpoint
 from collector.span import CaptureSpan
 from collector.wire import EndOfRequest, WireError, decode
@@ -43,7 +44,11 @@ _CONTROL_IDS = itertools.count()
 @dataclass
 class SubscriberConfig:
     endpoint: str = doc("ZMQ endpoint of the publisher to connect to; empty = ipc://<run_dir>/capture.sock", "")
-    run_dir: str = doc("directory of the default ipc socket; empty = the system temp directory", "")
+    run_dir: str = doc("directory of the default ipc socket; empty = the server's run directory (online-spec "
+                       "train --control-run-dir) or a per-user directory in the system temp directory", "")
+    curve_server_key: str = doc("CURVE: the publisher's public certificate (zmq.auth NAME.key); empty = no CURVE", "")
+    curve_secret_key: str = doc("CURVE: this subscriber's certificate (NAME.key_secret), authorised by the publisher",
+                                "")
     recv_hwm: int = doc("ZMQ receive high-water mark in messages (beyond it the publisher drops)", 1000)
     max_message_bytes: int = doc("largest frame accepted; a peer sending more is disconnected", 1 << 28)
     idle_timeout_s: float = doc("hand over a request's span after this long without a record of it", 30.0)
@@ -53,6 +58,7 @@ class SubscriberConfig:
 
     def __post_init__(self) -> None:
         check_endpoint(resolve_endpoint(self.endpoint, self.run_dir), "endpoint")
+        check_curve_files("curve_secret_key", self.curve_secret_key, self.curve_server_key, other_is_dir=False)
         check(self.recv_hwm >= 1, "recv_hwm", f"{self.recv_hwm} < 1 (0 would mean unbounded)")
         check(self.max_message_bytes >= 1024, "max_message_bytes", f"{self.max_message_bytes} < 1024")
         check(self.idle_timeout_s > 0, "idle_timeout_s", f"{self.idle_timeout_s} <= 0")
@@ -74,6 +80,8 @@ class CaptureSubscriber:
         self._sub.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
         self._sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self._sub.setsockopt(zmq.LINGER, 0)
+        if cfg.curve_secret_key:
+            make_curve_client(self._sub, cfg.curve_server_key, cfg.curve_secret_key)
         self._sub.connect(self.endpoint)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")  # everything: bad frames must arrive to be counted
         control = f"inproc://capture-subscriber-control-{next(_CONTROL_IDS)}"

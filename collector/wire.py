@@ -21,7 +21,9 @@ the values make sense (finite features and hidden states, probabilities in [0, 1
 token ids, `CaptureRecord.validate()` passes); anything else raises `WireError` naming the
 problem. NaN or inf features are a data problem (an fp16 overflow, a broken kernel): they are
 rejected here, at the border, rather than poisoning the trainer. `encode` runs the same checks,
-so a sender never ships what a receiver would refuse. A round trip is bit-exact for the wire
+metadata bounds included (`META_BOUNDS`, id and tag lengths), so a sender never ships what a
+receiver would refuse: what it cannot encode it refuses with a WireError (the publisher counts it
+as `dropped_invalid`). A round trip is bit-exact for the wire
 dtype: `decode(encode(r, d)).features == r.features.to(d)` bit for bit.
 
     frames = encode(record, wire_dtype="bfloat16")
@@ -39,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from online_spec.capture import CaptureRecord, row_shapes
+from online_spec.capture import MAX_ID_CHARS, MAX_POSITION, MAX_VERSION, CaptureRecord, row_shapes
 
 MAGIC = b"OSCP"
 VERSION = 1
@@ -48,7 +50,11 @@ KIND_END = 2
 HEADER = struct.Struct("<4sHBBI")  # magic, version, kind, nframes, meta_len
 RECORD_FRAMES = 6
 MAX_META_BYTES = 1 << 16
-MAX_ID_CHARS = 1024
+# The integer metadata of a record and its range; both ends check it (encode and decode).
+META_BOUNDS: dict[str, tuple[int, int]] = {
+    "num_rows": (1, 1 << 24), "hidden_size": (1, 1 << 20), "num_steps": (0, 1 << 16),
+    "first_pos": (0, MAX_POSITION), "batch_size": (1, 1 << 20), "draft_version": (0, MAX_VERSION),
+}
 
 # Names used in the metadata and in configs -> torch dtypes.
 FLOAT_DTYPES: dict[str, torch.dtype] = {
@@ -180,6 +186,7 @@ def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 def _frames(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_hidden: np.ndarray,
             tokens: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray, token_dtype: str) -> list[memoryview]:
     """One record's frames from its arrays, already converted and checked."""
+    _check_ids(record.request_id, record.tag)
     meta = {
         "request_id": record.request_id,
         "first_pos": int(record.first_pos),
@@ -195,13 +202,28 @@ def _frames(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_
         "float_dtype": wire_dtype,
         "token_dtype": token_dtype,
     }
+    for key, (lo, hi) in META_BOUNDS.items():
+        if not lo <= meta[key] <= hi:
+            raise WireError(f"record {record.request_id[:80]!r}: {key}={meta[key]} is outside {lo}..{hi}")
+    if not math.isfinite(meta["timestamp"]):
+        raise WireError(f"record {record.request_id[:80]!r}: timestamp is not finite")
     return [_header(KIND_RECORD, RECORD_FRAMES, meta)] + [
         memoryview(a.reshape(-1).view(np.uint8)) for a in (tokens, features, final_hidden, draft_tokens, draft_probs)]
 
 
 def encode_end(request_id: str, timestamp: float) -> list[memoryview]:
-    """The single-frame end-of-request control message."""
+    """The single-frame end-of-request control message (WireError for an id decode would refuse)."""
+    _check_ids(request_id, "")
     return [_header(KIND_END, 1, {"request_id": request_id, "timestamp": float(timestamp)})]
+
+
+def _check_ids(request_id: object, tag: object) -> None:
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_ID_CHARS:
+        raise WireError(f"request id {str(request_id)[:80]!r} is not a non-empty string of at most "
+                        f"{MAX_ID_CHARS} characters")
+    if not isinstance(tag, str) or len(tag) > MAX_ID_CHARS:
+        raise WireError(f"tag {str(tag)[:80]!r} of request {request_id[:80]!r} is not a string of at most "
+                        f"{MAX_ID_CHARS} characters")
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:
@@ -223,9 +245,9 @@ def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
         raise WireError(f"unknown message kind {kind}")
     if len(bufs) != RECORD_FRAMES:
         raise WireError(f"a record message has {RECORD_FRAMES} frames, got {len(bufs)}")
-    rows = _get_int(meta, "num_rows", 1, 1 << 24)
-    hidden = _get_int(meta, "hidden_size", 1, 1 << 20)
-    steps = _get_int(meta, "num_steps", 0, 1 << 16)
+    rows = _get_int(meta, "num_rows", *META_BOUNDS["num_rows"])
+    hidden = _get_int(meta, "hidden_size", *META_BOUNDS["hidden_size"])
+    steps = _get_int(meta, "num_steps", *META_BOUNDS["num_steps"])
     fname, tname = _get_str(meta, "float_dtype"), _get_str(meta, "token_dtype")
     if fname not in FLOAT_DTYPES:
         raise WireError(f"unknown float_dtype {fname!r}")
@@ -244,7 +266,7 @@ def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
     _check_values(parts, request_id)
     record = CaptureRecord(
         request_id=request_id,
-        first_pos=_get_int(meta, "first_pos", 0, 1 << 40),
+        first_pos=_get_int(meta, "first_pos", *META_BOUNDS["first_pos"]),
         tokens=parts["tokens"].to(torch.int64),
         features=parts["features"],
         final_hidden=parts["final_hidden"],
@@ -252,8 +274,8 @@ def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
         draft_probs=parts["draft_probs"],
         accept_len=_get_int(meta, "accept_len", 0, steps),
         num_steps=steps,
-        batch_size=_get_int(meta, "batch_size", 1, 1 << 20),
-        draft_version=_get_int(meta, "draft_version", 0, 1 << 62),
+        batch_size=_get_int(meta, "batch_size", *META_BOUNDS["batch_size"]),
+        draft_version=_get_int(meta, "draft_version", *META_BOUNDS["draft_version"]),
         is_prefill=_get_bool(meta, "is_prefill"),
         timestamp=_get_float(meta, "timestamp"),
         tag=_get_str(meta, "tag"),
@@ -313,7 +335,12 @@ def _view(frame: Any) -> memoryview:
 
 
 def _header(kind: int, nframes: int, meta: dict) -> memoryview:
-    blob = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    try:
+        blob = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    except (ValueError, UnicodeEncodeError) as e:  # NaN, a lone surrogate in an id
+        raise WireError(f"metadata cannot be encoded: {e}") from None
+    if len(blob) > MAX_META_BYTES:
+        raise WireError(f"metadata of {len(blob)} bytes exceeds {MAX_META_BYTES}")
     return memoryview(HEADER.pack(MAGIC, VERSION, kind, nframes, len(blob)) + blob)
 
 

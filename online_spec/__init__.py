@@ -24,4 +24,9 @@ layer by string). The path of one token through the layers: docs/architecture.md
 # `train` default to 1 each), where the policy does not matter; a multi-threaded process on a
 # shared CPU should set OMP_WAIT_POLICY=PASSIVE itself (spinning there: 2.4x slower).
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+PRETRAINED_HEADS = Path(__file__).resolve().parent / "pretrained"
+"""The head checkpoints that ship with the package (`sharegpt-chat-h100`, `code-h100`)."""

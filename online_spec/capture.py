@@ -33,6 +33,14 @@ import torch
 FEATURE_LAYERS = 3
 """Target layers EAGLE-3 captures; a row's features are their hidden states concatenated (3H)."""
 
+MAX_ID_CHARS = 1024
+"""Longest request id and traffic tag a record carries (the wire refuses longer; the server
+refuses them at the door, so everything it serves can be captured)."""
+MAX_VERSION = 2**62
+"""Largest head version (`draft_version`) a record carries; swaps beyond it are refused."""
+MAX_POSITION = 2**40
+"""Largest first position a record carries."""
+
 
 def row_shapes(num_rows: int, hidden_size: int) -> dict[str, tuple[int, ...]]:
     """Shapes of `num_rows` committed rows: tokens [n + 1] (the last one is the token the target

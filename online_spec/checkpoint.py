@@ -8,7 +8,10 @@
     DIR/online_spec.json     our metadata: version, sha256 digest of model.safetensors, parent
 
 One codec for the trainer, the engine, the swap command and the SGLang plugin. Only safetensors
-is ever read; a directory holding a pickle-format file is refused. `load_head` validates
+is ever read; a directory holding a pickle-format file is refused. Files are read only if they
+are regular files (opened non-blocking and checked on the open descriptor: a FIFO or device
+under a checkpoint's name is refused, never waited on) and no larger than `MAX_WEIGHTS_BYTES`
+(`MAX_JSON_BYTES` for the JSON files); the digest is of the bytes parsed. `load_head` validates
 everything (names, shapes, dtypes, finite values, vocabulary map, compatibility with the
 target) before building a module and raises `CheckpointError` naming the first problem.
 """
@@ -19,12 +22,14 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict
+import stat
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
+from transformers.activations import ACT2FN
 
 from online_spec.head import EagleHead, HeadConfig
 
@@ -33,6 +38,8 @@ WEIGHTS = "model.safetensors"
 META = "online_spec.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_WEIGHTS_BYTES = 4 << 30  # model.safetensors; a 70B target's EAGLE-3 head is ~2 GB in bf16
+MAX_JSON_BYTES = 1 << 20  # config.json, online_spec.json
 
 
 class CheckpointError(ValueError):
@@ -65,11 +72,13 @@ def head_config_json(cfg: HeadConfig, dtype: torch.dtype) -> dict:
 
 
 def head_config_from_json(d: dict) -> HeadConfig:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"config.json must be a JSON object, got a {type(d).__name__}")
     if d.get("architectures") != [ARCH]:
         raise CheckpointError(f"config.json architectures is {d.get('architectures')}, expected [{ARCH!r}]")
     try:
         eagle = d.get("eagle_config") or {}
-        return HeadConfig(
+        cfg = HeadConfig(
             hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
             num_attention_heads=int(d["num_attention_heads"]),
             num_key_value_heads=int(d["num_key_value_heads"]),
@@ -83,8 +92,14 @@ def head_config_from_json(d: dict) -> HeadConfig:
         )
     except KeyError as e:
         raise CheckpointError(f"config.json misses field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
         raise CheckpointError(f"config.json has a bad value: {e}") from None
+    if not isinstance(cfg.hidden_act, str) or cfg.hidden_act not in ACT2FN:
+        raise CheckpointError(f"config.json hidden_act {str(cfg.hidden_act)[:64]!r} is not an activation "
+                              f"transformers knows (e.g. 'silu')")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in cfg.aux_layer_ids):
+        raise CheckpointError("config.json eagle_aux_hidden_state_layer_ids must be a list of integers")
+    return cfg
 
 
 def expected_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -177,8 +192,14 @@ def validate_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor],
     if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
         raise CheckpointError("t2d does not mark exactly the target ids of d2t")
     if expect_vocab is not None:
-        if not torch.equal(d2t, expect_vocab[0].long().cpu()) or not torch.equal(t2d, expect_vocab[1].cpu()):
+        if not same_vocab_map((d2t, t2d), expect_vocab):
             raise CheckpointError("draft vocabulary map differs from the live head's")
+
+
+def same_vocab_map(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether two (d2t, t2d) vocabulary maps are the same map."""
+    return (a[0].shape == b[0].shape and a[1].shape == b[1].shape
+            and torch.equal(a[0].long().cpu(), b[0].long().cpu()) and torch.equal(a[1].cpu(), b[1].cpu()))
 
 
 def check_compatible(cfg: HeadConfig, target_info) -> None:
@@ -199,7 +220,57 @@ def check_compatible(cfg: HeadConfig, target_info) -> None:
         raise CheckpointError("; ".join(problems))
 
 
-def read_checkpoint(path: str | Path) -> tuple[HeadConfig, dict[str, torch.Tensor], dict]:
+@dataclass
+class Checkpoint:
+    """What `open_checkpoint` read: config, tensors, metadata and the sha256 of the weights' bytes."""
+
+    cfg: HeadConfig
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+    digest: str
+
+
+CHECKPOINT_FILES = ("config.json", WEIGHTS, META)
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `max_bytes`, else CheckpointError.
+    Opened non-blocking and checked on the descriptor, so a FIFO, socket or device under that name
+    is refused at once (a blocking open of a FIFO waits for a writer forever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"cannot open {path.name}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path.name} is not a regular file")
+        if st.st_size > max_bytes:
+            raise CheckpointError(f"{path.name} is {st.st_size} bytes, more than the {max_bytes} allowed")
+        chunks, got = [], 0
+        while got <= max_bytes:  # to the end of the file, even if it grew since fstat
+            chunk = os.read(fd, min(1 << 24, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > max_bytes:
+            raise CheckpointError(f"{path.name} grew past the {max_bytes} bytes allowed while being read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path.name}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(read_regular_file(path, MAX_JSON_BYTES))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path.name} is not valid JSON: {e}") from None
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read config, tensors and metadata of a checkpoint directory without trusting them."""
     path = Path(path)
     if not path.is_dir():
@@ -212,24 +283,27 @@ def read_checkpoint(path: str | Path) -> tuple[HeadConfig, dict[str, torch.Tenso
         raise CheckpointError(f"{path} has no config.json")
     if not w_path.exists():
         raise CheckpointError(f"{path} has no {WEIGHTS}")
+    cfg = head_config_from_json(_read_json(cfg_path))
+    blob = read_regular_file(w_path, MAX_WEIGHTS_BYTES)
     try:
-        cfg = head_config_from_json(json.loads(cfg_path.read_text()))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"config.json is not valid JSON: {e}") from None
-    try:
-        with safe_open(str(w_path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = load_safetensors(blob)
     except Exception as e:  # safetensors raises several types for corrupt files
         raise CheckpointError(f"{WEIGHTS} is not a valid safetensors file: {e}") from None
+    digest = hashlib.sha256(blob).hexdigest()
     meta = {}
     if (path / META).exists():
-        try:
-            meta = json.loads((path / META).read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{META} is not valid JSON: {e}") from None
-        if "digest" in meta and meta["digest"] != file_digest(w_path):
+        meta = _read_json(path / META)
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{META} must be a JSON object, got a {type(meta).__name__}")
+        if "digest" in meta and meta["digest"] != digest:
             raise CheckpointError(f"digest mismatch: {WEIGHTS} does not match {META}")
-    return cfg, tensors, meta
+    return Checkpoint(cfg, tensors, meta, digest)
+
+
+def read_checkpoint(path: str | Path) -> tuple[HeadConfig, dict[str, torch.Tensor], dict]:
+    """(config, tensors, metadata) of a checkpoint directory (`open_checkpoint`)."""
+    ck = open_checkpoint(path)
+    return ck.cfg, ck.tensors, ck.meta
 
 
 def build_head(cfg: HeadConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

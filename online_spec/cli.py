@@ -35,7 +35,20 @@ BENCHES: dict[str, tuple[str, str]] = {
     "controller": ("bench.controller", "static K vs EMA vs cost-model policy, stationary and phase-change"),
     "e2e": ("bench.e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
     "adapt": ("bench.adapt", "ShareGPT -> HumanEval shift: served tokens until the online head nears an in-domain head"),
+    "soak": ("bench.soak", "the real server for a long run: normal + hostile clients, swaps, trainer restarts; RSS, /metrics, lossless"),
 }
+
+
+MAX_USAGE_OPTIONS = 8  # a command with more flags shows "[options]" in its usage line; --help lists them
+
+
+def _short_usage(parser: argparse.ArgumentParser) -> None:
+    """Usage as "PROG [-h] [options] POSITIONALS" when the flags would fill screens of usage."""
+    actions = parser._actions  # argparse exposes no public list of a parser's arguments
+    if sum(bool(a.option_strings) for a in actions) > MAX_USAGE_OPTIONS:
+        positionals = [a.metavar or a.dest for a in actions if not a.option_strings
+                       and not isinstance(a, argparse._SubParsersAction)]
+        parser.usage = " ".join(["%(prog)s [-h] [options]", *map(str, positionals)])
 
 
 def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -46,6 +59,7 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
             importlib.import_module(module).add_arguments(p)
+            _short_usage(p)
             p.set_defaults(_module=module)
     bench = sub.add_parser("bench", help="benchmarks writing JSON", description="benchmarks writing JSON")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -54,6 +68,7 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
         p = bsub.add_parser(name, help=help_text, description=help_text)
         if name == wanted_bench:
             importlib.import_module(module).add_arguments(p)
+            _short_usage(p)
             p.set_defaults(_module=module)
     return parser
 

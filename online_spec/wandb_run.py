@@ -23,12 +23,15 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from online_spec.advice import warn
+
 log = logging.getLogger(__name__)
 
 _FILE_HEADER = struct.Struct("<4sHB")
 _CHUNK_HEADER = struct.Struct("<IHB")
 _IDENT, _MAGIC, _VERSION = b":W&B", 0xBEE1, 0
 _BLOCK = 32768
+_WANDB_COST = "metrics and drift alerts of this run are not recorded in W&B (they still reach the log and /metrics)"
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
@@ -38,14 +41,17 @@ def init_wandb(project: str, entity: Optional[str], run_dir: str | os.PathLike, 
     try:
         import wandb
     except Exception as e:  # noqa: BLE001 - wandb is optional at run time
-        log.warning("wandb unavailable (%s); W&B logging is off", e)
+        warn(log, "wandb_unavailable", f"wandb unavailable ({e}): W&B logging is off", cost=_WANDB_COST,
+             fix="pip install wandb, or turn W&B off (serve --wandb-mode off, train --wandb-mode disabled)")
         return None
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         return wandb.init(project=project, entity=entity, dir=str(run_dir), mode=mode, config=config,
                           name=name, settings=wandb.Settings(**settings) if settings else None)
     except Exception as e:  # noqa: BLE001 - serving and training go on without W&B
-        log.warning("wandb.init failed (%s: %s); W&B logging is off", type(e).__name__, e)
+        warn(log, "wandb_init_failed", f"wandb.init failed ({type(e).__name__}: {e}): W&B logging is off",
+             cost=_WANDB_COST, fix=f"check that {run_dir} is writable and, for mode 'online', the W&B login; "
+                                   "or turn W&B off")
         return None
 
 

@@ -36,9 +36,10 @@ class ApiError(Exception):
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
+    """The stop strings, empty ones left out (OpenAI clients send "" for none)."""
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else list(stop)
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
 
 
 def _make_params(**kw) -> SamplingParams:

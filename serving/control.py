@@ -21,10 +21,16 @@ Commands (args):
     rollback      {}                            reinstall the previous head, bit-identical
     set_adaptive  {"config": {SGLang adaptive JSON}}  a new EmaTierPolicy, between rounds
 
-Security: the token (64 hex chars) is generated at start into RUN_DIR/control.token (0600) and
-compared with `hmac.compare_digest`; a request without it is refused with a reason and changes
-nothing. A tcp endpoint must be loopback unless `allow_remote` is set. Checkpoint directories must
-resolve under the allowed roots (serving/swap.py). Every request gets a reply, also malformed ones.
+Security: the run directory is made 0700 before anything is written into it; the token (64 hex
+chars) is generated at start into RUN_DIR/control.token (0600) and compared with
+`hmac.compare_digest`; a request without it is refused with a reason and changes nothing. A tcp
+endpoint must be loopback unless `allow_remote` is set. Checkpoint directories must resolve under
+the allowed roots (serving/swap.py; the packaged heads' directory always is one). Every request
+gets a reply, also malformed ones. `close()` removes the token, the endpoint file and the ipc
+socket file.
+
+The client (`ControlClient`, what the CLI and the trainer call) lives in serving/control_client.py,
+which imports neither torch nor the model: `online-spec status` answers in a fraction of a second.
 
     control = ControlServer(server, ControlConfig(run_dir="runs/serve")); control.start()
     client = ControlClient.from_run_dir("runs/serve"); client.swap_dir("runs/heads/v3")
@@ -33,7 +39,6 @@ resolve under the allowed roots (serving/swap.py). Every request gets a reply, a
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -41,18 +46,17 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
-import torch
 import zmq
 
+from collector.endpoint import is_loopback, prepare_run_dir, remove_ipc_file
+from online_spec import PRETRAINED_HEADS
 from online_spec.config import ConfigError, check, doc
-from serving.swap import HeadSwapper, SwapError, tensor_bytes, tensor_from_bytes, tensors_digest
+from serving.control_client import ENDPOINT_FILE, TOKEN_FILE, ControlClient, ControlError  # noqa: F401 (re-export)
+from serving.swap import HeadSwapper, SwapError, tensor_from_bytes
 
 log = logging.getLogger(__name__)
 
-TOKEN_FILE = "control.token"
-ENDPOINT_FILE = "control.endpoint"
 MAX_MESSAGE_BYTES = 1 << 30
 COMMANDS = ("info", "swap", "rollback", "set_adaptive")
 
@@ -62,7 +66,8 @@ class ControlConfig:
     run_dir: str = doc("run directory: control token, ipc socket and endpoint file live here", "runs/serve")
     control_endpoint: str = doc("control endpoint: empty = ipc://RUN_DIR/control.sock, tcp://127.0.0.1:PORT, "
                                 "or 'off'", "")
-    allowed_roots: str = doc("comma-separated directories swap checkpoints may come from; empty = RUN_DIR", "")
+    allowed_roots: str = doc("comma-separated directories swap checkpoints may come from; empty = RUN_DIR (the "
+                             "packaged heads' directory is always allowed)", "")
     control_allow_remote: bool = doc("allow a non-loopback tcp control endpoint (the token still applies)", False)
 
     def __post_init__(self):
@@ -82,18 +87,10 @@ class ControlConfig:
         return self.control_endpoint or f"ipc://{Path(self.run_dir).resolve() / 'control.sock'}"
 
     def roots(self) -> list[Path]:
+        """Where swap checkpoints may come from: the listed roots (or the run directory) and the
+        heads that ship with the package."""
         names = [r.strip() for r in self.allowed_roots.split(",") if r.strip()]
-        return [Path(r) for r in names] or [Path(self.run_dir)]
-
-
-def is_loopback(endpoint: str) -> bool:
-    host = urlparse(endpoint.replace("tcp://", "http://", 1)).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        return ([Path(r) for r in names] or [Path(self.run_dir)]) + [PRETRAINED_HEADS]
 
 
 def write_token(run_dir: Path) -> str:
@@ -123,7 +120,7 @@ class ControlServer:
         self.requests = self.refused = 0
 
     def start(self) -> "ControlServer":
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prepare_run_dir(self.run_dir)
         self.token = write_token(self.run_dir)
         sock = self._ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
@@ -139,9 +136,15 @@ class ControlServer:
         return self
 
     def close(self) -> None:
+        """Stop the thread (it closes the socket), then remove the files start() wrote."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        if self._sock is None:
+            return
+        remove_ipc_file(self.endpoint)
+        for name in (TOKEN_FILE, ENDPOINT_FILE):
+            (self.run_dir / name).unlink(missing_ok=True)
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -230,75 +233,3 @@ class ControlServer:
         engine.set_policy(policy)
         self.server.loop.wake()
         return {"installed": "ema_tier", "config": config.to_dict()}
-
-
-class ControlError(RuntimeError):
-    """The server refused a control request (the message is its reason) or did not answer."""
-
-
-class ControlClient:
-    """Talks to a `ControlServer`: one REQ socket per request, so a timeout never wedges it.
-
-        client = ControlClient(endpoint, token)
-        client.swap_dir("/runs/heads/v3", version=3, digest=sha256)   # what the trainer daemon calls
-        client.swap_tensors(head_tensors(head), config_json, version=3)
-        client.rollback(); client.info(); client.set_adaptive(sglang_json_dict)
-    """
-
-    def __init__(self, endpoint: str, token: str, timeout_s: float = 60.0):
-        self.endpoint, self.token, self.timeout_s = endpoint, token, timeout_s
-
-    @classmethod
-    def from_run_dir(cls, run_dir: str | Path, endpoint: str | None = None, token_file: str | Path | None = None,
-                     timeout_s: float = 60.0) -> "ControlClient":
-        run_dir = Path(run_dir)
-        endpoint = endpoint or (run_dir / ENDPOINT_FILE).read_text().strip()
-        token = Path(token_file or run_dir / TOKEN_FILE).read_text().strip()
-        return cls(endpoint, token, timeout_s)
-
-    def request(self, command: str, args: dict | None = None, buffers: list | None = None) -> dict:
-        """Send one request; returns its result or raises ControlError with the server's reason."""
-        header = json.dumps({"token": self.token, "command": command, "args": args or {}}).encode()
-        reply = self.send_raw([header, *(buffers or [])])
-        if not reply.get("ok"):
-            raise ControlError(reply.get("error", "no reason given"))
-        return reply["result"]
-
-    def send_raw(self, frames: list) -> dict:
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
-        sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-        try:
-            sock.connect(self.endpoint)
-            sock.send_multipart(frames, copy=False)
-            return json.loads(sock.recv())
-        except zmq.Again:
-            raise ControlError(f"no reply from {self.endpoint} within {self.timeout_s:g} s") from None
-        finally:
-            sock.close(0)
-
-    def info(self) -> dict:
-        return self.request("info")
-
-    def swap_dir(self, path: str | Path, version: int | None = None, digest: str | None = None) -> dict:
-        args = {"dir": str(Path(path).resolve())}
-        if version is not None:
-            args["version"] = version
-        if digest is not None:
-            args["digest"] = digest
-        return self.request("swap", args)
-
-    def swap_tensors(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> dict:
-        names = sorted(tensors)
-        specs = [{"name": n, "dtype": str(tensors[n].dtype).removeprefix("torch."), "shape": list(tensors[n].shape)}
-                 for n in names]
-        return self.request("swap", {"config": config, "tensors": specs, "version": version,
-                                     "digest": tensors_digest(tensors)},
-                            [tensor_bytes(tensors[n]) for n in names])
-
-    def rollback(self) -> dict:
-        return self.request("rollback")
-
-    def set_adaptive(self, config: dict) -> dict:
-        return self.request("set_adaptive", {"config": config})

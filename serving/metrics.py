@@ -10,6 +10,11 @@ for `/server_info`.
 Names (all prefixed `online_spec_`): see docs/server.md. Conventions: `accept_len` = drafts
 accepted per request per round, bonus excluded; SGLang's `avg_spec_accept_length` = committed
 tokens per verify round = accept_len + 1 (bonus included).
+
+Label cardinality is bounded: traffic tags come from clients, so `TagLabels` gives the first
+`max_tags` distinct tags their own name and serves every later one as `other` (the server maps a
+request's tag once, at submit: metrics, drift streams and capture records see the same bounded
+set). /metrics then grows with the tag cap, not with what clients send.
 """
 
 from __future__ import annotations
@@ -25,6 +30,33 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from serving.requests import RequestOutput, RoundStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+OTHER_TAG = "other"
+
+
+class TagLabels:
+    """The bounded set of traffic tags: the first `max_tags` distinct tags, then `other`."""
+
+    def __init__(self, max_tags: int):
+        self.max_tags = max_tags
+        self._known: set[str] = set()
+        self.folded = 0  # requests whose tag was served as `other`
+        self._lock = threading.Lock()
+
+    def label(self, tag: str) -> str:
+        if not tag:
+            return tag
+        with self._lock:
+            if tag in self._known:
+                return tag
+            if len(self._known) < self.max_tags:
+                self._known.add(tag)
+                return tag
+            self.folded += 1
+            return OTHER_TAG
+
+    def info(self) -> dict:
+        with self._lock:
+            return {"known": len(self._known), "max_tags": self.max_tags, "folded_into_other": self.folded}
 
 
 class _PublisherCollector:
@@ -76,6 +108,8 @@ class ServerMetrics:
         self.head_version = Gauge(p + "head_version", "version of the live draft head", registry=r)
         self.swaps = Counter(p + "head_swaps", "head swaps applied by the engine", registry=r)
         self.rollbacks = Counter(p + "head_rollbacks", "swaps requested as rollbacks", registry=r)
+        self.head_faults = Counter(p + "head_faults", "live heads found drafting non-finite values (and rolled back)",
+                                   registry=r)
         self.requests = Counter(p + "requests", "requests finished, by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=r)
         self.rejected = Counter(p + "requests_rejected", "requests refused before running", ["reason"], registry=r)
@@ -93,6 +127,7 @@ class ServerMetrics:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens)
         self._last_k: dict[int, int] = {}
         self._last_round: RoundStats | None = None
+        self._rounds = 0
         self._t_start = time.monotonic()
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -108,6 +143,7 @@ class ServerMetrics:
     def on_round(self, stats: RoundStats, outs: list[RequestOutput], tags: list[str]) -> None:
         K, B = stats.num_steps, stats.batch_size
         self.rounds.inc()
+        self._rounds += 1
         self.num_steps.labels(str(B)).set(K)
         self.batch_size.set(B)
         self.head_version.set(stats.head_version)
@@ -146,6 +182,12 @@ class ServerMetrics:
 
     def on_rollback(self) -> None:
         self.rollbacks.inc()
+
+    def on_head_fault(self) -> None:
+        self.head_faults.inc()
+
+    def rounds_run(self) -> int:
+        return self._rounds
 
     # -- readers ----------------------------------------------------------------------------------------
     def tokens_per_second(self) -> float:

@@ -1,7 +1,8 @@
 """The server behind `online-spec serve`: engine, engine thread, metrics, drift monitor, control.
 
 In: a `ServerConfig` (flags derived from it and from `EngineConfig`), a target (SmolLM2 by
-default) and a draft head (`--draft DIR`, else a random day-0 head). Out: a `SpecServer`; one
+default) and a draft head (`--draft`: the shipped chat head by default, `code`, `day0` for a random
+head, or a directory; online_spec/heads.py). Out: a `SpecServer`; one
 background thread (`EngineLoop`) runs the engine's rounds for every client (continuous
 batching). Its HTTP face (routes, uvicorn, the `serve` command) is serving/server_app.py, which
 builds on this module; this module knows nothing of HTTP beyond the `ApiError` it raises.
@@ -16,35 +17,50 @@ Hooks for the rest of the system (a control plane, the trainer daemon, the drift
   - `server.drift.sinks`                 where drift alerts go; append e.g.
                                          `CallbackAlertSink(daemon.on_drift)` (serving/server_drift.py)
 
+Faults it survives: a round that fails fails only its culprit request (serving/server_loop.py);
+a live head whose drafts turn non-finite (found when a round fails, and every `head_check_s` on
+the newest committed rows of live traffic) is rolled back to the previous head, or to plain
+decoding, and alerted (`head_fault`). Traffic tags are bounded: the first `max_tags` distinct
+tags keep their name, later ones are served as `other` (metrics, drift streams, capture).
+
     server = build_server(cfg); server.start(); ...; server.close()
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from collector.endpoint import prepare_run_dir
 from collector.publisher import CapturePublisher, PublisherConfig
-from online_spec.checkpoint import load_head
+from online_spec.capture import MAX_ID_CHARS
 from online_spec.config import check, config_to_dict, doc
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
-from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftConfig
-from online_spec.head import EagleHead, new_head
+from online_spec.drift import MIX_TAG, MIX_TAG_RESERVED, DriftAlert, DriftConfig
+from online_spec.head import EagleHead
+from online_spec.heads import describe_head, load_draft
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.api import ApiError
 from serving.calibrate import engine_cost_policy
 from serving.control import ControlConfig, ControlServer
 from serving.engine import Engine, EngineConfig
+from serving.head_probe import HeadProbe
 from serving.requests import EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
-from serving.metrics import ServerMetrics
+from serving.metrics import ServerMetrics, TagLabels
 from serving.server_drift import ServerDrift
 from serving.server_loop import EngineLoop, RequestStream
+from serving.swap import check_version
+
+HEAD_CHECK_ROWS = 8  # newest committed rows of a running request the live head is checked on
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +71,8 @@ RoundObserver = Callable[[RoundStats, list[RequestOutput], list[str]], None]
 class ServerConfig:
     host: str = doc("address to listen on (loopback by default)", "127.0.0.1")
     port: int = doc("TCP port", 30000)
-    draft: str = doc("EAGLE-3 head checkpoint directory (SGLang layout); empty = a random day-0 head", "")
+    draft: str = doc("draft head: shipped (online_spec/pretrained/sharegpt-chat-h100), code "
+                     "(online_spec/pretrained/code-h100), day0 (a random head) or a head directory", "shipped")
     target: str = doc("Hugging Face model directory of the target; empty = SmolLM2-135M-Instruct", "")
     dtype: str = doc("target and head dtype: auto (bf16 on a GPU or a CPU with native bf16, else "
                      "float32), bfloat16 or float32", "auto")
@@ -70,6 +87,11 @@ class ServerConfig:
                       "auto")
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
+    max_tags: int = doc("distinct traffic tags served under their own name (in /metrics, drift streams and capture "
+                        "records); later new tags are served as 'other'", 32)
+    max_body_bytes: int = doc("largest HTTP request body accepted; larger ones get 413", 2 << 20)
+    head_check_s: float = doc("seconds between checks of the live head on live traffic (a draft step on the newest "
+                              "committed rows must give finite logits, else the head is rolled back); 0 = off", 5.0)
     log_level: str = doc("uvicorn and server log level", "info")
     capture: bool = doc("stream capture records to the trainer (collector publisher, --capture-* flags)", False)
     drift_monitor: bool = doc("feed the drift detector per round and raise alerts (log, Prometheus, W&B)", True)
@@ -96,6 +118,9 @@ class ServerConfig:
               f"must be auto, static, ema or cost, got {self.policy!r}")
         check(self.policy != "ema" or bool(self.adaptive), "policy", "ema needs --adaptive (a JSON file or preset)")
         check(self.metrics_window >= 1, "metrics_window", "must be >= 1")
+        check(self.max_tags >= 0, "max_tags", "must be >= 0")
+        check(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        check(self.head_check_s >= 0, "head_check_s", "must be >= 0")
         check(self.wandb_mode in ("off", "offline", "online"), "wandb_mode",
               f"must be off, offline or online, got {self.wandb_mode!r}")
 
@@ -111,11 +136,16 @@ class SpecServer:
         if self.tokenizer is None:
             raise ValueError("the target has no tokenizer: the HTTP server needs one")
         self.model_name = cfg.model_name or target.name or "online-spec"
+        self.tags = TagLabels(cfg.max_tags)
         self.metrics = ServerMetrics(cfg.engine.max_steps, cfg.metrics_window,
                                      publisher_stats=publisher.stats if hasattr(publisher, "stats") else None)
         self.metrics.head_version.set(head_version)
+        self.head_probe = HeadProbe(target)
+        self._recovery: threading.Thread | None = None  # a rollback of a broken head, under way
+        self._last_head_check = time.monotonic()
+        self.head_faults: list[dict] = []
         self.round_observers: list[RoundObserver] = []
-        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, on_failure=self._on_round_failure)
         self.engine.on_round.append(self._on_round)
         self.drift: ServerDrift | None = None
         if cfg.drift_monitor:
@@ -136,8 +166,11 @@ class SpecServer:
         """Queue one request (event loop thread); refusals become ApiError with a status."""
         if tag == MIX_TAG:  # here, not in the HTTP layer: one check for HTTP and Python callers alike
             raise ApiError(400, MIX_TAG_RESERVED, param="tag")
+        for name, value in (("tag", tag), ("rid", request_id)):
+            if len(value) > MAX_ID_CHARS:
+                raise ApiError(400, f"{name}: at most {MAX_ID_CHARS} characters, got {len(value)}", param=name)
         try:
-            return self.loop.submit(Request(prompt_ids, params, request_id, tag))
+            return self.loop.submit(Request(prompt_ids, params, request_id, self.tags.label(tag)))
         except EngineFull as e:
             self.metrics.on_rejected("queue_full")
             raise ApiError(503, f"server busy: {e}; retry later", "server_busy") from None
@@ -150,6 +183,7 @@ class SpecServer:
 
     def swap(self, head: EagleHead | None, version: int, rollback: bool = False) -> None:
         """Install `head` (already validated) before the next round; None = plain decode."""
+        check_version(version)
         self.engine.swap_head(head, version)
         if rollback:
             self.metrics.on_rollback()
@@ -180,7 +214,8 @@ class SpecServer:
             "internal_states": [{**summary, "head_version": e.head_version, "policy": policy_info}],
             "running_requests": len(e.running), "waiting_requests": len(e.waiting),
             "engine": config_to_dict(e.cfg), "uptime_s": time.time() - self.started_at,
-            "rounds_failed": self.loop.rounds_failed, "capture_publisher": publisher,
+            "rounds_failed": self.loop.rounds_failed, "requests_failed": self.loop.requests_failed,
+            "head_faults": self.head_faults[-10:], "tags": self.tags.info(), "capture_publisher": publisher,
             "drift": None if self.drift is None else self.drift.info(),
         }
 
@@ -204,6 +239,67 @@ class SpecServer:
         self.metrics.on_step(outs, elapsed_s)
         self.metrics.running.set(sum(r.finish_reason is None for r in self.engine.running))
         self.metrics.waiting.set(len(self.engine.waiting))
+        if self.cfg.head_check_s and time.monotonic() - self._last_head_check >= self.cfg.head_check_s:
+            self._last_head_check = time.monotonic()
+            self._check_live_head(live_rows=True)
+
+    # -- a live head that drafts non-finite values ----------------------------------------------
+    def _on_round_failure(self, exc: Exception) -> bool:
+        """Engine thread, a round failed with no culprit request: a fault of the live head?
+        True while a rollback of a broken head is under way (the loop retries the round)."""
+        if self._recovery is not None and self._recovery.is_alive():
+            return True
+        return self._check_live_head(live_rows=False)
+
+    def _check_live_head(self, live_rows: bool) -> bool:
+        """Engine thread, between rounds: run the live head on the newest committed rows of a
+        running request (or the fixed probe); if its drafts are not finite, roll it back in the
+        background and alert. Returns whether it found the head broken."""
+        head = self.engine.head
+        if head is None:
+            return False
+        try:
+            problem = self.head_probe.check(head, self._live_rows() if live_rows else None)
+        except Exception as e:  # noqa: BLE001 - a probe that cannot run says nothing about the head
+            log.warning("live head check could not run: %s", e)
+            return False
+        if problem is None:
+            return False
+        self._head_fault(problem)
+        return True
+
+    def _live_rows(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(token ids, features, first position) of the newest committed rows of slot 0."""
+        e = self.engine
+        if not e.running:
+            return None
+        n = e.tcache.lengths[0]
+        start = max(0, n - HEAD_CHECK_ROWS)
+        if n - start < 1:
+            return None
+        return e.tok_buf[0, start:n + 1].clone(), e.feat_buf[0, start:n].clone(), start
+
+    def _head_fault(self, problem: str) -> None:
+        if self._recovery is not None and self._recovery.is_alive():
+            return
+        version = self.engine.head_version
+        fault = {"version": version, "reason": problem, "time": time.time()}
+        self.head_faults.append(fault)
+        del self.head_faults[:-100]
+        self.metrics.on_head_fault()
+        text = (f"Head v{version} drafts non-finite values ({problem}); rolled back to the previous head "
+                "(plain decoding if there is none). Output stays the target's; acceptance was lost meanwhile.")
+        alert = DriftAlert(kind="head_fault", level="error", slot=0, tag="", before=math.nan, after=math.nan,
+                           head_version=version, round=self.metrics.rounds_run(), time=fault["time"],
+                           title=f"online-spec: head v{version} drafts non-finite values", text=text)
+        if self.drift is not None:
+            self.drift.emit(alert)
+        else:
+            log.error(text)
+        recover = (partial(self.control.swapper.rollback_broken, problem) if self.control is not None
+                   else partial(self.swap, None, version, rollback=True))
+        self._recovery = threading.Thread(target=_logged(recover), name="head-rollback", daemon=True)
+        self._recovery.start()
 
     def _on_round(self, stats: RoundStats, outs: list[RequestOutput]) -> None:
         tags = [self.loop.tag_of(o.request_id) for o in outs]
@@ -216,6 +312,15 @@ class SpecServer:
                 obs(stats, outs, tags)
             except Exception:
                 log.exception("round observer %r failed (ignored)", obs)
+
+
+def _logged(fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a background thread logs and ends
+            log.exception("automatic rollback failed")
+    return run
 
 
 def build_policy(cfg: ServerConfig, target=None, head=None):
@@ -241,20 +346,22 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
 
 def build_server(cfg: ServerConfig) -> SpecServer:
     """Load the target and head the config names and build the server (not started)."""
+    prepare_run_dir(cfg.control.run_dir)  # 0700 before anything (token, sockets, cost model) goes in
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target or None, dtype=cfg.dtype)
     dtype = target.dtype
-    version = 0
-    if cfg.draft:
-        head, meta = load_head(cfg.draft, target.info, dtype=dtype)
-        version = int(meta.get("version", 0))
-    else:
-        head = new_head(target)
+    head, meta, draft = load_draft(cfg.draft, target, dtype=dtype)
+    version = check_version(meta.get("version", 0))
+    log.info("draft head: %s", describe_head(draft, meta))
     run = None
     if cfg.drift_monitor and cfg.wandb_mode != "off":
         from online_spec.wandb_run import init_wandb
         run = init_wandb(cfg.wandb_project, None, cfg.wandb_dir, mode=cfg.wandb_mode, config=config_to_dict(cfg))
-    publisher = CapturePublisher(cfg.publisher) if cfg.capture else None
+    publisher = None
+    if cfg.capture:  # default socket: in the server's own (0700) run directory
+        pcfg = cfg.publisher if cfg.publisher.endpoint or cfg.publisher.run_dir else \
+            replace(cfg.publisher, run_dir=cfg.control.run_dir)
+        publisher = CapturePublisher(pcfg)
     return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg, target, head),
                       publisher=publisher, wandb_run=run)

@@ -2,8 +2,10 @@
 SGLang's `/generate`, `/health`, `/server_info`, `/metrics`, `/v1/models`.
 
 In: a `SpecServer` (serving/server.py), which owns the engine, its thread and the metrics. Out:
-a FastAPI app. Every generating route does the same three things: parse and validate (400 with a
-message on anything we cannot honour), `server.submit` (503 when the queue is full, 400 for a
+a FastAPI app. Every generating route does the same three things: read the body (413 beyond
+`max_body_bytes`), then parse, validate and tokenize it off the event loop, on one worker thread
+(400 with a message on anything we cannot honour: invalid JSON, nesting too deep, a lone
+surrogate, out-of-range parameters), `server.submit` (503 when the queue is full, 400 for a
 prompt too long), then read the request's outputs from its queue — as SSE events when streaming,
 into one body otherwise. A client that goes away (stream closed, or disconnect noticed while a
 non-streaming request waits) has its request aborted, which frees its engine slot.
@@ -18,11 +20,13 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
 
 import torch
 import uvicorn
@@ -57,6 +61,7 @@ class _Job:
         self.server, self.endpoint, self.stream = server, endpoint, stream
         self.text = TextStream(server.tokenizer, stop)
         self.done = False
+        self.failed = False  # an EngineError ended it
 
     @property
     def rid(self) -> str:
@@ -81,7 +86,9 @@ class _Job:
             while True:
                 item = await self.stream.queue.get()
                 if isinstance(item, EngineError):
-                    raise ApiError(500, item.message, "server_error")
+                    self.failed = True
+                    raise ApiError(item.status, item.message,
+                                   "server_error" if item.status >= 500 else "invalid_request_error")
                 self.stream.note(item)
                 delta = self.text.push(item.new_token_ids)
                 if self.text.matched_stop is not None and not item.finished:
@@ -115,7 +122,7 @@ class _Job:
 
     def _record(self) -> None:
         s = self.stream
-        outcome = s.finish_reason if self.done else "disconnected"
+        outcome = "error" if self.failed else s.finish_reason if self.done else "disconnected"
         ttft = None if s.t_first is None else s.t_first - s.t_submit
         n = len(self.text.detok.ids)
         tpot = (s.t_last - s.t_first) / (n - 1) if s.t_first is not None and n > 1 else None
@@ -130,16 +137,41 @@ class _Job:
                 "draft_version": self.server.engine.head_version}
 
 
-async def _parse(request: Request, model):
-    """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type)."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 once it passes `limit` bytes (announced or received)."""
+    announced = request.headers.get("content-length")
+    if announced is not None and announced.isdigit() and int(announced) > limit:
+        raise ApiError(413, f"request body of {announced} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
+                       "request_too_large")
+    chunks, got = [], 0
+    async for chunk in request.stream():
+        got += len(chunk)
+        if got > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
+                           "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes, model):
+    """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type).
+    Runs on the worker thread: a large body costs the event loop nothing."""
     try:
-        data = json.loads(await request.body() or b"null")
+        data = json.loads(raw or b"null")
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # a lone surrogate ("\ud800") cannot be text
+    except RecursionError:
+        raise ApiError(400, "the body nests JSON too deeply") from None
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the body holds a string that is not valid Unicode ({e.reason}: a lone surrogate "
+                            f"{e.object[e.start:e.end]!a})") from None
     except ValueError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise ApiError(400, _validation_message(e.errors())) from None
+    except RecursionError:
+        raise ApiError(400, "the body nests JSON too deeply") from None
 
 
 def _validation_message(errors) -> str:
@@ -166,11 +198,28 @@ def _sse_stream(job: _Job, chunks: AsyncIterator[str]) -> StreamingResponse:
 
 def build_app(server: SpecServer) -> FastAPI:
     app = FastAPI(title="online-spec", docs_url=None, redoc_url=None)
+    # parsing and tokenization: off the event loop, one at a time (one tokenizer, and 2 cores)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-parse")
+
+    async def prepare(request: Request, model, make: Callable) -> tuple:
+        """(body, *make(body)) for the request's JSON body, parsed, validated and tokenized on the
+        worker thread; ApiError for anything the server will not run."""
+        raw = await _read_body(request, server.cfg.max_body_bytes)
+
+        def work():
+            body = _parse(raw, model)
+            try:
+                return (body, *make(body))
+            except ApiError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. a chat template or tokenizer refusing the text
+                raise ApiError(400, f"cannot tokenize the prompt: {type(e).__name__}: {e}", param="prompt") from None
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
-        if e.status == 400:
-            server.metrics.on_rejected("invalid")
+        if e.status in (400, 413):
+            server.metrics.on_rejected("invalid" if e.status == 400 else "too_large")
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
@@ -182,10 +231,9 @@ def build_app(server: SpecServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, api.CompletionRequest)
-        params = body.sampling_params(default_max_tokens=16)
-        job = start("completions", body.prompt_ids(server.tokenizer), params, _tag(request, body.tag),
-                    f"cmpl-{uuid.uuid4().hex}")
+        body, params, ids = await prepare(request, api.CompletionRequest, lambda b: (
+            b.sampling_params(default_max_tokens=16), b.prompt_ids(server.tokenizer)))
+        job = start("completions", ids, params, _tag(request, body.tag), f"cmpl-{uuid.uuid4().hex}")
         model = server.model_name
         if not body.stream:
             text = await job.collect(request)
@@ -202,10 +250,10 @@ def build_app(server: SpecServer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, api.ChatCompletionRequest)
-        params = body.sampling_params(default_max_tokens=server.cfg.default_max_tokens)
-        job = start("chat", server.engine.target.encode_chat(body.chat()), params, _tag(request, body.tag),
-                    f"chatcmpl-{uuid.uuid4().hex}")
+        body, params, ids = await prepare(request, api.ChatCompletionRequest, lambda b: (
+            b.sampling_params(default_max_tokens=server.cfg.default_max_tokens),
+            server.engine.target.encode_chat(b.chat())))
+        job = start("chat", ids, params, _tag(request, body.tag), f"chatcmpl-{uuid.uuid4().hex}")
         model = server.model_name
         if not body.stream:
             text = await job.collect(request)
@@ -225,10 +273,10 @@ def build_app(server: SpecServer) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request):
-        body = await _parse(request, api.GenerateRequest)
-        params = body.params()
+        body, params, ids = await prepare(request, api.GenerateRequest, lambda b: (
+            b.params(), b.prompt_ids(server.tokenizer)))
         rid = body.rid or uuid.uuid4().hex
-        job = start("generate", body.prompt_ids(server.tokenizer), params, _tag(request, body.tag), rid)
+        job = start("generate", ids, params, _tag(request, body.tag), rid)
 
         def result(text: str) -> dict:
             s = job.stream
@@ -326,6 +374,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg,
                            control=config_from_args(ControlConfig, args))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: with the default
+    # handler that kills the process before `finally` removes the token and the sockets
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     server = build_server(cfg)
     try:
         server.start()
@@ -336,3 +387,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.close()
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)

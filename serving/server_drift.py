@@ -68,6 +68,13 @@ class ServerDrift:
             raised.extend(alerts)
         return raised
 
+    def emit(self, alert: DriftAlert) -> None:
+        """An alert raised outside the detector (e.g. a head fault) to the same sinks and list."""
+        fan_out(alert, self.sinks)
+        with self._lock:
+            self.recent.append(_json_safe(alert.to_dict()))
+            self.alerts_total += 1
+
     def speeds(self, stats: RoundStats) -> tuple[float | None, float | None]:
         """(speculative, plain) decode tokens/s of the round: committed tokens over its draft and
         verify seconds (admission's prefill left out: plain decoding pays it too), and the batch

@@ -3,9 +3,20 @@
 In: `submit(request)` from the asyncio side (the event loop thread). Out: each `RequestOutput`
 of that request, put on its own `asyncio.Queue` through `loop.call_soon_threadsafe`, the only
 way another thread may touch an asyncio queue. The thread steps while the engine has work and
-otherwise sleeps on an event that `submit` sets. A failing round is logged, the requests it
-held get an `EngineError` on their queue and are aborted, and the loop keeps going; `close()`
-stops it with a sentinel (the stop event) and fails whatever is still outstanding.
+otherwise sleeps on an event that `submit` sets. `close()` stops it with a sentinel (the stop
+event) and fails whatever is still outstanding.
+
+A failing round fails only the request that caused it, and the loop keeps going:
+  1. tokens the round committed before it failed (requests whose outputs were made but not
+     returned) are delivered, so every other stream stays exactly the target's;
+  2. the round's requests are validated again (`SamplingParams.validate`): one that fails is the
+     culprit; it gets an `EngineError` (status 400) and is aborted, and the next round runs
+     without it;
+  3. with no culprit, `on_failure(exc)` is asked (the server checks whether the live head
+     drafts non-finite values and, if so, rolls it back: a fault of the head, not of a request);
+     while it reports the fault handled the round is retried;
+  4. otherwise the round is retried once; failing again, its requests get an `EngineError`
+     (status 500) and are aborted.
 
     loop = EngineLoop(engine); loop.start()
     stream = loop.submit(Request(ids, params, "cmpl-1", tag="chat"))   # on the event loop
@@ -22,17 +33,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from online_spec.config import ConfigError
 from serving.engine import Engine
 from serving.requests import Request, RequestOutput
 
 log = logging.getLogger(__name__)
 
+RETRY_SLEEP_S = 0.05
+MAX_HANDLED_RETRIES = 200  # rounds retried while on_failure reports the fault handled (~10 s)
+
 
 @dataclass
 class EngineError:
-    """Put on a request's queue when the engine failed or stopped while serving it."""
+    """Put on a request's queue when the engine failed or stopped while serving it: the HTTP
+    status (400: the request itself could not be served, 500: the engine failed) and why."""
 
     message: str
+    status: int = 500
 
 
 @dataclass
@@ -45,6 +62,7 @@ class RequestStream:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
+    delivered: int = 0          # tokens put on the queue (engine thread)
     outputs: int = 0            # RequestOutputs received; the first is the prefill's
     accepted: int = 0           # drafts accepted over its verify rounds (bonus excluded)
     proposed: int = 0           # drafts proposed over its verify rounds
@@ -73,10 +91,13 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_step: Callable[[list[RequestOutput], float], None] | None = None,
-                 idle_wait_s: float = 0.5):
+                 idle_wait_s: float = 0.5, on_failure: Callable[[Exception], bool] | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.on_failure = on_failure  # engine thread: True when it handled the fault (retry the round)
         self.idle_wait_s = idle_wait_s
+        self._failed_in_a_row = 0
+        self.requests_failed = 0  # requests given an EngineError by a failing round
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -154,11 +175,9 @@ class EngineLoop:
             try:
                 outs = self.engine.step()
             except Exception as e:  # a bad round must not take the server down
-                self.rounds_failed += 1
-                log.exception("engine round failed; aborting the requests it held")
-                self._fail_all(f"engine error: {type(e).__name__}: {e}")
-                time.sleep(0.05)
+                self._round_failed(e)
                 continue
+            self._failed_in_a_row = 0
             self._deliver(outs)
             if self.on_step is not None:
                 try:
@@ -174,6 +193,58 @@ class EngineLoop:
             log.exception("idle round (applying a swap) failed")
             time.sleep(0.05)
 
+    def _round_failed(self, e: Exception) -> None:
+        """A round raised: deliver what it committed, fail its culprit or retry (module docstring)."""
+        self.rounds_failed += 1
+        self._failed_in_a_row += 1
+        log.error("engine round failed: %s: %s", type(e).__name__, e, exc_info=self._failed_in_a_row == 1)
+        self._deliver_committed()
+        culprits = self._culprits()
+        if culprits:
+            for rid, reason in culprits:
+                log.warning("request %s failed the round and is refused: %s", rid, reason)
+                self._fail(rid, EngineError(f"request refused: {reason}", status=400))
+            self._failed_in_a_row = 0
+            return
+        handled = False
+        if self.on_failure is not None:
+            try:
+                handled = bool(self.on_failure(e))
+            except Exception:  # noqa: BLE001 - the hook must not end the loop either
+                log.exception("on_failure hook failed (ignored)")
+        limit = MAX_HANDLED_RETRIES if handled else 2
+        if self._failed_in_a_row >= limit:
+            log.error("the round failed %d times in a row; failing the requests it held", self._failed_in_a_row)
+            for r in _snapshot(self.engine.running):
+                self._fail(r.request_id, EngineError(f"engine error: {type(e).__name__}: {e}"))
+            self._failed_in_a_row = 0
+        time.sleep(RETRY_SLEEP_S)
+
+    def _culprits(self) -> list[tuple[str, str]]:
+        """(request id, reason) of each request of the round whose parameters fail validation."""
+        reqs = _snapshot(self.engine.running) + _snapshot(self.engine.waiting)
+        out = []
+        for r in reqs:
+            if r.finish_reason is not None:
+                continue
+            try:
+                r.params.validate()
+            except (ConfigError, TypeError) as err:
+                out.append((r.request_id, str(err)))
+        return out
+
+    def _deliver_committed(self) -> None:
+        """Outputs for tokens a failed round committed to its requests before it raised (the
+        round's outputs were lost with it): each stream gets the rest of its request's tokens."""
+        outs = []
+        for r in _snapshot(self.engine.running):
+            with self._lock:
+                stream = self._streams.get(r.request_id)
+            if stream is not None and len(r.output_ids) > stream.delivered:
+                outs.append(RequestOutput(r.request_id, list(r.output_ids[stream.delivered:]), 0, 0,
+                                          r.finish_reason is not None, r.finish_reason))
+        self._deliver(outs)
+
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:
             with self._lock:
@@ -182,17 +253,40 @@ class EngineLoop:
                     del self._streams[out.request_id]
             if stream is None:
                 continue  # aborted: nobody is listening
+            stream.delivered += len(out.new_token_ids)
             try:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
             except RuntimeError:  # its event loop is closed
                 self.engine.abort(out.request_id)
+
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+        if stream is not None:
+            self.requests_failed += 1
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:
+                pass
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             self.engine.abort(s.request.request_id)
+            self.requests_failed += 1
             try:
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineError(message))
             except RuntimeError:
                 pass
+
+
+def _snapshot(seq) -> list:
+    """A copy of a list or deque another thread may append to (add_request adds to `waiting`)."""
+    for _ in range(100):
+        try:
+            return list(seq)
+        except RuntimeError:  # mutated during the copy: copy again
+            continue
+    return []

@@ -14,8 +14,11 @@ endpoints (0.5.23, `sglang/srt/entrypoints/http_server.py`, bodies = structs of
 
 The tensors sent are the head's weights only: no embeddings (the checkpoint has none) and no
 `d2t`/`t2d` (the live vocabulary map stays; SGLang's loader would otherwise reset its
-`hot_token_id`). Requests are not drained: SGLang's scheduler applies control requests between
-forward passes.
+`hot_token_id`). So the head must have the live head's vocabulary map: the map of the head the
+server started with (`live_head`, by default its `speculative_draft_model_path` from
+`/get_server_info`) is read and compared, and a head with another map is refused with the reason
+(`SGLANG_KEEPS_MAP`). The embedded server has no such limit: it takes a head with its own map.
+Requests are not drained: SGLang's scheduler applies control requests between forward passes.
 
 Payload format: SGLang deserializes each entry of `serialized_named_tensors` with
 `MultiprocessingSerializer.deserialize` (base64 -> `SafeUnpickler`). A *plain* pickle of CPU
@@ -39,10 +42,14 @@ from typing import Any
 
 import httpx
 
-from online_spec.checkpoint import read_checkpoint, validate_tensors
+from online_spec.checkpoint import CheckpointError, read_checkpoint, same_vocab_map, validate_tensors
 
 # Names never sent: the vocabulary map stays the live one (contract 4).
 SKIPPED_TENSORS = ("d2t", "t2d")
+SGLANG_KEEPS_MAP = ("SGLang's draft worker keeps the draft vocabulary map (d2t/t2d) it started with, and "
+                    "/update_weights_from_tensor carries weights only, so there a head trained with another draft "
+                    "vocabulary would draft the wrong tokens (the embedded server, online-spec serve, takes a head "
+                    "together with its own map)")
 
 
 class SglangSwapError(RuntimeError):
@@ -56,17 +63,46 @@ def serialize_named_tensors(named: list[tuple[str, Any]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def head_named_tensors(ckpt_dir: str | Path) -> tuple[list[tuple[str, Any]], dict]:
-    """The checkpoint's tensors to send (validated, d2t/t2d left out) and its metadata."""
+def head_named_tensors(ckpt_dir: str | Path, live_vocab: tuple | None = None) -> tuple[list[tuple[str, Any]], dict]:
+    """The checkpoint's tensors to send (validated, d2t/t2d left out) and its metadata; with
+    `live_vocab` (the live head's (d2t, t2d)), a head with another map is refused."""
     cfg, tensors, meta = read_checkpoint(ckpt_dir)
     validate_tensors(cfg, tensors)
+    if live_vocab is not None and not same_vocab_map((tensors["d2t"], tensors["t2d"]), live_vocab):
+        raise SglangSwapError(f"{ckpt_dir}: draft vocabulary map differs from the live head's: {SGLANG_KEEPS_MAP}")
     return [(n, t) for n, t in sorted(tensors.items()) if n not in SKIPPED_TENSORS], meta
 
 
+def live_vocab_map(live_head: str | Path) -> tuple:
+    """(d2t, t2d) of the head checkpoint the SGLang server started with."""
+    try:
+        cfg, tensors, _ = read_checkpoint(live_head)
+    except CheckpointError as e:
+        raise SglangSwapError(f"cannot read the live head {live_head} to check the draft vocabulary map: {e}") from None
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise SglangSwapError(f"the live head {live_head} has no d2t/t2d to check the draft vocabulary map against")
+    return tensors["d2t"], tensors["t2d"]
+
+
+def find_live_head(client: httpx.Client) -> Path:
+    """The server's `speculative_draft_model_path` (`/get_server_info`), if it is a local directory."""
+    try:
+        r = client.get("/get_server_info")
+        path = _json(r).get("speculative_draft_model_path") if r.status_code == 200 else None
+    except httpx.HTTPError as e:
+        raise SglangSwapError(f"/get_server_info failed ({e}): pass the live head directory (--live-head) so the "
+                              f"draft vocabulary map can be checked") from None
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        raise SglangSwapError(f"the server's speculative_draft_model_path ({path!r}) is not a head directory here: "
+                              "pass the live head directory (--live-head) so the draft vocabulary map can be checked")
+    return Path(path)
+
+
 def build_swap_requests(ckpt_dir: str | Path, *, flush_cache: bool = False, pause: bool = False,
-                        tp_size: int = 1, weight_version: str | None = None) -> list[tuple[str, dict]]:
+                        tp_size: int = 1, weight_version: str | None = None,
+                        live_vocab: tuple | None = None) -> list[tuple[str, dict]]:
     """The (path, JSON body) calls of one swap, in order (see the module docstring)."""
-    named, meta = head_named_tensors(ckpt_dir)
+    named, meta = head_named_tensors(ckpt_dir, live_vocab)
     payload = serialize_named_tensors(named)
     version = weight_version if weight_version is not None else str(meta.get("version", ""))
     update: dict[str, Any] = {"serialized_named_tensors": [payload] * tp_size, "selector": "draft",
@@ -83,20 +119,23 @@ def build_swap_requests(ckpt_dir: str | Path, *, flush_cache: bool = False, paus
 
 def push_head_to_sglang(url: str, ckpt_dir: str | Path, *, flush_cache: bool = False, pause: bool = False,
                         timeout: float = 120.0, tp_size: int = 1, api_key: str | None = None,
-                        weight_version: str | None = None) -> dict:
+                        weight_version: str | None = None, live_head: str | Path | None = None) -> dict:
     """Put the head in `ckpt_dir` into the draft worker of the SGLang server at `url`.
 
-    Returns {"version", "calls": [(path, status)], "message"}. Raises SglangSwapError on the
-    first refused step; an opened weight-update session is closed and, with pause=True,
+    `live_head`: the head directory the server started with (default: its
+    `speculative_draft_model_path`); the new head must have its vocabulary map. Returns
+    {"version", "calls": [(path, status)], "message"}. Raises SglangSwapError on a refused head or
+    the first refused step; an opened weight-update session is closed and, with pause=True,
     generation is continued even then.
     """
-    calls = build_swap_requests(ckpt_dir, flush_cache=flush_cache, pause=pause, tp_size=tp_size,
-                                weight_version=weight_version)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     done: list[tuple[str, int]] = []
     message = ""
     session_open = False
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout, headers=headers) as client:
+        live_vocab = live_vocab_map(live_head if live_head is not None else find_live_head(client))
+        calls = build_swap_requests(ckpt_dir, flush_cache=flush_cache, pause=pause, tp_size=tp_size,
+                                    weight_version=weight_version, live_vocab=live_vocab)
         try:
             for path, body in calls:
                 if path in ("/end_weight_update", "/continue_generation"):

@@ -4,16 +4,29 @@ A swap is a versioned publish (the trainer wrote a new directory and recorded it
 it is received, checked and applied in five steps, all off the engine thread except the last:
 
     1) locate   a checkpoint directory under the allowed roots (resolved, no `..`/symlink
-                escape), or tensors sent inline with their config, version and digest
-    2) verify   the digest; then the codec's own checks (`read_checkpoint`, `validate_tensors`
-                with the live head's vocabulary map, `check_compatible` with the target)
+                escape, and no file in it a symlink leading out of them), or tensors sent inline
+                with their config, version and digest
+    2) verify   the digest; then the codec's own checks (`open_checkpoint`: regular files only,
+                bounded reads; `validate_tensors`, `check_compatible` with the target); then the
+                version (0..MAX_VERSION, from the request or the checkpoint's metadata)
     3) load     into a spare head module (the one evicted two swaps ago, reused when the shape
-                matches), never into the live one
+                matches), never into the live one, and run it: a probe draft step must give
+                finite logits (`serving.head_probe`)
     4) switch   `server.swap(head, version)`: the engine installs it between rounds; we wait
                 until it is live
     5) keep     the head it replaced as `previous`, untouched, for `rollback()` (bit-identical)
 
 Any failure before step 4 raises `SwapError` with the reason and leaves serving untouched.
+
+A head comes with its own draft vocabulary map (d2t/t2d): the embedded engine reads
+`head.draft_to_target` of the head that drafts, so heads trained for different traffic (the
+packaged chat and code heads) swap freely. (An SGLang server keeps the map its worker started
+with; there `serving.sglang_client` refuses a head with another map.) The packaged heads'
+directory (`online_spec.PRETRAINED_HEADS`) is always an allowed root.
+
+`rollback_broken(reason)` is the server's own rollback when the live head's drafts turn
+non-finite: the previous head (or plain decoding if there is none) goes live and the broken
+head is dropped, not kept as `previous`.
 
     swapper = HeadSwapper(server, allowed_roots=[Path("runs/heads")])
     swapper.swap_dir("runs/heads/v7")            # -> {"version": 7, "digest": ..., "landed": True}
@@ -23,6 +36,7 @@ Any failure before step 4 raises `SwapError` with the reason and leaves serving 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,9 +44,12 @@ from pathlib import Path
 
 import torch
 
-from online_spec.checkpoint import (CheckpointError, build_head, check_compatible, file_digest, head_config_from_json,
-                                    read_checkpoint, validate_tensors, WEIGHTS)
+from online_spec.capture import MAX_VERSION
+from online_spec.checkpoint import (CHECKPOINT_FILES, CheckpointError, build_head, check_compatible,
+                                    head_config_from_json, open_checkpoint, validate_tensors)
 from online_spec.head import EagleHead
+
+log = logging.getLogger(__name__)
 
 # dtypes a swap may carry inline (the checkpoint's float weights, d2t, t2d)
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -91,18 +108,33 @@ def tensor_from_bytes(buf, dtype_name: str, shape: list[int]) -> torch.Tensor:
 
 
 def resolve_under(path: str, roots: list[Path]) -> Path:
-    """`path` resolved (symlinks, `..`), if it lies under one of `roots`; else SwapError."""
-    if not isinstance(path, str) or not path:
+    """`path` resolved (symlinks, `..`), if it lies under one of `roots` and so does every
+    checkpoint file in it (a file symlink leading out of the roots is not followed); else SwapError."""
+    if not isinstance(path, str) or not path or "\0" in path:
         raise SwapError("checkpoint directory must be a non-empty string")
     try:
         resolved = Path(path).resolve(strict=True)
     except (OSError, RuntimeError):
         raise SwapError(f"checkpoint directory {path} does not exist") from None
-    for root in roots:
-        if resolved.is_relative_to(root.resolve()):
-            return resolved
-    raise SwapError(f"checkpoint directory {resolved} is outside the allowed roots "
-                    f"{[str(r) for r in roots]}")
+    if not _under(resolved, roots):
+        raise SwapError(f"checkpoint directory {resolved} is outside the allowed roots "
+                        f"{[str(r) for r in roots]}")
+    for name in CHECKPOINT_FILES:
+        f = resolved / name
+        if f.is_symlink() and not _under(f.resolve(), roots):
+            raise SwapError(f"{name} in {resolved} is a symlink to {f.resolve()}, outside the allowed roots")
+    return resolved
+
+
+def _under(path: Path, roots: list[Path]) -> bool:
+    return any(path.is_relative_to(root.resolve()) for root in roots)
+
+
+def check_version(v) -> int:
+    """A head version: an integer in 0..MAX_VERSION (what a capture record can carry)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION:
+        raise SwapError(f"version must be an integer in 0..{MAX_VERSION} (2**62), got {str(v)[:40]}")
+    return v
 
 
 class HeadSwapper:
@@ -111,14 +143,16 @@ class HeadSwapper:
     def __init__(self, server, allowed_roots: list[Path], land_timeout_s: float = 30.0):
         self.server = server
         self.engine = server.engine
+        self.probe = server.head_probe
         self.allowed_roots = [Path(r) for r in allowed_roots]
         self.land_timeout_s = land_timeout_s
         self.live = HeadVersion(self.engine.head, self.engine.head_version, None, "initial")
         self.previous: HeadVersion | None = None
         self._spare: EagleHead | None = None
         self._lock = threading.Lock()  # one swap at a time
-        self.swaps = self.rollbacks = self.refused = 0
+        self.swaps = self.rollbacks = self.refused = self.auto_rollbacks = 0
         self.last_swap: dict | None = None
+        self.last_fault: dict | None = None
 
     # -- commands -------------------------------------------------------------------------------
     def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict:
@@ -127,19 +161,24 @@ class HeadSwapper:
         with self._lock:
             try:
                 d = resolve_under(path, self.allowed_roots)
-                cfg, tensors, meta = read_checkpoint(d)  # refuses pickles, checks the meta digest
-                actual = file_digest(d / WEIGHTS)
-                if digest is not None and digest != actual:
-                    raise SwapError(f"digest mismatch: request says {digest}, {WEIGHTS} has {actual}")
-                version = self._version(version, meta.get("version"))
-                head = self._validate_and_load(cfg, tensors)
+                ck = open_checkpoint(d)  # regular files, bounded; refuses pickles, checks the meta digest
+                if digest is not None and digest != ck.digest:
+                    raise SwapError(f"digest mismatch: request says {str(digest)[:80]}, model.safetensors "
+                                    f"has {ck.digest}")
+                validate_tensors(ck.cfg, ck.tensors)  # the head's own faults first, then its version
+                head = self._validate_and_load(ck.cfg, ck.tensors)
+                try:
+                    version = self._version(version, ck.meta.get("version"), "online_spec.json")
+                except SwapError:
+                    self._spare = head  # unused: reusable by the next swap
+                    raise
             except CheckpointError as e:
                 self.refused += 1
                 raise SwapError(str(e)) from None
             except SwapError:
                 self.refused += 1
                 raise
-            return self._install(HeadVersion(head, version, actual, str(d)), t0)
+            return self._install(HeadVersion(head, version, ck.digest, str(d)), t0)
 
     def swap_tensors(self, config: dict, tensors: dict[str, torch.Tensor], version: int, digest: str) -> dict:
         """Swap in tensors sent inline, with their config.json dict, version and digest."""
@@ -150,9 +189,13 @@ class HeadSwapper:
                     raise SwapError("config must be the checkpoint's config.json object")
                 actual = tensors_digest(tensors)
                 if digest != actual:
-                    raise SwapError(f"digest mismatch: request says {digest}, tensors hash to {actual}")
-                version = self._version(version, None)
-                head = self._validate_and_load(head_config_from_json(config), tensors)
+                    raise SwapError(f"digest mismatch: request says {str(digest)[:80]}, tensors hash to {actual}")
+                if version is None:
+                    raise SwapError("an inline swap needs its version")
+                version = check_version(version)
+                cfg = head_config_from_json(config)
+                validate_tensors(cfg, tensors)
+                head = self._validate_and_load(cfg, tensors)
             except CheckpointError as e:
                 self.refused += 1
                 raise SwapError(str(e)) from None
@@ -169,25 +212,56 @@ class HeadSwapper:
                 raise SwapError("no previous head to roll back to")
             return self._install(self.previous, t0, rollback=True)
 
+    def rollback_broken(self, reason: str) -> dict:
+        """The live head drafts non-finite values: install the last good head and drop the broken
+        one (it is never kept as `previous`). The last good head is the previous one when the
+        broken head is the one this swapper installed, else (a head installed around it, with
+        `server.swap`) this swapper's live one; plain decoding if there is none. Call it off the
+        engine thread: it waits for the switch, which the engine thread makes."""
+        t0 = time.perf_counter()
+        with self._lock:
+            broken, version = self.engine.head, self.engine.head_version
+            if broken is None:
+                return {"skipped": "no head is live"}
+            if broken is self.live.head:
+                back = self.previous
+            else:
+                back = self.live
+            back = back or HeadVersion(None, version, None, "plain decoding (no previous head)")
+            self.auto_rollbacks += 1
+            self.last_fault = {"version": version, "reason": reason, "time": time.time(),
+                               "replaced_by": back.version, "plain_decoding": back.head is None}
+            log.error("head v%d drafts non-finite values (%s): rolling back to %s", version, reason,
+                      f"v{back.version}" if back.head is not None else "plain decoding")
+            self.live = HeadVersion(broken, version, None, "broken")
+            out = self._install(back, t0, rollback=True)
+            self.previous = None  # never roll back into the broken head
+            return out
+
     def info(self) -> dict:
         return {"live": self.live.describe(), "previous": None if self.previous is None else self.previous.describe(),
                 "swaps": self.swaps, "rollbacks": self.rollbacks, "refused": self.refused,
+                "auto_rollbacks": self.auto_rollbacks, "last_fault": self.last_fault,
                 "last_swap": self.last_swap, "allowed_roots": [str(r) for r in self.allowed_roots]}
 
     # -- steps -----------------------------------------------------------------------------------
     @staticmethod
-    def _version(requested, from_meta) -> int:
-        v = requested if requested is not None else from_meta
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SwapError(f"version must be a non-negative integer, got {v!r}")
-        return v
+    def _version(requested, from_meta, source: str) -> int:
+        if requested is None and from_meta is None:
+            raise SwapError(f"no version: the request gives none and the checkpoint has no {source} "
+                            "(pass --version)")
+        return check_version(requested if requested is not None else from_meta)
 
     def _validate_and_load(self, cfg, tensors: dict[str, torch.Tensor]) -> EagleHead:
-        live = self.engine.head
-        vocab = None if live is None else (live.d2t, live.t2d)
-        validate_tensors(cfg, tensors, expect_vocab=vocab)
+        """Compatibility with the target, then the tensors into a spare module, then a probe
+        draft on it. The head keeps its own vocabulary map (the engine drafts through it)."""
         check_compatible(cfg, self.engine.target.info)
-        return self._load_spare(cfg, tensors)
+        head = self._load_spare(cfg, tensors)
+        problem = self.probe.check(head)
+        if problem is not None:
+            self._spare = head  # unused: reusable by the next swap
+            raise SwapError(f"the head cannot draft: {problem}")
+        return head
 
     def _load_spare(self, cfg, tensors: dict[str, torch.Tensor]) -> EagleHead:
         """Copy validated tensors into the spare module (allocating one if none fits)."""

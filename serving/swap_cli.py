@@ -8,6 +8,10 @@ exit status 1 with the server's reason when it refuses.
     online-spec swap runs/heads/v3 --sglang --server http://127.0.0.1:30000   (an SGLang server)
     online-spec rollback [--run-dir runs/serve]
     online-spec status [--run-dir runs/serve] [--json]
+
+The embedded server's commands need neither torch nor the model (serving/control_client.py):
+they answer in a fraction of a second. `--sglang` reads the checkpoint here (torch), so it
+imports the SGLang client only when asked.
 """
 
 from __future__ import annotations
@@ -16,10 +20,7 @@ import argparse
 import json
 import sys
 
-import httpx
-
-from serving.control import ControlClient, ControlError
-from serving.sglang_client import SglangSwapError, push_head_to_sglang
+from serving.control_client import ControlClient, ControlError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--sglang", action="store_true",
                             help="the server is SGLang: push the head through its weight-update endpoints")
         parser.add_argument("--server", default=None, help="SGLang server URL, http://HOST:PORT (with --sglang)")
+        parser.add_argument("--live-head", default=None,
+                            help="with --sglang: the head directory the SGLang server started with (its draft "
+                                 "vocabulary map stays live there); default: its speculative_draft_model_path")
     parser.add_argument("--run-dir", default="runs/serve", help="the server's run directory (default: runs/serve)")
     parser.add_argument("--endpoint", default=None, help="control endpoint (default: RUN_DIR/control.endpoint)")
     parser.add_argument("--token-file", default=None, help="control token file (default: RUN_DIR/control.token)")
@@ -62,11 +66,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_sglang(args: argparse.Namespace) -> int:
     """`swap --sglang --server URL DIR`: SGLang's own `/update_weights_from_tensor` path (contract 4)."""
+    import httpx  # only this command talks HTTP
+    from serving.sglang_client import SglangSwapError, push_head_to_sglang  # reads the checkpoint: torch
+
     if not args.server:
         print("error: --sglang needs --server http://HOST:PORT", file=sys.stderr)
         return 1
     try:
-        result = push_head_to_sglang(args.server, args.dir, timeout=args.timeout,
+        result = push_head_to_sglang(args.server, args.dir, timeout=args.timeout, live_head=args.live_head,
                                      weight_version=None if args.version is None else str(args.version))
     except (SglangSwapError, httpx.HTTPError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

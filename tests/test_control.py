@@ -4,7 +4,8 @@ Every kind of bad swap is refused with its reason while a streaming request is i
 that request still finishes with the target's own greedy output; a good swap lands between
 rounds (info and RoundStats show it); rollback reinstalls the previous head bit for bit;
 inline tensor swaps, set_adaptive, the token, loopback-only binding, and the `online-spec
-swap/rollback/status` commands end to end.
+swap/rollback/status` commands end to end; the packaged code head (another draft vocabulary than
+the live head's) swapped in from where it ships, by the CLI, under a stream that stays lossless.
 """
 
 import json
@@ -20,7 +21,8 @@ from safetensors.torch import save_file
 from online_spec.checkpoint import file_digest, head_config_json, head_tensors, save_head
 from online_spec.cli import main as cli_main
 from online_spec.config import ConfigError
-from online_spec.head import build_vocab_map, new_head
+from online_spec import PRETRAINED_HEADS
+from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from serving.control import ControlClient, ControlConfig, ControlError
 from serving.engine import Engine, EngineConfig
@@ -145,10 +147,6 @@ def test_bad_swaps_refused_while_a_stream_completes(served, client, smol_fp32, p
     nan = good["lm_head.weight"].clone()
     nan[3, 5] = float("nan")
     case("nan", r"lm_head.weight has non-finite values", **{"lm_head.weight": nan})
-    counts = torch.zeros(cfg["vocab_size"])
-    counts[-cfg["draft_vocab_size"]:] = 1
-    d2t, t2d = build_vocab_map(counts, cfg["draft_vocab_size"], sorted(smol_fp32.eos_token_ids))
-    case("vocab", r"draft vocabulary map differs from the live head's", d2t=d2t, t2d=t2d)
     wide = dict(cfg, target_hidden_size=cfg["target_hidden_size"] * 2)
     case("hidden", r"target_hidden_size 1152 != target hidden 576", cfg_json=wide,
          **{"fc.weight": torch.zeros(cfg["hidden_size"], 6 * cfg["target_hidden_size"], dtype=torch.bfloat16)})
@@ -168,7 +166,7 @@ def test_bad_swaps_refused_while_a_stream_completes(served, client, smol_fp32, p
         client.request("swap", {"dir": f"{run_dir}/../{outside.parent.name}/outside"})
     with pytest.raises(ControlError, match="digest mismatch"):
         client.swap_dir(good_dir, digest="0" * 64)
-    with pytest.raises(ControlError, match="version must be a non-negative integer"):
+    with pytest.raises(ControlError, match="version must be an integer in 0.."):
         client.request("swap", {"dir": str(good_dir), "version": "7"})
     with pytest.raises(ControlError, match="missing or wrong token"):
         ControlClient(client.endpoint, "f" * 64).swap_dir(good_dir)
@@ -272,3 +270,24 @@ def test_cli_swap_rollback_status_end_to_end(served, smol_fp32, capsys):
     # --sglang drives an SGLang server instead (serving.sglang_client); nothing listens on port 9
     assert cli_main(["swap", str(run_dir / "heads" / "v11"), "--sglang", "--server", "http://127.0.0.1:9"]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_cli_swaps_the_packaged_code_head_and_rolls_back_losslessly(served, plain_output, capsys):
+    """Issue 31: `online-spec swap online_spec/pretrained/code-h100` on the embedded server. The
+    packaged heads' directory is an allowed root, and the code head brings its own draft
+    vocabulary map (it differs from the live head's), which the engine drafts through."""
+    server, http, run_dir, _ = served
+    ids, expected = plain_output
+    before, before_version = server.engine.head, server.engine.head_version
+    code = PRETRAINED_HEADS / "code-h100"
+    stream = Stream(http.url, ids)
+    assert cli_main(["swap", str(code), "--run-dir", str(run_dir)]) == 0
+    assert "swapped in version 0" in capsys.readouterr().out
+    live = server.engine.head
+    assert live is not before and not torch.equal(live.d2t.cpu(), before.d2t.cpu())
+    assert stream.join() == expected
+    assert Stream(http.url, ids).join() == expected  # drafted by the code head from its first round
+    assert server.info()["internal_states"][0]["head_version"] == 0
+    assert cli_main(["rollback", "--run-dir", str(run_dir)]) == 0
+    assert f"rolled back to version {before_version}" in capsys.readouterr().out
+    assert server.engine.head is before and Stream(http.url, ids).join() == expected

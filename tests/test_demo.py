@@ -79,17 +79,22 @@ def test_the_demo_default_trace_builds(tmp_path, caplog):
     conversations; 639 held-out chat conversations fit (the chat-only filter of 2026-11-24 made the
     default demo fail here with "only 639 ... fit"). The mix keeps its own, the chat phase is cut."""
     from bench.demo import DemoConfig, trace_items
+    from online_spec import advice
 
+    advice.reset()
     items = trace_items(DemoConfig(), tmp_path)
     runs = dict((n, r) for n, r in phases(items))
     assert len(runs["code"]) == 600 and len(runs["mix"]) == 600
     assert 300 <= len(runs["chat"]) < 600 and "chat phase gets" in caplog.text
+    # the warning says what it costs and what to do, and is counted (online_spec_warnings_total)
+    assert "Cost: none while the machine serves fewer chat lines" in caplog.text and "To do: " in caplog.text
+    assert advice.counts()["trace_chat_short"] == 1
     chat_texts = [it.messages[0]["content"] for it in items if it.tag == "chat"]
     # each conversation once: only ShareGPT's own repeated first turns repeat (10 of these 639)
     assert len(chat_texts) == 639 and len(set(chat_texts)) >= 625
 
 
-def test_demo_end_to_end_writes_the_report(smol, tmp_path):
+def test_demo_end_to_end_writes_the_report(smol, tmp_path, capsys):
     from bench.demo import DemoConfig, run_demo
 
     trace = write_trace(tmp_path / "t.jsonl", TINY)
@@ -109,6 +114,12 @@ def test_demo_end_to_end_writes_the_report(smol, tmp_path):
     assert saved["overall"]["requests"] == 6 and saved["overall"]["failed"] == 0
     assert saved["overall"]["completion_tokens"] == figs["overall"]["completion_tokens"] > 0
     assert saved["trainer"]["returncode"] == 0  # the daemon stopped on SIGTERM, saved, exited cleanly
+    # the console showed the trainer's start-up from its own log; serving time is apart from start-up
+    console = capsys.readouterr().out
+    assert "  trainer: starting: target model" in console and "  trainer: ready in " in console
+    assert saved["startup_s"] > 0 and saved["serving_s"] + saved["startup_s"] == pytest.approx(saved["duration_s"])
+    assert f"{saved['serving_s']:.0f} s of serving, after {saved['startup_s']:.0f} s of start-up" in \
+        (out / "summary.md").read_text()
     assert [a["shift"] for a in saved["adaptation"]] == ["chat->code", "code->mix"]
     assert "| chat |" in (out / "summary.md").read_text()
     # every verify round, readable by `online-spec drift replay`, labelled with its phase
@@ -136,8 +147,10 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
                 "speedup_vs_static", "speedup_vs_plain", "static_k", "per_phase", "overall", "adaptation_online_spec",
                 "bs1", "machine", "targets", "met"):
         assert key in rep, key
-    assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "cost_policy", "online_no_training",
-                                   "online_spec", "ceiling_code"}
+    assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "sglang_default_tree", "cost_policy",
+                                   "online_no_training", "online_spec", "ceiling_code"}
+    assert rep["speedup_vs_sglang_default_tree"] > 0 and rep["tree_vs_static"] > 0
+    assert rep["config"]["tree"] == "5,4,8" and rep["configs"]["sglang_default_tree"]["overall"]["accept_len"] is not None
     assert rep["bs1"]["ceiling_code"]["tokens_per_s"]
     assert rep["configs"]["ceiling_code"]["overall"]["accept_len"] is not None
     assert rep["ceiling"]["bs1_best"] == "ceiling_code" and rep["ceiling"]["ceiling_vs_static_sglang_adaptive"] > 0
@@ -199,7 +212,7 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
 
     def head(r_adapt, r_bs1, tps_online, acc):
         return {"speedup_vs_static_sglang_adaptive": r_adapt, "speedup_vs_static": 1.0, "speedup_vs_plain": 1.1,
-                "speedup_vs_plain_bs1_adapted": r_bs1,
+                "speedup_vs_plain_bs1_adapted": r_bs1, "speedup_vs_sglang_default_tree": 1.2, "tree_vs_static": 1.0,
                 "per_phase": {"chat": {"online_spec": {"tokens_per_s": tps_online, "accept_len": acc}}},
                 "overall": {"online_spec": {"tokens_per_s": tps_online, "accept_len": acc, "failed": 0}},
                 "adaptation_online_spec": [], "swaps_online_spec": 0, "alerts_online_spec": 0,

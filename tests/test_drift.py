@@ -560,3 +560,12 @@ def test_swaps_every_few_hundred_rounds_keep_the_change_test_quiet_and_running(s
 def test_a_reserved_tag_is_refused():
     with pytest.raises(ValueError, match="reserved|mix stream"):
         round_observations(4, K, [1, 2, 0, 1], ["chat", MIX_TAG, "", ""], ["a", "b", "c", "d"], 0, 0.0)
+
+
+def test_an_alert_before_any_reference_says_so_instead_of_nan():
+    # a head that accepts nothing from the first round: collapse comes before the stream has a
+    # reference level to compare with, and the text says that rather than "nan ->"
+    alerts = feed_versions(DriftDetector(), [0.0] * 40, [1] * 40)
+    assert [a.kind for a in alerts] == ["collapse"]
+    assert "nan" not in alerts[0].text.lower()
+    assert "mean accept length 0.00 drafts (no reference level yet)" in alerts[0].text

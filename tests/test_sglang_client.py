@@ -86,6 +86,14 @@ def test_payload_is_read_by_sglangs_safe_unpickler(ckpt):
 class _StandInSglang(BaseHTTPRequestHandler):
     calls: list = []
     refuse: str = ""
+    draft_model_path: str = ""  # what /get_server_info reports, as SGLang's server_args do
+
+    def do_GET(self):  # noqa: N802
+        out = json.dumps({"speculative_draft_model_path": type(self).draft_model_path}).encode()
+        self.send_response(200 if self.path == "/get_server_info" else 404)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -103,8 +111,9 @@ class _StandInSglang(BaseHTTPRequestHandler):
 
 
 @pytest.fixture()
-def server():
+def server(ckpt):
     _StandInSglang.calls, _StandInSglang.refuse = [], ""
+    _StandInSglang.draft_model_path = str(ckpt[1])  # the server started with this head
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _StandInSglang)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -123,3 +132,18 @@ def test_refused_update_raises_and_pause_is_always_continued(ckpt, server):
         push_head_to_sglang(server, ckpt[1], pause=True, timeout=30)
     assert _StandInSglang.calls == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
                                     "/end_weight_update", "/continue_generation"]
+
+
+def test_a_head_with_another_vocabulary_map_is_refused_saying_why(ckpt, server, tiny, tmp_path):
+    """SGLang's worker keeps the map it started with: a head with another map never reaches it."""
+    counts = torch.arange(tiny.info.vocab_size).float()  # another top-64 than the live head's
+    save_head(new_head(tiny, draft_vocab_size=64, token_counts=counts, seed=4), tmp_path / "other", version=6)
+    with pytest.raises(SglangSwapError, match="vocabulary map differs.*keeps the draft vocabulary map"):
+        push_head_to_sglang(server, tmp_path / "other", timeout=30)
+    assert _StandInSglang.calls == []  # refused before any weight-update call
+    with pytest.raises(SglangSwapError, match="keeps the draft vocabulary map"):  # the live head named explicitly
+        push_head_to_sglang(server, tmp_path / "other", timeout=30, live_head=ckpt[1])
+    _StandInSglang.draft_model_path = "org/some-hub-name"  # not a directory here: cannot check, so refuse
+    with pytest.raises(SglangSwapError, match="--live-head"):
+        push_head_to_sglang(server, ckpt[1], timeout=30)
+    assert push_head_to_sglang(server, ckpt[1], timeout=30, live_head=ckpt[1])["version"] == "5"

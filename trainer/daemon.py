@@ -14,6 +14,11 @@ Loop (one thread; the subscriber fills the replay buffer from its own thread):
      control endpoint
   3. watch live acceptance of the new version (`RollbackMonitor`) and roll back if it is worse
      than the previous version's beyond a threshold
+Bad input never stops it: a span that is well-formed on the wire but does not fit the target
+(hidden size, token ids outside the vocabulary, positions beyond its context) is counted and
+dropped before it reaches the replay buffer (so it is never persisted, and a restart does not
+meet it again); stored spans are checked the same way when sampled (a buffer written before
+the check); a training step or an evaluation that fails drops its batch, logs why and goes on.
 Everything the loop needs to resume lives in the run directory: `state.json` (step, versions),
 `distiller.pt` (head, optimizer, scheduler), `replay/` (the buffer), `ckpt/vN/` (published
 heads). A kill -9 loses at most the steps since the last state save; SIGTERM saves and exits.
@@ -137,10 +142,24 @@ class TrainerDaemon:
         self._last_eval_step = self.distiller.step
         self._drift_until = 0.0
         self._rested_s = 0.0  # seconds rested under max_duty
+        self.refused_spans = {"stream": 0, "stored": 0}  # spans that do not fit the target, by where met
+        self.last_refused = ""
+        self.failed_steps = self.failed_evals = 0
+        self._last_warn: dict[str, float] = {}
 
     # -- inputs ---------------------------------------------------------------------------
+    def span_error(self, span: CaptureSpan) -> str | None:
+        """Why `span` cannot be trained on with this target, or None."""
+        i = self.target.info
+        return span.target_error(i.hidden_size, i.vocab_size, i.max_position_embeddings)
+
     def on_span(self, span: CaptureSpan) -> None:
-        """Subscriber thread: store the span and tally live acceptance per version/slot/tag."""
+        """Subscriber thread: store the span and tally live acceptance per version/slot/tag; a
+        span that does not fit the target is counted and dropped, never stored."""
+        problem = self.span_error(span)
+        if problem is not None:
+            self._refuse("stream", span, problem)
+            return
         self.buffer.add(span)
         self.live.observe_rows(span.accepted.tolist(), span.num_steps.tolist(), span.draft_version.tolist(),
                                span.batch_size.tolist(), getattr(span, "tag", ""))
@@ -180,10 +199,16 @@ class TrainerDaemon:
         """One step if the buffer holds enough traffic; evaluation/publication when due."""
         if self.buffer.num_tokens < self.cfg.min_buffer_tokens:
             return False
-        spans = self.buffer.sample_train(self.cfg.batch_tokens)
+        spans = self._usable(self.buffer.sample_train(self.cfg.batch_tokens))
         if not spans:
             return False
-        metrics = self.distiller.train_step(collate(spans))
+        try:
+            metrics = self.distiller.train_step(collate(spans))
+        except Exception as e:  # noqa: BLE001 - one bad batch must not stop the trainer
+            self.failed_steps += 1
+            self._warn("step", f"training step failed ({type(e).__name__}: {e}); dropped the batch of "
+                               f"{len(spans)} spans ({self.failed_steps} dropped so far)")
+            return False
         self.state["step"] = self.distiller.step
         self._log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         if self.distiller.step % self.cfg.save_every_steps == 0:
@@ -191,8 +216,37 @@ class TrainerDaemon:
         boosted = time.monotonic() < self._drift_until
         if (boosted or self.distiller.step - self._last_eval_step >= self.cfg.eval_every_steps
                 or time.monotonic() - self._last_eval_t >= self.cfg.eval_every_s):
-            self.evaluate_and_publish()
+            try:
+                self.evaluate_and_publish()
+            except Exception as e:  # noqa: BLE001 - the next evaluation may succeed
+                self.failed_evals += 1
+                self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
+                self._warn("eval", f"evaluation failed ({type(e).__name__}: {e}); training goes on")
         return True
+
+    def _usable(self, spans: list) -> list:
+        """`spans` without those that do not fit the target (stored before they were checked)."""
+        out = []
+        for span in spans:
+            problem = self.span_error(span)
+            if problem is None:
+                out.append(span)
+            else:
+                self._refuse("stored", span, problem)
+        return out
+
+    def _refuse(self, where: str, span: CaptureSpan, problem: str) -> None:
+        self.refused_spans[where] += 1
+        self.last_refused = f"{span.request_id[:80]!r}: {problem}"
+        self._warn("span", f"dropping a span that does not fit the target ({self.last_refused}); "
+                           f"{self.refused_spans} so far")
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Log a warning at most every 10 s per kind (counts go to the summary and W&B)."""
+        now = time.monotonic()
+        if now - self._last_warn.get(kind, -1e9) >= 10.0:
+            self._last_warn[kind] = now
+            log.warning(message)
 
     def evaluate_and_publish(self):
         """Candidate vs live head on the newest held-out traffic; publish a winner."""
@@ -222,8 +276,8 @@ class TrainerDaemon:
         return decision
 
     def _gate_sample(self, tag: str | None = None) -> list:
-        return self.buffer.heldout(self.cfg.eval_tokens, newest=True, tag=tag, generated=True,
-                                   max_generated=self.cfg.eval_generated_rows)
+        return self._usable(self.buffer.heldout(self.cfg.eval_tokens, newest=True, tag=tag, generated=True,
+                                                max_generated=self.cfg.eval_generated_rows))
 
     def _gate_scores(self, heldout: list, k_counts: dict) -> tuple[float, float, int]:
         """(candidate, live, anchors): simulated accept lengths over the generated rows of
@@ -370,6 +424,8 @@ class TrainerDaemon:
             try:
                 self.wandb.log({**metrics, "trainer/step": self.distiller.step,
                                 "buffer/tokens": self.buffer.num_tokens,
+                                "trainer/refused_spans": sum(self.refused_spans.values()),
+                                "trainer/failed_steps": self.failed_steps,
                                 **{f"stream/{k}": v for k, v in self._stream_stats().items()
                                    if isinstance(v, (int, float))}})
             except Exception:  # W&B must never stop training
@@ -381,7 +437,9 @@ class TrainerDaemon:
     def summary(self) -> dict:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
-                "rested_s": round(self._rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(), "live": self.live.summary()}
+                "rested_s": round(self._rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
+                "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
+                "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals}
 
 
 def install_signal_handlers(daemon: TrainerDaemon) -> None:

@@ -29,6 +29,7 @@ from online_spec.checkpoint import save_head
 from online_spec.config import check, doc
 from online_spec.head import EagleHead
 from trainer.batch import TrainBatch
+from trainer.ds_ops import prepare_ops
 from trainer.loss import LossConfig, SharedTarget, ttt_loss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +106,7 @@ def ensure_distributed(device: str = "cpu") -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        prepare_ops()  # the op DeepSpeed's group loads: built once, a stale build lock cleared, said aloud
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             try:
@@ -185,11 +187,18 @@ class Distiller:
         import torch.distributed as dist
 
         self.engine.train()
-        batch = batch.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
-            loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
-        self.engine.backward(loss)
+        try:  # a batch that fails (or gives a non-finite loss) leaves no gradient behind
+            batch = batch.to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
+                loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
+            if not bool(torch.isfinite(loss)):
+                raise FloatingPointError(f"the loss is {float(loss.detach())}")
+            self.engine.backward(loss)
+        except BaseException:
+            for p in self.head.parameters():
+                p.grad = None
+            raise
         lr = self.scheduler.get_last_lr()[0]
         grads = [p.grad for p in self.head.parameters() if p.grad is not None]
         pre_clip = float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")

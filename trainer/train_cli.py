@@ -64,7 +64,11 @@ def build_daemon(args: argparse.Namespace) -> TrainerDaemon:
     if args.wandb_mode != "disabled":
         run = init_wandb(args.wandb_project, args.wandb_entity, run_dir / "wandb", mode=args.wandb_mode,
                          config={"daemon": config_to_dict(cfg)}, name="trainer")
-    return TrainerDaemon(cfg, load_target(device=getattr(args, "device", "cpu")), publisher, config_from_args(SubscriberConfig, args, prefix="capture_"),
+    # the capture stream's default socket is the server's: in its run directory (--control-run-dir)
+    sub_default = ({"run_dir": str(args.control_run_dir)} if args.control_run_dir is not None
+                   and not hasattr(args, "capture_endpoint") and not hasattr(args, "capture_run_dir") else {})
+    subscriber = config_from_args(SubscriberConfig, args, prefix="capture_", **sub_default)
+    return TrainerDaemon(cfg, load_target(device=getattr(args, "device", "cpu")), publisher, subscriber,
                          replay, config_from_args(DistillConfig, args, prefix="distill_", **(
                              {} if hasattr(args, "distill_schedule") else {"schedule": "constant"})),
                          config_from_args(LossConfig, args, prefix="loss_"),

@@ -1,0 +1,131 @@
+"""The demo's report and console tell the truth about a run (no model: sessions built by hand).
+
+Serving time apart from start-up, no adaptation claim without a swap or a rise, timelines and
+plots from the first request, K labelled by batch size alike on the console and the plot, the
+trainer's verdicts (read from its own log) in the summary and the picture, skipped trace lines
+explained.
+"""
+
+import pytest
+
+from bench.session import SessionResult, progress_line
+from bench.trainer_watch import TrainerWatch
+from bench.traffic import RequestResult
+
+T0, STARTUP = 1000.0, 93.0
+TS = T0 + STARTUP  # traffic begins
+
+
+def _session(accepts: dict[str, list[int]], swaps: list[tuple[float, int, int]] = (), serve_s: float = 60.0):
+    """Phases in order, each `len(accepts[phase])` rounds of one request, 1 s apart from TS; one
+    request per phase; `swaps` (t from TS, from, to)."""
+    res = SessionResult("online-spec", T0, t1=TS + serve_s, t_serve=TS, trace_lines=10)
+    t, idx = TS, 0
+    for phase, accs in accepts.items():
+        rid = f"r{idx}"
+        req = RequestResult(idx, phase, phase, rid, t_submit=t, t_first=t + 0.5)
+        for a in accs:
+            t += 1.0
+            res.rounds.append({"t": t, "batch_size": 1 + idx % 2, "num_steps": 3, "accepted": [a],
+                               "committed": a + 1, "total_s": 0.1, "head_version": 0, "request_ids": [rid],
+                               "tags": [phase]})
+            req.completion_tokens += a + 1
+        req.t_last = t
+        res.requests.append(req)
+        idx += 1
+    res.swaps = [{"t": TS + ts, "from": a, "to": b, "rollback": b < a} for ts, a, b in swaps]
+    return res
+
+
+def test_serving_time_is_apart_from_start_up_and_times_count_from_the_first_request():
+    from bench.report import session_figures
+
+    figs = session_figures(_session({"chat": [1] * 20, "code": [2] * 20}, swaps=[(30, 0, 1)]))
+    assert figs["startup_s"] == pytest.approx(STARTUP) and figs["serving_s"] == pytest.approx(60.0)
+    assert figs["duration_s"] == pytest.approx(STARTUP + 60.0)
+    assert figs["swaps"][0]["t_s"] == pytest.approx(30.0)
+    tl = figs["timeline"]
+    assert len(tl["t_s"]) == 6 and tl["tokens_per_s"][0] > 0  # no bins of start-up zeros
+    assert figs["adaptation"][0]["t_shift_s"] == pytest.approx(20.0)
+    assert figs["skipped_lines"] == 8 and figs["trace_lines"] == 10
+
+
+def test_no_adaptation_claim_without_a_swap_or_when_acceptance_falls():
+    from bench.report import adaptation
+
+    no_swap = adaptation(_session({"chat": [2] * 20, "code": [0] * 10 + [1] * 30}))[0]
+    assert no_swap["time_to_adapt_s"] is None and no_swap["tokens_to_adapt"] is None
+    assert no_swap["time_to_first_swap_s"] is None and no_swap["note"] == "no head was swapped in this phase"
+    fell = adaptation(_session({"chat": [2] * 20, "code": [3] * 16 + [1] * 24}, swaps=[(25, 0, 1)]))[0]
+    assert fell["time_to_first_swap_s"] == pytest.approx(5.0)
+    assert fell["time_to_adapt_s"] is None and fell["note"].startswith("acceptance did not rise")
+    # acceptance reaches 90 % of its final level 61 s into the phase, with the head unchanged; the
+    # head is swapped at 90 s: the claim counts from the swap, never before it
+    rose = adaptation(_session({"chat": [2] * 20, "code": [0] * 32 + [3] * 80}, swaps=[(110, 0, 1)],
+                               serve_s=150))[0]
+    assert rose["note"] == "" and rose["first_accept_len"] == 0 and rose["final_accept_len"] == 3
+    assert rose["time_to_first_swap_s"] == pytest.approx(90.0) and rose["time_to_adapt_s"] == pytest.approx(90.0)
+
+
+def test_console_labels_k_by_batch_size_as_the_plot_does():
+    res = _session({"chat": [1, 2], "code": [3, 0]})
+    line = progress_line("online-spec", res, res.rounds, 5.0, head_version=2, total=10, trainer_step=None)
+    # batch sizes 1 (chat) and 2 (code): K per batch size, as "b1"/"b2" label the plot's lines
+    assert "K b1:3 b2:3" in line and "accept_len b1:1.50 b2:1.50" in line
+    assert "trainer step -" in line and "head v2" in line and "K/slot" not in line
+    assert "trainer" not in progress_line("x", res, res.rounds, 5.0, 0, 10)
+
+
+TRAINER_LOG = """\
+2026-11-25 03:51:34,175 trainer INFO niceness 19
+Loading weights:   0%|          | 0/272 [00:00<?, ?it/s]\rLoading weights: 100%|##| 272/272 [00:00<00:00, 14855.79it/s]
+2026-11-25 03:51:34,176 trainer INFO starting: target model, replay buffer, then the distiller (DeepSpeed op and process group)
+2026-11-25 03:51:35,001 trainer INFO building DeepSpeed op deepspeed_shm_comm (first start on this machine)
+2026-11-25 03:51:36,688 trainer INFO ready in 2 s: subscribed to the capture stream; training starts at 128 buffered rows
+2026-11-25 03:51:41,000 trainer INFO status: step 0, buffer 0 rows, 0 evaluations, 0 swaps, live v0
+2026-11-25 03:51:46,000 trainer INFO status: step 7, buffer 900 rows, 0 evaluations, 0 swaps, live v0
+2026-11-25 03:51:47,000 trainer INFO step 9 gate: candidate 0.730 < 0.744 needed over live 0.721
+2026-11-25 03:51:48,000 trainer INFO status: step 10, buffer 990 rows, 1 evaluations, 0 swaps, live v0
+"""
+
+
+def test_trainer_watch_reads_start_up_steps_and_verdicts(tmp_path, capsys):
+    path = tmp_path / "trainer.log"
+    path.write_text(TRAINER_LOG[:200])  # a partial line waits for the rest
+    watch = TrainerWatch(path)
+    watch.poll()
+    path.write_text(TRAINER_LOG)
+    watch.poll()
+    out = capsys.readouterr().out
+    # start-up stages echoed as they come; status lines and progress bars not
+    assert "  trainer: building DeepSpeed op deepspeed_shm_comm" in out and "  trainer: ready in 2 s" in out
+    assert "Loading weights" not in out and "status:" not in out
+    assert "  trainer: step 9 gate: candidate 0.730 < 0.744 needed over live 0.721" in out
+    assert watch.step == 10 and watch.gates == 1 and watch.last_gate.startswith("candidate 0.730 < 0.744")
+    figs = watch.figures(0.0)
+    assert [e["kind"] for e in figs["events"]] == ["gate"]
+
+
+def test_summary_and_plot_say_why_no_head_was_swapped(tmp_path):
+    from PIL import Image
+
+    from bench.demo import summary_md
+    from bench.report import plot_session, session_figures
+
+    res = _session({"chat": [1] * 30, "code": [0] * 30})
+    watch = TrainerWatch(tmp_path / "trainer.log", echo=False)
+    (tmp_path / "trainer.log").write_text(TRAINER_LOG)
+    watch.poll()
+    res.trainer = {"step": 10, "swaps": 0, "live_version": 0, "rolled_back": [], "refused_swaps": 0,
+                   "watch": watch.figures(TS)}
+    figs = session_figures(res)
+    figs.update(head="shipped", config={"trace": ""}, plots=["accept_len_tokens_per_s.png"])
+    text = summary_md(figs)
+    assert "60 s of serving, after 93 s of start-up" in text
+    assert "no swap: the gate refused all 1 candidates (last: candidate 0.730 < 0.744 needed" in text
+    assert "2 of 10 lines served. The other 8 were skipped by design" in text
+    assert "90 % of" not in text and "no head was swapped in this phase" in text
+    pngs = plot_session(res, figs, tmp_path)
+    for p in pngs:
+        with Image.open(p) as im:
+            assert im.size[0] <= 800 and p.stat().st_size < 200_000
