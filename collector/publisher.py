@@ -56,6 +56,7 @@ from typing import Any
 
 import zmq
 
+from online_spec import advice
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, doc
 
@@ -290,10 +291,12 @@ class CapturePublisher:
                 self._warn("invalid", f"capture publisher: dropping an invalid record: {frames}")
             elif not self._send(frames):
                 self.dropped_hwm += 1
-                self._warn("hwm", f"capture publisher: the trainer reads slower than serving captures, dropping "
-                                  f"records ({self.dropped_hwm} so far, send HWM reached). Cost: the trainer learns "
-                                  f"from fewer requests; serving is not slowed. To do: nothing if it trains anyway; "
-                                  f"else capture less (--capture-sample-fraction) or give the trainer more CPU/GPU")
+                advice.warn(log, "capture_hwm",
+                            f"capture publisher: the trainer reads slower than serving captures, dropping records "
+                            f"({self.dropped_hwm} so far, send HWM reached)",
+                            cost="the trainer learns from fewer requests; serving is not slowed",
+                            fix="nothing if it trains anyway; else capture less (--capture-sample-fraction) or give "
+                                "the trainer more CPU/GPU")
             else:
                 self.sent += 1
                 self.bytes_sent += frames_nbytes(frames)

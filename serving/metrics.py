@@ -27,6 +27,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from online_spec.advice import WarningsCollector
 from serving.requests import RequestOutput, RoundStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -83,6 +84,7 @@ class ServerMetrics:
     def __init__(self, max_steps: int, window_rounds: int = 256, rate_window_s: float = 10.0,
                  publisher_stats: Callable[[], dict] | None = None):
         self.registry = r = CollectorRegistry()
+        r.register(WarningsCollector())  # online_spec_warnings_total{kind}: the operator warnings raised
         self.max_steps = max_steps
         self.rate_window_s = rate_window_s
         p = "online_spec_"

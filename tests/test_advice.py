@@ -37,3 +37,15 @@ def test_counts_reach_a_prometheus_registry():
     registry.register(advice.WarningsCollector())
     text = generate_latest(registry).decode()
     assert 'online_spec_warnings_total{kind="trace_chat_short"} 2.0' in text
+
+
+def test_the_servers_metrics_count_the_warnings():
+    """`/metrics` (ServerMetrics' registry) carries online_spec_warnings_total{kind}."""
+    from serving.metrics import ServerMetrics
+
+    advice.reset()
+    metrics = ServerMetrics(max_steps=3)
+    advice.warn(log, "capture_hwm", "dropping records", cost="fewer rows", fix="capture less")
+    text = metrics.render()
+    text = text.decode() if isinstance(text, bytes) else text
+    assert 'online_spec_warnings_total{kind="capture_hwm"} 1.0' in text

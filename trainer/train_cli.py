@@ -37,19 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, LossConfig, prefix="loss_")
     add_config_args(parser, ReplayConfig, prefix="replay_")
     add_config_args(parser, SubscriberConfig, prefix="capture_")
-    parser.add_argument("--control-run-dir", type=Path, default=None,
-                        help="the server's run directory (control endpoint + token); omit to train without publishing")
-    parser.add_argument("--device", default="cpu",
-                        help="torch device of the target and the trainer ('cuda': DeepSpeed on that GPU, NCCL)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the trainer (share the CPU politely)")
-    parser.add_argument("--nice", type=int, default=0,
-                        help="raise the trainer process's niceness by this much (0-19): when server and trainer "
-                             "both want a core, the server's threads get it first")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    parser.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
-    parser.add_argument("--wandb-mode", default="offline", help="offline (default), online or disabled")
-    parser.add_argument("--wandb-project", default="online-spec", help="W&B project")
-    parser.add_argument("--wandb-entity", default=None, help="W&B entity")
+    proc = parser.add_argument_group("process (where it connects, runs and logs)")
+    proc.add_argument("--control-run-dir", type=Path, default=None, metavar="DIR",
+                      help="the server's run directory (control endpoint + token); omit: train, never publish")
+    proc.add_argument("--device", default="cpu", metavar="DEV", help="torch device of target and trainer (cuda: NCCL)")
+    proc.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads of the trainer")
+    proc.add_argument("--nice", type=int, default=0, metavar="N",
+                      help="raise the trainer's niceness by N (0-19): the server gets a contended core first")
+    proc.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N optimizer steps")
+    proc.add_argument("--max-seconds", type=float, default=None, metavar="S", help="stop after S seconds")
+    proc.add_argument("--wandb-mode", default="offline", metavar="MODE", help="offline (default), online or disabled")
+    proc.add_argument("--wandb-project", default="online-spec", metavar="NAME", help="W&B project")
+    proc.add_argument("--wandb-entity", default=None, metavar="NAME", help="W&B entity")
 
 
 def build_daemon(args: argparse.Namespace) -> TrainerDaemon:
