@@ -101,6 +101,11 @@ Use (in the engine, once per round, after accept):
                                                   num_steps=5, head_version=3, timestamp=t,
                                                   num_requests=6)):
         fan_out(alert, sinks)
+
+Modules: `config` (DriftConfig, the mix tag, the detector's constants), `observation`
+(RoundObservation, DriftAlert, round_observations), `stats` (the accept-length law, alpha
+fitting, group dispersion), `detector` (the streams and their rules). Replay of recorded rounds:
+online_spec/drift_replay.py; alert sinks: online_spec/alerts.py.
 """
 
 from online_spec.drift.config import MIX_TAG, MIX_TAG_RESERVED, DriftConfig
