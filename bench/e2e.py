@@ -134,21 +134,16 @@ class E2EConfig:
               f"must be head names or paths with distinct last parts (not day0), got {self.ceiling_heads!r}")
 
     def tree_shape(self) -> TreeShape:
-        try:
-            steps, topk, tokens = (int(x) for x in self.tree.split(","))
-        except ValueError:
-            raise ConfigError(f"tree: {self.tree!r} is not 'num_steps,topk,num_draft_tokens'") from None
-        return TreeShape(steps, topk, tokens)
+        return TreeShape.parse(self.tree, "tree")
 
     def policy_tree_list(self) -> list[list[int]]:
         out = []
         for s in self.policy_trees.split():
             try:
-                t = [int(x) for x in s.split(",")]
-                TreeShape(*t)
-            except (ValueError, TypeError, ConfigError) as e:
-                raise ConfigError(f"policy_trees: {s!r} is not a tree 'num_steps,topk,num_draft_tokens' ({e})") from None
-            out.append(t)
+                t = TreeShape.parse(s, "policy_trees")
+            except ConfigError as e:
+                raise ConfigError(f"policy_trees: {s!r}: {e}") from None
+            out.append([t.num_steps, t.topk, t.num_draft_tokens])
         return out
 
     @property

@@ -25,7 +25,7 @@ from bench.common import add_bench_args, median_time, quick_overrides, write_rep
 from bench.heads import HEAD_CHOICES, resolve_head
 from bench.lossless import CyclingSteps, first_divergence, tie_gap, wrong_head
 from online_spec.checkpoint import load_head
-from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
+from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import humaneval_conversations, sharegpt_conversations
 from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch
@@ -74,14 +74,7 @@ class EngineBenchConfig:
         self.tree_shapes()  # raises naming the field
 
     def tree_shapes(self) -> list[TreeShape]:
-        out = []
-        for s in self.trees:
-            try:
-                steps, topk, tokens = (int(x) for x in str(s).split(","))
-            except ValueError:
-                raise ConfigError(f"trees: {s!r} is not 'num_steps,topk,num_draft_tokens'") from None
-            out.append(TreeShape(steps, topk, tokens))
-        return out
+        return [TreeShape.parse(s, "trees") for s in self.trees]
 
 
 QUICK = dict(new_tokens=32, repeats=3, batch_sizes=[1, 4, 16], steps=[1, 3, 7], lossless_prompts=4,

@@ -45,11 +45,10 @@ import psutil
 from bench.common import add_bench_args, quick_overrides, write_report
 from bench.hostile import CONTROL_CASES, HTTP_CASES, write_bad_heads
 from bench.traffic import sse_event
-from online_spec import PRETRAINED_HEADS
 from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.heads import CODE_HEAD as CODE, SHIPPED_HEAD as SHIPPED
 from serving.control_client import ControlClient, ControlError
 
-SHIPPED, CODE = PRETRAINED_HEADS / "sharegpt-chat-h100", PRETRAINED_HEADS / "code-h100"
 RUN_FILES = ("control.token", "control.endpoint", "control.sock", "capture.sock")
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from online_spec.config import check
+from online_spec.config import ConfigError, check
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ class TreeShape:
     def footprint(self) -> int:
         """Cache rows a round needs beyond the committed ones (target or draft cache)."""
         return max(self.num_draft_tokens, self.scratch_rows + 1)
+
+    @classmethod
+    def parse(cls, text: str, field: str = "tree") -> "TreeShape":
+        """'num_steps,topk,num_draft_tokens' (a flag's value) -> TreeShape; ConfigError naming `field`."""
+        try:
+            steps, topk, tokens = (int(x) for x in str(text).split(","))
+        except ValueError:
+            raise ConfigError(f"{field}: {text!r} is not 'num_steps,topk,num_draft_tokens'") from None
+        return cls(steps, topk, tokens)
 
     @classmethod
     def capped(cls, num_steps: int, topk: int, num_draft_tokens: int) -> "TreeShape":
