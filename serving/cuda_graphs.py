@@ -1,5 +1,7 @@
 """CUDA graphs for the engine's fixed-shape forwards: target decode (b, 1), target verify
-(b, K+1), the head's draft step (b, 1) and its per-round catch-up (b, T <= K+2).
+(b, K+1), the head's draft step (b, 1) and its per-round catch-up (b, T <= K+2); for tree rounds
+the head's step over a frontier (b, topk) and the target's verify of a tree (b, num_draft_tokens),
+both over a draft-tree layout (`StaticTreeBatch`).
 
 On a GPU a small model's eager step is launch-bound: each of the ~30 layers launches a dozen
 kernels, and HF-style Python around them costs more than the arithmetic. A CUDA graph records a
@@ -75,6 +77,50 @@ class StaticBatch:
         out = F.scaled_dot_product_attention(q, ck[:self.B], cv[:self.B], attn_mask=self.mask,
                                              enable_gqa=q.shape[1] != ck.shape[1])
         return out.transpose(1, 2).reshape(self.B, self.T, -1)
+
+
+class StaticTreeBatch(StaticBatch):
+    """`TreeAttentionBatch`'s interface over a fixed (B, T, scratch) and the whole cache length:
+    row (b, t) is written at cache row write[b, t], roped at positions[b, t], and attends to every
+    committed row (< base[b]) and the scratch rows base[b] + j with visible[b, t, j]. All four
+    are device buffers the caller fills before each replay; the mask is built inside the graph."""
+
+    def __init__(self, B: int, T: int, max_len: int, scratch: int, device):
+        super().__init__(B, T, max_len, device)
+        self.scratch = scratch
+        self.base = torch.zeros(B, dtype=torch.long, device=device)
+        self.write = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.visible = torch.zeros(B, T, scratch, dtype=torch.bool, device=device)
+
+    def build_mask(self) -> None:
+        off = self._keys[None, :] - self.base[:, None]  # [B, L]: each key's offset into the scratch region
+        in_scratch = (off >= 0) & (off < self.scratch)
+        seen = self.visible.gather(2, off.clamp(0, self.scratch - 1)[:, None, :].expand(self.B, self.T, self.kv_len))
+        self.mask = ((off < 0)[:, None, :] | (in_scratch[:, None, :] & seen))[:, None]  # [B,1,T,L]
+
+    def attend(self, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ck, cv = cache.k[layer], cache.v[layer]
+        ck[self.b_idx, :, self.write] = k.transpose(1, 2)
+        cv[self.b_idx, :, self.write] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, ck[:self.B], cv[:self.B], attn_mask=self.mask,
+                                             enable_gqa=q.shape[1] != ck.shape[1])
+        return out.transpose(1, 2).reshape(self.B, self.T, -1)
+
+    def fill(self, B: int, base: torch.Tensor, write: torch.Tensor, positions: torch.Tensor,
+             visible: torch.Tensor) -> None:
+        """The real rows' layout into the buffers; padding rows (free slots) write rows 0..T-1 of
+        their own slot, each seeing only itself."""
+        T, S = self.T, self.scratch
+        self.base.zero_()
+        self.base[:B].copy_(base)
+        pad = torch.arange(T, device=self.write.device)
+        self.write.copy_(pad.expand(self.B, T))
+        self.write[:B].copy_(write)
+        self.positions.copy_(pad.expand(self.B, T))
+        self.positions[:B].copy_(positions)
+        self.visible.zero_()
+        self.visible[B:, pad, pad.clamp_max(S - 1)] = True
+        self.visible[:B].copy_(visible)
 
 
 class GraphHead:
@@ -185,6 +231,46 @@ class CudaGraphs:
         g.inputs["hidden"][:B].copy_(hidden)
         return self._replay(g, B, starts)
 
+    @torch.inference_mode()
+    def tree_target_forward(self, tokens: torch.Tensor, base: torch.Tensor, write: torch.Tensor,
+                            positions: torch.Tensor, visible: torch.Tensor, cache):
+        """A target forward over draft-tree nodes (tokens [B,N]; `TreeAttentionBatch`'s layout as
+        device tensors: base [B], write/positions [B,N], visible [B,N,S]) -> (logits, features,
+        final hidden), as `TargetModel.forward(tokens, TreeAttentionBatch(...), cache)`."""
+        B, T = tokens.shape
+        S = visible.shape[-1]
+        key = ("ttarget", self.bucket(B), T, S)
+        g = self._get(key, (cache,), lambda Bp: {"tokens": torch.zeros(Bp, T, dtype=torch.long, device=self.device)},
+                      lambda ins, sb: self.target.forward(ins["tokens"], sb, cache), scratch=S)
+        g.inputs["tokens"][:B].copy_(tokens)
+        g.batch.fill(B, base, write, positions, visible)
+        return self._run(g, B)
+
+    @torch.inference_mode()
+    def tree_head_step(self, head, cache, embeds: torch.Tensor, hidden: torch.Tensor, base: torch.Tensor,
+                       write: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        """The head over draft-tree nodes (embeds [B,T,H], hidden [B,T,W]; layout as in
+        `tree_target_forward`) -> (draft logits [B,T,Vd], output hidden [B,T,H]), as `head.step`."""
+        B, T, W = hidden.shape
+        S = visible.shape[-1]
+        if head is not self.head.source:
+            self.bind_head(head)
+        self._use_cache(cache)
+        key = ("thead", self.bucket(B), T, W, S)
+        rope = self.target.rope
+        head = self.head.module
+
+        def make(Bp):
+            return {"embeds": torch.zeros(Bp, T, embeds.shape[-1], dtype=embeds.dtype, device=self.device),
+                    "hidden": torch.zeros(Bp, T, W, dtype=hidden.dtype, device=self.device)}
+
+        g = self._get(key, (head, cache), make,
+                      lambda ins, sb: head.step(ins["embeds"], ins["hidden"], sb, cache, rope), scratch=S)
+        g.inputs["embeds"][:B].copy_(embeds)
+        g.inputs["hidden"][:B].copy_(hidden)
+        g.batch.fill(B, base, write, positions, visible)
+        return self._run(g, B)
+
     def bind_head(self, head) -> None:
         """`head` goes live: its weights into the graphs' module (in place: the captured graphs
         stay valid), or a new module when it does not fit, whose graphs are then captured anew.
@@ -194,7 +280,7 @@ class CudaGraphs:
 
     def drop_head_graphs(self, cache=None) -> None:
         """Drop the head graphs (of one draft cache only, when given)."""
-        for k in [k for k, g in self._graphs.items() if k[0] == "head" and (cache is None or g.owners[1] is cache)]:
+        for k in [k for k, g in self._graphs.items() if k[0] in ("head", "thead") and (cache is None or g.owners[1] is cache)]:
             del self._graphs[k]
         self._head_caches = [] if cache is None else [c for c in self._head_caches if c is not cache]
 
@@ -215,6 +301,10 @@ class CudaGraphs:
 
     def _replay(self, g: _Graph, B: int, starts: list[int]):
         g.batch.positions.copy_(self._positions(g.batch.B, g.batch.T, starts))
+        return self._run(g, B)
+
+    def _run(self, g: _Graph, B: int):
+        """Replay `g` (captured now if new) with its inputs in place -> outputs of the real rows."""
         if g.graph is None:
             if self.disabled:
                 g.graph = False
@@ -226,14 +316,17 @@ class CudaGraphs:
         g.graph.replay()
         return tuple(o[:B].clone() for o in g.outputs)
 
-    def _get(self, key: tuple, owners: tuple, make_inputs, fn) -> _Graph:
-        """The graph for `key` and these owners (model, cache), created uncaptured if new."""
+    def _get(self, key: tuple, owners: tuple, make_inputs, fn, scratch: int = 0) -> _Graph:
+        """The graph for `key` and these owners (model, cache), created uncaptured if new; with a
+        `scratch` region, over a `StaticTreeBatch`."""
         full = key + tuple(id(o) for o in owners)
         g = self._graphs.get(full)
         if g is not None and all(a is b for a, b in zip(g.owners, owners)):
             return g
         inputs = make_inputs(key[1])
-        g = _Graph(None, inputs, (), StaticBatch(key[1], key[2], self.max_len, self.device), owners)
+        batch = (StaticTreeBatch(key[1], key[2], self.max_len, scratch, self.device) if scratch
+                 else StaticBatch(key[1], key[2], self.max_len, self.device))
+        g = _Graph(None, inputs, (), batch, owners)
         g.fn = fn
         self._graphs[full] = g
         return g

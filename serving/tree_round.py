@@ -20,7 +20,9 @@
 5) capture: the committed path's rows, exactly like a chain round's record (contract 1); its
    drafts are the path's accepted nodes and, at the first rejection, the first child tried.
 
-Tree rounds run eagerly (CUDA graphs serve chain rounds); a policy must declare `tree_rounds`.
+On CUDA the head's frontier steps and the verify replay CUDA graphs (serving/cuda_graphs.py,
+`StaticTreeBatch`), and the candidates stay on the device until the tree is selected (one
+device-to-host copy a round); on a CPU both run eagerly. A policy must declare `tree_rounds`.
 """
 
 from __future__ import annotations
@@ -41,55 +43,68 @@ class TreeRounds:
         B, k, S = len(reqs), shape.topk, shape.scratch_rows
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] after the last committed row
         d2t = head.draft_to_target
+        # the candidates stay on the device until the tree is selected: one device-to-host copy a round
         lp = torch.log_softmax(logits.float(), -1)
-        top_lp, top_id = (t.cpu() for t in lp.topk(k, -1))  # [B, k] depth-1 candidates
-        toks, pars, scores, lps = [top_id], [torch.full((B, k), -1, dtype=torch.long)], [top_lp], [top_lp]
-        front_tok, front_score, front_cid = top_id, top_lp, torch.arange(k).expand(B, k)
+        top_lp, top_id = lp.topk(k, -1)  # [B, k] depth-1 candidates
+        ar_k = torch.arange(k, device=dev)
+        toks, pars, scores, lps = [top_id], [torch.full((B, k), -1, dtype=torch.long, device=dev)], [top_lp], [top_lp]
+        front_tok, front_score, front_cid = top_id, top_lp, ar_k.expand(B, k)
         front_hidden = hidden[:, None].expand(B, k, hidden.shape[-1])
-        front_vis = torch.zeros(B, k, max(S, 1), dtype=torch.bool)
-        base = torch.tensor(tlen)
+        front_vis = torch.zeros(B, k, max(S, 1), dtype=torch.bool, device=dev)
+        base = torch.tensor(tlen, device=dev)
         n_cand = k
         for i in range(1, shape.num_steps):
             # step i: the frontier (depth-i nodes) through the head, at rope position tlen + i - 1
             w = (i - 1) * k
             vis = front_vis.clone()
-            vis[:, torch.arange(k), w + torch.arange(k)] = True
-            batch = TreeAttentionBatch(tlen, base[:, None] + w + torch.arange(k), (base + i - 1)[:, None].expand(B, k),
-                                       vis, dev)
+            vis[:, ar_k, w + ar_k] = True
             emb = self.target.embed_tokens(d2t[front_tok.to(d2t.device)].to(dev))  # [B, k, H]
-            lg, hid = head.step(emb, front_hidden, batch, self.dcache, self.target.rope)  # [B,k,Vd], [B,k,H]
+            lg, hid = self._tree_head(emb, front_hidden, tlen, base, base[:, None] + w + ar_k,
+                                      (base + i - 1)[:, None].expand(B, k), vis)  # [B,k,Vd], [B,k,H]
             c_lp, c_id = torch.log_softmax(lg.float(), -1).topk(k, -1)  # [B, k, k]
-            c_score = (front_score[:, :, None] + c_lp.cpu()).reshape(B, k * k)
-            c_id = c_id.cpu().reshape(B, k * k)
+            c_score = (front_score[:, :, None] + c_lp).reshape(B, k * k)
+            c_id = c_id.reshape(B, k * k)
             toks.append(c_id)
             pars.append(front_cid[:, :, None].expand(B, k, k).reshape(B, k * k))
             scores.append(c_score)
-            lps.append(c_lp.cpu().reshape(B, k * k))
+            lps.append(c_lp.reshape(B, k * k))
             if i + 1 < shape.num_steps:
                 front_score, best = c_score.topk(k, -1)  # [B, k] the next frontier
                 par = best // k
                 front_tok = c_id.gather(1, best)
-                front_hidden = hid.gather(1, par.to(dev)[:, :, None].expand(B, k, hid.shape[-1]))
+                front_hidden = hid.gather(1, par[:, :, None].expand(B, k, hid.shape[-1]))
                 front_vis = vis.gather(1, par[:, :, None].expand(B, k, vis.shape[-1]))
                 front_cid = n_cand + best
             n_cand += k * k
         for b in range(B):  # scratch rows are dropped; the next extend rewrites from tlen
             self.dcache.lengths[b] = tlen[b]
-        cand = d2t.cpu()[torch.cat(toks, 1)]
-        root = self.tok_buf[:B].gather(1, base[:, None])[:, 0]
-        return select_tree(cand, torch.cat(pars, 1), torch.cat(scores, 1), torch.cat(lps, 1).exp(), root,
-                           shape.num_draft_tokens)
+        cand = d2t.cpu()[torch.cat(toks, 1).cpu()]
+        root = self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None])[:, 0]
+        return select_tree(cand, torch.cat(pars, 1).cpu(), torch.cat(scores, 1).cpu(), torch.cat(lps, 1).exp().cpu(),
+                           root, shape.num_draft_tokens)
+
+    def _tree_head(self, emb, hid, tlen: list[int], base, write, positions, visible):
+        """The head over tree nodes (emb [B,T,H], hid [B,T,H]) written at `write`, roped at
+        `positions`, seeing `visible` of the scratch rows: a CUDA graph's replay where there are graphs."""
+        if self.graphs is not None:
+            return self.graphs.tree_head_step(self.head, self.dcache, emb, hid, base, write, positions, visible)
+        batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), self.target.device)
+        return self.head.step(emb, hid, batch, self.dcache, self.target.rope)
 
     def _verify_tree(self, reqs, tlen: list[int], tree: DraftTree, shape: TreeShape):
         """3) accept, 4) commit, 5) capture for a tree. Returns (accepted, records, outputs)."""
         B, N = tree.tokens.shape
         dev = self.target.device
         base = torch.tensor(tlen)
-        batch = TreeAttentionBatch(tlen, base[:, None] + torch.arange(N), base[:, None] + tree.depth,
-                                   tree.visible(), dev)
+        write, positions, visible = base[:, None] + torch.arange(N), base[:, None] + tree.depth, tree.visible()
         # one lm_head pass over all N rows: on a CPU it reads the 49k x 576 weights once, where a
         # pass per depth of the walk (only the nodes reached) read them depth + 1 times and was slower
-        logits, feats, final = self.target.forward(tree.tokens.to(dev), batch, self.tcache)  # [B, N, V]
+        if self.graphs is not None:
+            logits, feats, final = self.graphs.tree_target_forward(
+                tree.tokens.to(dev), base.to(dev), write.to(dev), positions.to(dev), visible.to(dev), self.tcache)
+        else:
+            batch = TreeAttentionBatch(tlen, write, positions, visible, dev)
+            logits, feats, final = self.target.forward(tree.tokens.to(dev), batch, self.tcache)  # [B, N, V]
         kids = tree.children()
         tokens = tree.tokens.tolist()
         greedy_choice = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None

@@ -220,3 +220,61 @@ def test_swaps_keep_the_head_graphs_and_draft_with_the_live_head(device):
     runner.bind_head(other)
     assert runner.head.module is not module
     assert not [k for k in runner._graphs if k[0] == "head"]
+
+
+def test_static_tree_batch_matches_eager_tree_attention():
+    """A tree verify through `StaticTreeBatch` (padded to a bucket, whole-cache keys under the
+    tree mask built from device buffers) computes what `TreeAttentionBatch` does, and padding
+    rows write only into their own free slot."""
+    from online_spec.kvcache import TreeAttentionBatch
+    from serving.cuda_graphs import StaticTreeBatch
+    target = tiny_target()
+    lens, N = [7, 12, 3], 5
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0]])
+    depth = torch.zeros(3, N, dtype=torch.long)
+    vis = torch.zeros(3, N, N, dtype=torch.bool)
+    vis[:, 0, 0] = True
+    for n in range(1, N):
+        depth[:, n] = depth[torch.arange(3), parents[:, n]] + 1
+        vis[:, n] = vis[torch.arange(3), parents[:, n]]
+        vis[:, n, n] = True
+    base = torch.tensor(lens)
+    write, positions = base[:, None] + torch.arange(N), base[:, None] + depth
+    eager_cache, static_cache = _prefilled(target, lens), _prefilled(target, lens)
+    before = [k.clone() for k in static_cache.k]
+    tokens = torch.randint(1, 500, (3, N), generator=torch.Generator().manual_seed(4))
+    ref = target.forward(tokens, TreeAttentionBatch(lens, write, positions, vis), eager_cache)
+    sb = StaticTreeBatch(4, N, MAX_LEN, N, "cpu")
+    sb.fill(3, base, write, positions, vis)
+    sb.build_mask()
+    got = target.forward(torch.cat([tokens, torch.zeros(1, N, dtype=torch.long)]), sb, static_cache)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g[:3], r, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got[0][3]).all()  # the padding row sees itself: no empty softmax
+    for layer in range(target.info.num_layers):
+        for b, n in enumerate(lens):
+            torch.testing.assert_close(static_cache.k[layer][b, :, :n + N], eager_cache.k[layer][b, :, :n + N])
+        assert torch.equal(static_cache.k[layer][:3, :, MAX_LEN - 8:], before[layer][:3, :, MAX_LEN - 8:])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("steps,topk,n", [(3, 2, 6), (4, 4, 12)])
+def test_tree_rounds_through_the_graph_path_equal_plain_decoding(device, steps, topk, n):
+    """Tree rounds through the graph runner (on CPU its capturable forwards run eagerly; on a
+    GPU they are captured and replayed) give the target's own greedy output, fp32."""
+    target = tiny_target().to(device)
+    head = new_head(target, draft_vocab_size=256, seed=1)
+    prompts = [[5, 9, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 200], [42] * 6, [8, 16, 24]]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
+    eng = Engine(target, head, EngineConfig(max_batch=4, max_len=128, num_steps=steps, speculative_eagle_topk=topk,
+                                            speculative_num_draft_tokens=n))
+    if device == "cpu":
+        eng.graphs = CudaGraphs(target, 4, 128)
+        eng.graphs.disabled = True
+    assert eng.generate(prompts, sp) == plain
+    kinds = {k[0] for k in eng.graphs._graphs}
+    assert {"thead", "ttarget"} <= kinds
+    if device == "cuda":
+        assert eng.graphs.captures > 0 and eng.graphs.capture_failures == 0
