@@ -14,10 +14,12 @@ is a random day-0 head: its drafts are rejected, so speculative tokens/s there m
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -62,6 +64,10 @@ class EngineBenchConfig:
                                "(HumanEval tasks the shipped heads did not train on)", lambda: ["chat", "code"])
     only: str = doc("run one part: all | grid (the shape grid and the tree lossless check) | classic "
                     "(everything but the grid)", "all")
+    prompts_file: str = doc("read the prompts (token ids per traffic) from this JSON file written by "
+                            "--save-prompts, instead of the datasets: for a machine without them (a lent GPU)", "")
+    save_prompts: str = doc("write the prompts this configuration uses (token ids per traffic) to this JSON file "
+                            "and exit", "")
 
     def __post_init__(self):
         check(self.new_tokens >= 1, "new_tokens", "must be >= 1")
@@ -144,7 +150,7 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
                  graphs: bool = True, tree: TreeShape | None = None) -> tuple[float, float]:
     """(tokens/s, mean accept length incl. bonus) of the engine serving `prompts` at static K (or
     the static `tree`), at most `batch` at a time (continuous batching). On a GPU (graphs: CUDA
-    graphs on; tree rounds run eagerly) one untimed run first captures the graphs."""
+    graphs on, chain and tree rounds) one untimed run first captures the graphs."""
     shape = {} if tree is None else dict(num_steps=tree.num_steps, max_steps=tree.num_steps,
                                          speculative_eagle_topk=tree.topk,
                                          speculative_num_draft_tokens=tree.num_draft_tokens)
@@ -167,14 +173,31 @@ def shape_name(K: int, tree: TreeShape | None) -> str:
     return f"tree_{tree.num_steps}_{tree.topk}_{tree.num_draft_tokens}" if tree else ("plain" if K == 0 else f"chain_{K}")
 
 
-def shape_grid(cfg: EngineBenchConfig, target, head) -> dict:
+def prompt_sets(cfg: EngineBenchConfig, target) -> dict[str, list[list[int]]]:
+    """Token-id prompts per traffic kind this configuration serves: "all" (the throughput table
+    and the lossless checks) and each of `grid_data`; from `prompts_file` when given."""
+    if cfg.prompts_file:
+        sets = json.loads(Path(cfg.prompts_file).read_text())
+        missing = {"all", *cfg.grid_data} - sets.keys()
+        if missing:
+            raise ValueError(f"--prompts-file {cfg.prompts_file}: no prompts for {sorted(missing)}")
+        return sets
+    n_grid = cfg.repeats * max([cfg.requests_per_run] + cfg.grid_batch_sizes)
+    sets = {"all": _prompts(target, max(cfg.repeats * max([cfg.requests_per_run] + cfg.batch_sizes),
+                                        cfg.lossless_prompts))}
+    for data in cfg.grid_data:
+        sets[data] = _prompts(target, n_grid, data=data)
+    return sets
+
+
+def shape_grid(cfg: EngineBenchConfig, target, head, prompt_set: dict[str, list[list[int]]]) -> dict:
     """Tokens/s and accepted drafts per request-round of plain decode, every chain K and every
     tree, per traffic and batch size; shapes interleaved within each repeat (drift in machine
     load hits them alike). `best` at each batch: the fastest chain and tree and their ratios."""
     shapes = [(0, None)] + [(k, None) for k in cfg.grid_chains] + [(t.num_steps, t) for t in cfg.tree_shapes()]
     out = {}
     for data in cfg.grid_data:
-        prompts = _prompts(target, cfg.repeats * max([cfg.requests_per_run] + cfg.grid_batch_sizes), data=data)
+        prompts = prompt_set[data]
         per_batch = {}
         for b in cfg.grid_batch_sizes:
             runs: dict[str, list[tuple[float, float]]] = {shape_name(k, t): [] for k, t in shapes}
@@ -287,13 +310,14 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
         head = head.to(target.device)
     else:
         head = new_head(target)
-    prompts = prompts or _prompts(target, cfg.repeats * max([cfg.requests_per_run] + cfg.batch_sizes))
+    sets = prompt_sets(cfg, target)
+    prompts = prompts or sets["all"]
     gpu = target.device.type == "cuda"
     out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": str(target.dtype).removeprefix("torch."),
                  "cuda_graphs": gpu, "distinct_prompts": len({tuple(p) for p in prompts})}
     if cfg.only in ("all", "grid"):
         log.info("shape grid: plain, chains %s, trees %s", cfg.grid_chains, cfg.trees)
-        out["shape_grid"] = shape_grid(cfg, target, head)
+        out["shape_grid"] = shape_grid(cfg, target, head, sets)
         out.update(tree_lossless_check(prompts[:cfg.lossless_prompts], cfg.lossless_tokens, draft,
                                        cfg.tree_shapes(), cfg.device))
         if cfg.only == "grid":
@@ -339,5 +363,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = config_from_args(EngineBenchConfig, args, **quick_overrides(args, QUICK))
+    if cfg.save_prompts:
+        sets = prompt_sets(cfg, load_target())
+        Path(cfg.save_prompts).write_text(json.dumps(sets))
+        log.info("wrote %s: %s", cfg.save_prompts, {k: len(v) for k, v in sets.items()})
+        return 0
     report = write_report(args.json, run_bench(cfg))
     return 0 if report["lossless"] else 1

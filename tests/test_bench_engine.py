@@ -1,6 +1,10 @@
 """`bench engine`'s throughput runs: which prompts a run serves (a batch-1 figure must not be
 one prompt's), and a run on the tiny model with more prompts than slots."""
 
+import json
+
+import pytest
+
 from online_spec.head import new_head
 from bench.engine import run_prompts, tokens_per_s
 
@@ -39,3 +43,16 @@ def test_tree_shapes_are_parsed_and_checked():
         EngineBenchConfig(trees=["5,4"])
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         EngineBenchConfig(trees=["2,2,9"])  # depth 2, topk 2 drafts at most 6 nodes
+
+
+def test_prompts_file_replaces_the_datasets(tmp_path):
+    """--prompts-file: the grid and the lossless checks read token ids from the file (a machine
+    without the datasets); a file lacking a traffic the configuration asks for is refused."""
+    from bench.engine import EngineBenchConfig, prompt_sets
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps({"all": [[1, 2, 3]], "chat": [[4, 5]], "code": [[6]]}))
+    cfg = EngineBenchConfig(prompts_file=str(f), grid_data=["chat", "code"])
+    assert prompt_sets(cfg, target=None) == {"all": [[1, 2, 3]], "chat": [[4, 5]], "code": [[6]]}
+    f.write_text(json.dumps({"all": [[1]], "chat": [[4]]}))
+    with pytest.raises(ValueError, match=r"no prompts for \['code'\]"):
+        prompt_sets(cfg, target=None)
