@@ -4,6 +4,8 @@
 - `daemon`       `TrainerDaemon`, `online-spec train`: subscriber -> replay buffer -> distill ->
                  gate -> checkpoint -> swap over the control endpoint, rollback watch (`train_cli`
                  builds it from flags)
+- `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, deals micro-batches,
+                 publishes); `launch`: `online-spec train --ranks N` starts and watches them
 - `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the
                  training-time-test unroll; `batch`: padded training batches)
 - `evaluate`     a head's simulated acceptance on held-out rows (the gate's evidence), and its

@@ -22,6 +22,7 @@ the check); a training step or an evaluation that fails drops its batch, logs wh
 Everything the loop needs to resume lives in the run directory: `state.json` (step, versions),
 `distiller.pt` (head, optimizer, scheduler), `replay/` (the buffer), `ckpt/vN/` (published
 heads). A kill -9 loses at most the steps since the last state save; SIGTERM saves and exits.
+Across N data-parallel ranks this daemon is rank 0 (`trainer/ranks.py`).
 
     online-spec train --run-dir runs/daemon --capture-endpoint ipc:///tmp/capture.sock \
         --control-endpoint ipc://runs/server/control.sock --token-file runs/server/control.token
@@ -209,6 +210,11 @@ class TrainerDaemon:
             self._warn("step", f"training step failed ({type(e).__name__}: {e}); dropped the batch of "
                                f"{len(spans)} spans ({self.failed_steps} dropped so far)")
             return False
+        self.after_step(metrics)
+        return True
+
+    def after_step(self, metrics: dict) -> None:
+        """What follows an optimizer step: log it, save when due, evaluate and publish when due."""
         self.state["step"] = self.distiller.step
         self._log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         if self.distiller.step % self.cfg.save_every_steps == 0:
@@ -222,7 +228,6 @@ class TrainerDaemon:
                 self.failed_evals += 1
                 self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
                 self._warn("eval", f"evaluation failed ({type(e).__name__}: {e}); training goes on")
-        return True
 
     def _usable(self, spans: list) -> list:
         """`spans` without those that do not fit the target (stored before they were checked)."""
@@ -363,6 +368,10 @@ class TrainerDaemon:
     # -- state -------------------------------------------------------------------------------
     def save_state(self) -> None:
         self.distiller.save_state(self.run_dir / "distiller.pt")
+        self.write_state()
+
+    def write_state(self) -> None:
+        """state.json alone: step, versions, monitor and buffer counters (atomic rewrite)."""
         state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict()}
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))

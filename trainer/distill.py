@@ -3,7 +3,8 @@
 In: the target (its embeddings and lm_head are shared and frozen, never trainable), a head, a
 `DistillConfig` (optimizer, schedule, precision) and a `LossConfig`; per step a `TrainBatch`.
 Out: metrics per step, head checkpoints in the SGLang layout (rank 0 only), and a resumable
-state (`state_dict()` / `load_state_dict()`: weights, optimizer, scheduler, counters).
+state (`state_dict()` / `load_state_dict()`: weights, optimizer, scheduler, counters; under
+ZeRO 1-2 across ranks each rank saves its own part of the optimizer, `save_state`).
 
 AdamW keeps fp32 master weights (the head's parameters are fp32); the forward/backward run under
 bf16 autocast when `bf16` is set. Gradient clipping, ZeRO stage and micro-batching are DeepSpeed's
@@ -18,8 +19,10 @@ code runs data-parallel, each rank stepping on its own share of the batch.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +110,9 @@ def ensure_distributed(device: str = "cpu") -> None:
 
     if not dist.is_initialized():
         prepare_ops()  # the op DeepSpeed's group loads: built once, a stale build lock cleared, said aloud
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if cuda:  # the device named (`--trainer-devices`), else the launcher's local rank
+            index = torch.device(device).index
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) if index is None else index)
             try:
                 deepspeed.init_distributed(dist_backend="nccl")
                 return
@@ -149,6 +153,32 @@ def init_from_target(head: EagleHead, target, norm: str = "one", fc: str = "rand
     return head
 
 
+class StepDropped(RuntimeError):
+    """Every rank dropped this step's batch (one of them failed on it); the ranks stay in step."""
+
+
+# DeepSpeed's ZeRO optimizer state holds objects that weights_only loading refuses; these are
+# either rebuilt from the config at load (the loss scaler, unused without fp16) or only serve
+# its universal checkpoints (the slice mappings)
+_NOT_SAVED = ("loss_scaler", "param_slice_mappings")
+
+
+def portable_optimizer_state(sd: dict) -> dict:
+    """`sd` as plain tensors, numbers and strings (loadable with weights_only=True)."""
+    if "base_optimizer_state" not in sd:
+        return sd
+    out = {k: v for k, v in sd.items() if k not in _NOT_SAVED}
+    if "zero_stage" in out:
+        out["zero_stage"] = int(out["zero_stage"])
+    return out
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
 class Distiller:
     """Owns the trainable head (fp32 master weights) and its DeepSpeed engine."""
 
@@ -175,6 +205,7 @@ class Distiller:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.zero_stage = stage
         self.step = 0
         self.tokens = 0  # rows trained on, all ranks
 
@@ -187,6 +218,7 @@ class Distiller:
         import torch.distributed as dist
 
         self.engine.train()
+        failure = None
         try:  # a batch that fails (or gives a non-finite loss) leaves no gradient behind
             batch = batch.to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
@@ -194,6 +226,18 @@ class Distiller:
                 loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
             if not bool(torch.isfinite(loss)):
                 raise FloatingPointError(f"the loss is {float(loss.detach())}")
+        except Exception as e:  # noqa: BLE001 - raised below, after the ranks agree
+            failure = e
+        if self.world_size > 1:
+            # every rank's backward joins the same gradient reduction: all ranks go on, or none
+            # does (a rank that skipped it would leave the others waiting in the collective)
+            ok = torch.tensor([failure is None], dtype=torch.int32, device=self.device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not bool(ok.item()):
+                failure = StepDropped(f"batch dropped by every rank ({failure or 'another rank failed'})")
+        try:
+            if failure is not None:
+                raise failure
             self.engine.backward(loss)
         except BaseException:
             for p in self.head.parameters():
@@ -218,27 +262,78 @@ class Distiller:
                        step=self.step, tokens=self.tokens)
         return metrics
 
+    @property
+    def partitioned(self) -> bool:
+        """ZeRO 1-2 over several ranks: each rank holds its own part of the optimizer state."""
+        return self.world_size > 1 and self.zero_stage >= 1
+
     def state_dict(self) -> dict:
+        """Weights, optimizer, scheduler, counters; partitioned, the optimizer is this rank's part."""
         return {"head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "step": self.step, "tokens": self.tokens}
+                "optimizer": portable_optimizer_state(self.optimizer.state_dict()),
+                "scheduler": self.scheduler.state_dict(), "step": self.step, "tokens": self.tokens,
+                "world_size": self.world_size, "zero_stage": self.zero_stage}
 
     def load_state_dict(self, state: dict) -> None:
         self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
+    def _load_optimizer(self, sd: dict) -> None:
+        if self.zero_stage >= 1:  # DeepSpeed's ZeRO optimizer takes one state per saved rank
+            parts: list = [None] * self.world_size
+            parts[self.rank] = sd
+            self.optimizer.load_state_dict(parts)
+        else:
+            self.optimizer.load_state_dict(sd)
+
     def save_state(self, path: str | Path) -> None:
-        """Rank 0 writes the resumable state (torch.save; read back with weights_only=True)."""
+        """Write the resumable state (torch.save; read back with weights_only=True). One rank:
+        rank 0 writes `path`. Partitioned (`partitioned`): a collective; every rank first writes
+        its optimizer part to `PATH.parts/stepN/rankR.pt`, then, once all have (barrier), rank 0
+        writes `path` naming that directory and removes older ones, so a kill at any moment
+        leaves `path` naming a complete set."""
+        path = Path(path)
+        state = self.state_dict()
+        if self.partitioned:
+            import torch.distributed as dist
+
+            parts = path.with_name(path.name + ".parts") / f"step{self.step:08d}"
+            parts.mkdir(parents=True, exist_ok=True)
+            _atomic_save(state.pop("optimizer"), parts / f"rank{self.rank}.pt")
+            state.update(optimizer=None, parts=parts.name)
+            dist.barrier()
         if self.rank == 0:
-            path = Path(path)
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(self.state_dict(), tmp)
-            tmp.replace(path)
+            _atomic_save(state, path)
+            if self.partitioned:
+                for old in path.with_name(path.name + ".parts").iterdir():
+                    if old.name != state["parts"]:
+                        shutil.rmtree(old, ignore_errors=True)
 
     def load_state(self, path: str | Path) -> None:
-        self.load_state_dict(torch.load(path, weights_only=True))
+        """Resume from `save_state`'s files (every rank reads them). Optimizer parts saved with
+        another number of ranks cannot be re-cut here: the weights, schedule and counters resume,
+        the optimizer moments start afresh (said in the log)."""
+        path = Path(path)
+        state = torch.load(path, weights_only=True)
+        saved = (int(state.get("world_size", 1)), int(state.get("zero_stage", 0)))
+        if state.get("parts") is not None:
+            part = path.with_name(path.name + ".parts") / state["parts"] / f"rank{self.rank}.pt"
+            state["optimizer"] = (torch.load(part, weights_only=True) if self.partitioned and part.exists()
+                                  and saved == (self.world_size, self.zero_stage) else None)
+        elif self.partitioned:
+            state["optimizer"] = None  # one whole state; ZeRO here wants its own rank's part
+        if state["optimizer"] is None:
+            logging.getLogger(__name__).warning(
+                "optimizer state saved by %d rank(s) at ZeRO stage %d, resuming on %d at stage %d: the weights, "
+                "schedule and step resume, the optimizer moments start afresh", *saved, self.world_size,
+                self.zero_stage)
+            self.head.load_state_dict(state["head"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.tokens = int(state["step"]), int(state["tokens"])
+            return
+        self.load_state_dict(state)
 
     def save(self, out: str | Path, version: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
         """Rank 0 writes the head checkpoint (SGLang layout) in `dtype`; returns its digest."""

@@ -1,0 +1,321 @@
+"""Data-parallel trainer ranks: one capture stream in, N DeepSpeed ranks, one publisher out.
+
+Started by `online-spec train --ranks N` (`trainer/launch.py`) or by torchrun; each rank on its own
+device (`--device cuda --trainer-devices 1,2`: rank i on cuda:devices[i], NCCL; on CPU gloo).
+
+Rank 0 is the daemon (`TrainerDaemon`): the only rank that subscribes to the capture stream, so
+each span is stored once, in its replay buffer on disk, and the only one that evaluates, publishes
+(checkpoint directory + control call: swaps cross GPUs without shared memory) and watches for
+rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
+
+  1. agree: all_reduce(MAX) of [stop, ready]: any rank's SIGTERM stops every rank at the same
+     step; rank 0 alone knows whether its buffer holds enough traffic to train
+  2. deal: rank 0 draws N micro-batches of ceil(batch_tokens / N) rows (`sample_train`; N draws
+     of that size follow the distribution of one draw of batch_tokens) and sends micro-batch r to
+     rank r as raw tensors behind a JSON header (no pickle). Each drawn span is trained on by
+     exactly one rank, once, and nothing drawn is left out; where a draw comes back empty every
+     rank skips the step
+  3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
+     its JSON says) and all ranks step together; a batch that fails on one rank is dropped by all
+     (`StepDropped`)
+  4. every `save_every_steps`: commit, a collective (`Distiller.save_state`: every rank's
+     optimizer part, then rank 0's head, schedule and step), then rank 0's state.json
+  5. rank 0: log, gate evaluation and publish when due, rollback watch (the others wait in step 1)
+  6. every `rank_check_every`: the ranks all_gather a digest of their weights; a difference
+     (ranks out of step) ends the run with an error
+
+State: what a single daemon keeps (state.json, replay/, ckpt/vN/) plus `distiller.pt` and, under
+ZeRO 1-2, `distiller.pt.parts/stepN/rankR.pt`. A rank killed with -9 makes the launcher stop the
+others; the same command resumes at the last commit (step counter, optimizer, buffer). With
+`rank_journal`, each rank appends a line per step to `RUN_DIR/ranks/rankR.jsonl`: the spans it trained
+on and the sum of their token ids (rank 0: also what it dealt to each rank, the versions it
+published) and, at each weight check, the digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from collector.subscriber import CaptureSubscriber
+from online_spec.checkpoint import load_head
+from online_spec.config import check, doc
+from online_spec.head import new_head
+from trainer.batch import TrainBatch, collate
+from trainer.daemon import DaemonConfig, TrainerDaemon
+from trainer.distill import DistillConfig, Distiller, StepDropped, init_from_target
+from trainer.loss import LossConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankConfig:
+    ranks: int = doc("data-parallel ranks: this command runs itself N times, torchrun-style; each child gets "
+                     "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT and NVLink multicast off, and when one "
+                     "dies the others are stopped (under torchrun or the deepspeed launcher each process is a "
+                     "rank already); rank 0 alone subscribes, evaluates and publishes; DeepSpeed averages "
+                     "the gradients (ZeRO 0-2 per --distill-deepspeed-config); see docs/trainer.md", 1)
+    trainer_devices: str = doc("with --device cuda: each rank's GPU, comma-separated (rank i on "
+                               "cuda:devices[i]), e.g. 1,2 beside a server on GPU 0; empty = rank i on cuda:i", "")
+    rank_check_every: int = doc("every N steps the ranks compare a digest of their weights and stop on a "
+                                "difference; 0 = never", 50)
+    rank_journal: bool = doc("each rank appends a line per step to RUN_DIR/ranks/rankR.jsonl: the spans it "
+                             "trained on, the weights' digest at each check", False)
+    rank_stop_grace_s: float = doc("seconds the launcher gives ranks to stop on SIGTERM before SIGKILL", 10.0)
+
+    def __post_init__(self):
+        check(self.ranks >= 1, "ranks", f"must be >= 1, got {self.ranks}")
+        check(self.rank_check_every >= 0, "rank_check_every", "must be >= 0")
+        check(self.rank_stop_grace_s > 0, "rank_stop_grace_s", "must be > 0")
+        if self.trainer_devices:
+            devices = self.trainer_devices.split(",")
+            check(all(d.strip().isdigit() for d in devices), "trainer_devices",
+                  f"must be GPU indices separated by commas, got {self.trainer_devices!r}")
+            check(len(devices) == self.ranks, "trainer_devices",
+                  f"names {len(devices)} devices for {self.ranks} ranks")
+
+
+def rank_device(cfg: RankConfig, device: str, local_rank: int) -> str:
+    """The torch device of this rank: `device` on CPU; on CUDA the GPU `trainer_devices` names."""
+    if torch.device(device).type != "cuda":
+        return device
+    if cfg.trainer_devices:
+        return f"cuda:{int(cfg.trainer_devices.split(',')[local_rank])}"
+    return f"cuda:{local_rank}"
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A digest of every tensor of `module`'s state, bit for bit."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# -- micro-batches between ranks: a JSON header, then each tensor's bytes --------------------------
+BATCH_FIELDS = [f.name for f in fields(TrainBatch)]
+
+
+def send_batch(batch: TrainBatch | None, spans: list, dst: int, group) -> None:
+    """Send rank `dst` its micro-batch (None: skip this step); `spans` name its spans."""
+    import torch.distributed as dist
+
+    header = {"skip": True} if batch is None else {
+        "spans": spans, "tensors": [[n, str(getattr(batch, n).dtype).removeprefix("torch."),
+                                     list(getattr(batch, n).shape)] for n in BATCH_FIELDS]}
+    raw = torch.tensor(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([raw.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(raw, dst, group=group)
+    for n in BATCH_FIELDS if batch is not None else ():
+        dist.send(getattr(batch, n).contiguous().reshape(-1).view(torch.uint8), dst, group=group)
+
+
+def recv_batch(group) -> tuple[TrainBatch | None, list]:
+    """This rank's micro-batch from rank 0 and the spans it holds; (None, []) to skip the step."""
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, 0, group=group)
+    raw = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(raw, 0, group=group)
+    header = json.loads(bytes(raw.numpy()).decode())
+    if header.get("skip"):
+        return None, []
+    out = {}
+    for name, dtype, shape in header["tensors"]:
+        dt = getattr(torch, dtype)
+        buf = torch.empty(math.prod(shape) * torch.empty(0, dtype=dt).element_size(), dtype=torch.uint8)
+        dist.recv(buf, 0, group=group)
+        out[name] = buf.view(dt).reshape(shape)
+    return TrainBatch(**out), header["spans"]
+
+
+def span_names(spans: list) -> list:
+    return [[s.request_id, int(s.first_pos), int(s.num_rows)] for s in spans]
+
+
+class RankZeroDaemon(TrainerDaemon):
+    """The daemon as rank 0: what it saves alone (after a publish or a rollback) is state.json;
+    the distiller's state is saved by every rank together (`RankLoop.commit`)."""
+
+    def save_state(self) -> None:
+        self.write_state()
+
+
+def follower_distiller(cfg: DaemonConfig, target, distill_cfg: DistillConfig, loss_cfg: LossConfig) -> Distiller:
+    """A rank > 0: the Distiller rank 0's daemon builds, from the same starting head, resumed
+    from the same run directory (DeepSpeed also broadcasts rank 0's weights at start)."""
+    if cfg.init_head:
+        head, _ = load_head(cfg.init_head, target.info, dtype=torch.float32)
+    else:  # a day-0 head: the daemon turns the anchor off, so does this rank
+        head = init_from_target(new_head(target).float(), target)
+        distill_cfg = replace(distill_cfg, anchor=0.0)
+    d = Distiller(target, head, distill_cfg, loss_cfg)
+    if (Path(cfg.run_dir) / "distiller.pt").exists():
+        d.load_state(Path(cfg.run_dir) / "distiller.pt")
+        log.info("resumed at step %d", d.step)
+    return d
+
+
+class RankLoop:
+    """One rank's training loop (see the module docstring); rank 0 passes its daemon."""
+
+    def __init__(self, cfg: RankConfig, distiller: Distiller, daemon: TrainerDaemon | None,
+                 daemon_cfg: DaemonConfig):
+        import torch.distributed as dist
+
+        self.cfg, self.distiller, self.daemon, self.dcfg = cfg, distiller, daemon, daemon_cfg
+        self.rank, self.world = distiller.rank, distiller.world_size
+        check((self.rank == 0) == (daemon is not None), "daemon", "rank 0, and only rank 0, runs the daemon")
+        # control and data travel over gloo on the CPU (a side group under NCCL): small, and no
+        # GPU synchronisation for a flag
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.run_dir = Path(daemon_cfg.run_dir)
+        self._stop = threading.Event()
+        self.dropped_steps = 0
+        self._journal = None
+        if cfg.rank_journal:
+            (self.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+            self._journal = open(self.run_dir / "ranks" / f"rank{self.rank}.jsonl", "a")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.daemon is not None:
+            self.daemon.stop()
+
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict:
+        d = self.daemon
+        if d is not None:
+            d.subscriber = CaptureSubscriber(d.subscriber_cfg, on_span=d.on_span).start()
+        t_end = None if max_seconds is None else time.monotonic() + max_seconds
+        clean = False
+        try:
+            while True:
+                stop = self._stop.is_set() or (d is not None and (
+                    (max_steps is not None and self.distiller.step >= max_steps)
+                    or (t_end is not None and time.monotonic() > t_end)))
+                ready = d is not None and d.buffer.num_tokens >= self.dcfg.min_buffer_tokens
+                stop, ready = self.agree(stop, ready)
+                if stop:
+                    break
+                t0 = time.monotonic()
+                if not (ready and self.step_once()):
+                    self._stop.wait(self.dcfg.idle_sleep_s)
+                elif d is not None and self.dcfg.max_duty < 1.0:
+                    d._rested_s += (rest := (time.monotonic() - t0) * (1.0 / self.dcfg.max_duty - 1.0))
+                    self._stop.wait(rest)
+                if d is not None:
+                    d.watch_rollback()
+            clean = True
+        finally:
+            if clean:
+                self.commit()  # every rank left the loop at the same step: the collective is safe
+            if d is not None:  # otherwise a peer is gone: no collective, but the versions and the buffer
+                d.write_state()
+                d.subscriber.close(flush=True)
+                d.buffer.flush()
+            if self._journal is not None:
+                self._journal.close()
+        out = {"rank": self.rank, "world_size": self.world, "step": self.distiller.step,
+               "dropped_steps": self.dropped_steps}
+        return {**d.summary(), **out} if d is not None else out
+
+    def agree(self, stop: bool, ready: bool) -> tuple[bool, bool]:
+        """The step's decision, the same on every rank: stop if any rank stops; train if rank 0 can."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(stop), int(ready)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0]), bool(flags[1])
+
+    def step_once(self) -> bool:
+        """Deal, train, commit, and on rank 0 evaluate/publish; False if the step was skipped."""
+        batch, spans, dealt = self.deal()
+        if batch is None:
+            return False
+        try:
+            metrics = self.distiller.train_step(batch)
+        except StepDropped as e:  # every rank raised it: they stay in step
+            self.dropped_steps += 1
+            if self.daemon is not None:
+                self.daemon.failed_steps += 1
+                self.daemon._warn("step", f"training step failed on a rank: {e}")
+            return False
+        step = self.distiller.step
+        digest = None
+        if self.cfg.rank_check_every and step % self.cfg.rank_check_every == 0:
+            digest = self.check_weights()
+        if step % self.dcfg.save_every_steps == 0:
+            self.commit()
+        if self.daemon is not None:
+            self.daemon.after_step(metrics)
+        if self._journal is not None:
+            # per span the sum of the token ids of its rows, from the tensors trained on: an audit
+            # that a rank's rows are the spans it was dealt
+            sums = (batch.tokens[:, :-1] * batch.row_mask).sum(1).tolist()
+            line = {"step": step, "rows": batch.num_rows, "spans": spans, "token_sums": sums, "time": time.time(),
+                    **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
+            if self.daemon is not None and self.daemon.state["published"] and \
+                    self.daemon.state["published"][-1]["step"] == step:
+                line["published"] = self.daemon.state["published"][-1]["version"]
+            self._journal.write(json.dumps(line) + "\n")
+            self._journal.flush()
+        return True
+
+    def deal(self) -> tuple[TrainBatch | None, list, list]:
+        """(this rank's micro-batch, its spans, on rank 0 every rank's spans); None to skip."""
+        if self.daemon is None:
+            batch, spans = recv_batch(self.group)
+            return batch, spans, []
+        d = self.daemon
+        per_rank = math.ceil(self.dcfg.batch_tokens / self.world)
+        draws = [d._usable(d.buffer.sample_train(per_rank)) for _ in range(self.world)]
+        if not all(draws):
+            for r in range(1, self.world):
+                send_batch(None, [], r, self.group)
+            return None, [], []
+        dealt = [span_names(s) for s in draws]
+        for r in range(1, self.world):
+            send_batch(collate(draws[r]), dealt[r], r, self.group)
+        return collate(draws[0]), dealt[0], dealt
+
+    def commit(self) -> None:
+        """Save the resumable state on every rank at this step, then rank 0's state.json."""
+        self.distiller.save_state(self.run_dir / "distiller.pt")
+        if self.daemon is not None:
+            self.daemon.state["step"] = self.distiller.step
+            self.daemon.write_state()
+
+    def check_weights(self) -> str:
+        """All ranks' weight digests compared; raises if they differ (the ranks are out of step)."""
+        import torch.distributed as dist
+
+        digest = weights_digest(self.distiller.head)
+        mine = torch.tensor([int(digest, 16) - (1 << 63)], dtype=torch.int64)
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        if len({int(t) for t in every}) != 1:
+            raise RuntimeError(f"step {self.distiller.step}: the ranks' weights differ "
+                               f"({[format(int(t) + (1 << 63), '016x') for t in every]})")
+        return digest
+
+
+def install_rank_signals(loop: RankLoop) -> None:
+    """SIGTERM/SIGINT: this rank asks to stop; the ranks agree and stop at the next step."""
+    def handler(signum, frame):
+        log.info("signal %d: stopping at the next step", signum)
+        loop.stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
