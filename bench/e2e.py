@@ -102,6 +102,9 @@ class E2EConfig:
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     seed: int = doc("seed of the built-in trace", 0)
     device: str = doc("torch device of the server and the trainer ('cuda': both on one GPU, CUDA graphs)", "cpu")
+    trainer_device: str = doc("the trainer's device when not the server's: e.g. cuda:1 puts it on a second GPU "
+                              "(disaggregated; checkpoints cross GPUs through the control endpoint); empty = "
+                              "--device", "")
     trainer_args: str = doc("extra daemon flags appended to the demo's (space-separated)", "")
     repeats: int = doc("times the four configurations and the batch-1 pair run, interleaved; figures are "
                        "medians over the repeats", 1)
@@ -174,7 +177,8 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     tree_candidates=cfg.policy_tree_list(),
                     max_tokens=cfg.max_tokens, deadline_s=cfg.deadline_s, server_threads=cfg.server_threads,
-                    trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device)
+                    trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
+                    trainer_device=cfg.trainer_device)
         t0 = time.time()
         print(f"== {name}", flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))

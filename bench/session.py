@@ -71,6 +71,8 @@ class SessionConfig:
     trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
     device: str = doc("torch device of the trainer child (the server runs where the target given to run_session "
                       "lives; on CUDA its engine replays CUDA graphs)", "cpu")
+    trainer_device: str = doc("the trainer's own device when it is not the server's (e.g. cuda:1: serving and "
+                              "training on separate GPUs, swaps through the control endpoint); empty = `device`", "")
     progress_every_s: float = doc("console progress line period; 0 = quiet", 5.0)
     phase_budget_s: float = doc("skip a phase's remaining lines once it has run this long; 0 = serve all", 0.0)
     wait_trainer_s: float = doc("wait this long for the trainer to subscribe before sending traffic; 0 = don't", 300.0)
@@ -252,8 +254,8 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, 
             "--max-seconds", str(cfg.deadline_s + 120)]
     if with_control:
         args += ["--control-run-dir", str(sock_dir)]
-    if cfg.device != "cpu":
-        args += ["--device", cfg.device]  # colocated: the trainer on the server's GPU
+    if cfg.trainer_device or cfg.device != "cpu":
+        args += ["--device", cfg.trainer_device or cfg.device]  # empty: colocated, on the server's device
     if cfg.head and cfg.head != "none":
         args += ["--init-head", str(Path(cfg.head).resolve())]
     args += [str(a) for a in cfg.trainer_args]

@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "controller": ("bench.controller", "static K vs EMA vs cost-model policy, stationary and phase-change"),
     "e2e": ("bench.e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
     "adapt": ("bench.adapt", "ShareGPT -> HumanEval shift: served tokens until the online head nears an in-domain head"),
+    "ranks": ("bench.ranks", "the trainer's steps/s and rows/s from 1 to N data-parallel ranks (DeepSpeed)"),
     "soak": ("bench.soak", "the real server for a long run: normal + hostile clients, swaps, trainer restarts; RSS, /metrics, lossless"),
 }
 

@@ -19,8 +19,9 @@ def test_train_cli_device_flag_defaults_to_cpu():
     assert E2EConfig().device == "cpu" and SessionConfig().device == "cpu"
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, device):
+@pytest.mark.parametrize("device,trainer_device,want", [("cpu", "", None), ("cuda", "", "cuda"),
+                                                         ("cuda", "cuda:1", "cuda:1"), ("cpu", "cuda:0", "cuda:0")])
+def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, device, trainer_device, want):
     seen = {}
 
     class FakePopen:
@@ -29,14 +30,14 @@ def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, devic
 
     monkeypatch.setattr("bench.session.subprocess.Popen", FakePopen)
     monkeypatch.setenv("MASTER_PORT", "1234")
-    proc = _start_trainer(SessionConfig(device=device, trainer_args=["--eval-every-s", "5"]), tmp_path, tmp_path,
+    proc = _start_trainer(SessionConfig(device=device, trainer_device=trainer_device, trainer_args=["--eval-every-s", "5"]), tmp_path, tmp_path,
                           "http://127.0.0.1:1", False)
     proc._logf.close()
     args = seen["args"]
-    if device == "cpu":
+    if want is None:  # on the server's CPU
         assert "--device" not in args
-    else:
-        assert args[args.index("--device") + 1] == "cuda"
+    else:  # the server's GPU, or the trainer's own device (disaggregated)
+        assert args[args.index("--device") + 1] == want
     assert args[-2:] == ["--eval-every-s", "5"]
     assert "MASTER_PORT" not in seen["env"]
 

@@ -105,7 +105,7 @@ def share_machine(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     ranks = config_from_args(RankConfig, args)
     rank, world = world_from_env()
-    if world > 1:
+    if world > 1 or (ranks.ranks == 1 and ranks.rank_journal):  # a rank; one alone when journaled
         return run_rank(args, ranks, rank, world)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
     if ranks.ranks > 1:  # the launcher: this command again, once per rank

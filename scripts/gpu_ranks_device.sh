@@ -1,0 +1,63 @@
+#!/bin/bash
+# The device side of issue 33's figures on a 2-GPU machine (nvidia-h100-x2): `bench ranks` (the
+# trainer's throughput on 1 and 2 ranks, NCCL) and `bench e2e --device cuda --trainer-device cuda:1`
+# (the server on GPU 0, the trainer on GPU 1, swaps through the control endpoint).
+# A call carries at most 64 MiB with the tree: with the packaged heads moved out of the checkout
+# for the calls (~12.5 MB tree), the GGUF travels in two 49.2 MB parts (`split -n 2 -d`), then the
+# chat head, the wheels (Python 3.12: gguf, pyzmq, fastapi, starlette, uvicorn, pydantic(-core),
+# annotated-types, typing-inspection, typing-extensions, opentelemetry-api, hjson, datasets, dill,
+# multiprocess, prometheus-client, h11, click, and `pip wheel --no-deps deepspeed==0.19.8`), the
+# token lists (tokens.json) and the trace (trace.jsonl). Calls, back to back (warm for 30 s):
+#   1. bash scripts/gpu_ranks_device.sh part .gpu/a          (carry .gpu/a: gguf.part.00)
+#   2. bash scripts/gpu_ranks_device.sh part .gpu/b          (carry .gpu/b: gguf.part.01)
+#   3. bash scripts/gpu_ranks_device.sh run .gpu/c           (carry .gpu/c: whl/, head/, inputs)
+#      installs, converts the model, runs bench ranks, starts bench e2e in its own session, follows
+#   4. bash scripts/gpu_ranks_device.sh follow               (until the e2e ends; JSON + logs to $OUT)
+set -o pipefail
+W=/tmp/w CODE=/tmp/code
+export PYTHONPATH=$CODE:/tmp/site ONLINE_SPEC_CACHE=/tmp/osc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+    DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK
+stage=$1; shift
+follow() {  # wait for the e2e (at most $1 s), then copy what it wrote to $OUT
+    local until=$(( $(date +%s) + ${1:-480} ))
+    while [ ! -e $W/e2e_done ] && [ $(date +%s) -lt $until ]; do sleep 5; done
+    grep -v "Loading weights" $W/e2e.log | tail -n 30
+    nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+    cp $W/*.json $W/e2e.log $W/ranks.log $OUT/ 2>/dev/null
+    for f in $W/run/online_spec/trainer.log; do [ -e $f ] && cp $f $OUT/trainer_online_spec.log; done
+    [ -e $W/e2e_done ] && echo "e2e finished: rc $(cat $W/e2e_done)" || echo "e2e still running"
+}
+case $stage in
+part)
+    mkdir -p /tmp/g && cp "$1"/gguf.part.* /tmp/g/ && ls -la /tmp/g
+    nvidia-smi -L; python3 -V
+    ;;
+run)
+    P=$1; shift
+    cat /tmp/g/gguf.part.* > /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        $P/whl/*.whl || exit 5
+    rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
+    mkdir -p $CODE/online_spec/pretrained && cp -r $P/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
+    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/trace.jsonl $W/
+    cd $CODE || exit 4
+    python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
+print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes strong,weak --steps ${STEPS:-40} \
+        --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
+        --json $W/gpu_ranks.json 2>&1 | grep -v "Loading weights" > $W/ranks.log
+    tail -n 40 $W/ranks.log
+    for f in $W/ranks/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 4; done
+    cp $W/gpu_ranks.json $W/ranks.log $OUT/ 2>/dev/null
+    cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device cuda:1 --trace $W/trace.jsonl $(printf '%q ' "$@")"
+    cmd="$cmd --json $W/gpu_e2e.json --out $W/run"
+    echo "$cmd" > $W/e2e_cmd.txt; echo "$cmd"
+    setsid bash -c "$cmd > $W/e2e.log 2>&1; echo \$? > $W/e2e_done" < /dev/null > /dev/null 2>&1 &
+    follow ${FOLLOW_S:-200}
+    ;;
+follow)
+    follow ${1:-540}
+    ;;
+esac
