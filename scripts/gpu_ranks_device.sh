@@ -45,6 +45,17 @@ run)
     python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
 print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "  # a trainer on GPU 1 trains there (DeepSpeed places the head by LOCAL_RANK unless told)
+from tests.distill_helpers import greedy_records, tiny8
+from online_spec.head import new_head
+from trainer.batch import collate
+from trainer.distill import DistillConfig, Distiller
+from trainer.loss import LossConfig
+t = tiny8(); recs, _ = greedy_records(t, num=2, new_tokens=16); t.hf.to('cuda:1'); t._rope_len = 0
+d = Distiller(t, new_head(t, 128, seed=0).float(), DistillConfig(warmup_steps=1, total_steps=10), LossConfig(ttt_steps=2))
+m = [d.train_step(collate(recs)) for _ in range(3)]
+print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss'], 3), '->', round(m[-1]['loss'], 3))
+" 2>&1 | grep -v "Loading weights" | tail -n 5
     python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes strong,weak --steps ${STEPS:-40} \
         --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
         --json $W/gpu_ranks.json 2>&1 | grep -v "Loading weights" > $W/ranks.log

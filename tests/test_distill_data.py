@@ -61,3 +61,20 @@ def test_generated_spans_are_the_greedy_path_with_teacher_forced_features():
         torch.testing.assert_close(s.features.float(), ref.features[:n].float(), atol=3e-2, rtol=3e-2)
     limited = list(generate_records(target, prompts, 12, max_batch=3, max_tokens=1))
     assert len(limited) == 1  # stops at the first span once max_tokens rows are in
+
+
+def test_pack_then_unpack_equals_collate():
+    """What travels between trainer ranks (unpadded) gives the padded batch collate gives."""
+    from tests.distill_helpers import greedy_records, tiny8
+    from trainer.batch import collate, pack, unpack
+
+    recs, _ = greedy_records(tiny8(), num=4, new_tokens=12)
+    recs[1] = recs[1].__class__(**{**recs[1].__dict__, "first_pos": 5})
+    items = [recs[0], recs[1], recs[2]]
+    items[2].features, items[2].final_hidden, items[2].tokens = \
+        items[2].features[:7], items[2].final_hidden[:7], items[2].tokens[:8]  # a shorter one: padding
+    a, b = collate(items), unpack(pack(items))
+    for name in ("tokens", "features", "final_hidden", "row_mask", "rejected", "first_pos"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert sum(t.numel() * t.element_size() for t in pack(items).values()) < \
+        sum(getattr(a, n).numel() * getattr(a, n).element_size() for n in ("tokens", "features", "final_hidden"))

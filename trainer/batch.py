@@ -74,3 +74,40 @@ def collate(items: Sequence) -> TrainBatch:
         rejected[b, :n + 1] = rejected_tokens(it)
         first_pos[b] = int(it.first_pos)
     return TrainBatch(tokens, features, final, row_mask, rejected, first_pos)
+
+
+PACKED = ("lens", "first_pos", "tokens", "features", "final_hidden", "rejected")
+
+
+def pack(items: Sequence) -> dict[str, torch.Tensor]:
+    """Spans/records as unpadded tensors (their rows end to end, with their lengths), what travels
+    between trainer ranks: about half the bytes of a padded batch of cut windows. `unpack(pack(x))`
+    equals `collate(x)`."""
+    if not items:
+        raise ValueError("pack needs at least one span")
+    return {"lens": torch.tensor([int(it.features.shape[0]) for it in items], dtype=torch.long),
+            "first_pos": torch.tensor([int(it.first_pos) for it in items], dtype=torch.long),
+            "tokens": torch.cat([it.tokens.long() for it in items]),
+            "features": torch.cat([it.features for it in items]),
+            "final_hidden": torch.cat([it.final_hidden for it in items]),
+            "rejected": torch.cat([rejected_tokens(it) for it in items])}
+
+
+def unpack(p: dict[str, torch.Tensor]) -> TrainBatch:
+    """The padded `TrainBatch` of `pack`'s tensors."""
+    lens = p["lens"].tolist()
+    B, T = len(lens), max(lens)
+    tokens = torch.zeros(B, T + 1, dtype=torch.long)
+    features = torch.zeros(B, T, p["features"].shape[1], dtype=p["features"].dtype)
+    final = torch.zeros(B, T, p["final_hidden"].shape[1], dtype=p["final_hidden"].dtype)
+    row_mask = torch.zeros(B, T, dtype=torch.bool)
+    rejected = torch.zeros(B, T + 1, dtype=torch.bool)
+    r0 = t0 = 0
+    for b, n in enumerate(lens):
+        tokens[b, :n + 1] = p["tokens"][t0:t0 + n + 1]
+        rejected[b, :n + 1] = p["rejected"][t0:t0 + n + 1]
+        features[b, :n] = p["features"][r0:r0 + n]
+        final[b, :n] = p["final_hidden"][r0:r0 + n]
+        row_mask[b, :n] = True
+        r0, t0 = r0 + n, t0 + n + 1
+    return TrainBatch(tokens, features, final, row_mask, rejected, p["first_pos"].clone())

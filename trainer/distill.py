@@ -18,6 +18,7 @@ code runs data-parallel, each rank stepping on its own share of the batch.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -202,8 +203,13 @@ class Distiller:
               f"needs whole parameters on every rank (ZeRO stage 0-2); {cfg.deepspeed_config} is stage {stage}")
         # the starting weights the anchor pulls toward (a resumed run is built with its starting head too)
         self._anchor = [p.detach().clone() for p in head.parameters()] if cfg.anchor > 0 else []
+        # DeepSpeed moves the model to GPU LOCAL_RANK unless told the device: a trainer on another
+        # GPU than its local rank (--trainer-devices, --trainer-device cuda:1 beside a server on 0)
+        # would train a head on the server's GPU against a target on its own
+        where = argparse.Namespace(device_rank=self.device.index) if self.device.type == "cuda" and \
+            self.device.index is not None else None
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
+            args=where, model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.zero_stage = stage
         self.step = 0

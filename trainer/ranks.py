@@ -12,9 +12,10 @@ rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
      step; rank 0 alone knows whether its buffer holds enough traffic to train
   2. deal: rank 0 draws N micro-batches of ceil(batch_tokens / N) rows (`sample_train`; N draws
      of that size follow the distribution of one draw of batch_tokens) and sends micro-batch r to
-     rank r as raw tensors behind a JSON header (no pickle). Each drawn span is trained on by
-     exactly one rank, once, and nothing drawn is left out; where a draw comes back empty every
-     rank skips the step
+     rank r, unpadded, as raw tensors behind a JSON header (no pickle), one step ahead, on a data
+     group and thread of its own (`DataPipe`): step k + 1 travels while step k trains. Each
+     drawn span is trained on by exactly one rank, once, and nothing drawn is left out; where a
+     draw comes back empty every rank skips the step
   3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
      its JSON says) and all ranks step together; a batch that fails on one rank is dropped by all
      (`StepDropped`)
@@ -38,10 +39,11 @@ import hashlib
 import json
 import logging
 import math
+import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +52,7 @@ from collector.subscriber import CaptureSubscriber
 from online_spec.checkpoint import load_head
 from online_spec.config import check, doc
 from online_spec.head import new_head
-from trainer.batch import TrainBatch, collate
+from trainer.batch import PACKED, TrainBatch, collate, pack, unpack
 from trainer.daemon import DaemonConfig, TrainerDaemon
 from trainer.distill import DistillConfig, Distiller, StepDropped, init_from_target
 from trainer.loss import LossConfig
@@ -104,25 +106,23 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 
 # -- micro-batches between ranks: a JSON header, then each tensor's bytes --------------------------
-BATCH_FIELDS = [f.name for f in fields(TrainBatch)]
-
-
-def send_batch(batch: TrainBatch | None, spans: list, dst: int, group) -> None:
-    """Send rank `dst` its micro-batch (None: skip this step); `spans` name its spans."""
+def send_batch(packed: dict | None, spans: list, dst: int, group, end: bool = False) -> None:
+    """Send rank `dst` its packed micro-batch (`trainer.batch.pack`; None: skip this step; end:
+    no more batches); `spans` name its spans."""
     import torch.distributed as dist
 
-    header = {"skip": True} if batch is None else {
-        "spans": spans, "tensors": [[n, str(getattr(batch, n).dtype).removeprefix("torch."),
-                                     list(getattr(batch, n).shape)] for n in BATCH_FIELDS]}
+    header = {"end": True} if end else {"skip": True} if packed is None else {
+        "spans": spans, "tensors": [[n, str(packed[n].dtype).removeprefix("torch."), list(packed[n].shape)]
+                                    for n in PACKED]}
     raw = torch.tensor(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
     dist.send(torch.tensor([raw.numel()], dtype=torch.int64), dst, group=group)
     dist.send(raw, dst, group=group)
-    for n in BATCH_FIELDS if batch is not None else ():
-        dist.send(getattr(batch, n).contiguous().reshape(-1).view(torch.uint8), dst, group=group)
+    for n in PACKED if "tensors" in header else ():
+        dist.send(packed[n].contiguous().reshape(-1).view(torch.uint8), dst, group=group)
 
 
-def recv_batch(group) -> tuple[TrainBatch | None, list]:
-    """This rank's micro-batch from rank 0 and the spans it holds; (None, []) to skip the step."""
+def recv_batch(group) -> tuple[str, TrainBatch | None, list]:
+    """("batch", this rank's micro-batch, its spans), ("skip", None, []) or ("end", None, [])."""
     import torch.distributed as dist
 
     size = torch.zeros(1, dtype=torch.int64)
@@ -130,15 +130,93 @@ def recv_batch(group) -> tuple[TrainBatch | None, list]:
     raw = torch.empty(int(size), dtype=torch.uint8)
     dist.recv(raw, 0, group=group)
     header = json.loads(bytes(raw.numpy()).decode())
-    if header.get("skip"):
-        return None, []
+    if header.get("end") or header.get("skip"):
+        return ("end" if header.get("end") else "skip"), None, []
     out = {}
     for name, dtype, shape in header["tensors"]:
         dt = getattr(torch, dtype)
         buf = torch.empty(math.prod(shape) * torch.empty(0, dtype=dt).element_size(), dtype=torch.uint8)
         dist.recv(buf, 0, group=group)
         out[name] = buf.view(dt).reshape(shape)
-    return TrainBatch(**out), header["spans"]
+    return "batch", unpack(out), header["spans"]
+
+
+class DataPipe:
+    """The data path one step ahead of training, on its own gloo group and thread per rank.
+
+    Rank 0 (`daemon` given): once the buffer holds `min_buffer_tokens`, draw the next step's N
+    micro-batches, send micro-batch r (packed, `trainer.batch.pack`) to rank r and queue its own.
+    Rank r > 0: receive, unpack, queue. While the ranks train on step k, step k + 1 is drawn,
+    packed, sent and padded (the drawing, the transfer and the padding were most of a step's
+    time on an H100 with 2 ranks). Every rank takes one item per training step (`next`), so the
+    ranks consume the same sequence. `close` ends it: rank 0 finishes the item in hand and sends
+    each rank an end mark, the receivers drain until it, so no send is left waiting."""
+
+    def __init__(self, rank: int, world: int, group, daemon: TrainerDaemon | None, per_rank: int,
+                 min_tokens: int, idle_s: float):
+        self.rank, self.world, self.group, self.daemon = rank, world, group, daemon
+        self.per_rank, self.min_tokens, self.idle_s = per_rank, min_tokens, idle_s
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._guarded, daemon=True, name=f"data-pipe-{rank}")
+        self._thread.start()
+
+    def next(self):
+        """(batch or None to skip, its spans, on rank 0 every rank's spans); waits for the item."""
+        while True:
+            try:
+                return self._q.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"the data pipe of rank {self.rank} stopped: {self.error!r}")
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _guarded(self) -> None:
+        try:
+            self._deal() if self.daemon is not None else self._receive()
+        except BaseException as e:  # noqa: BLE001 - reported by next()
+            self.error = e
+            log.exception("data pipe of rank %d failed", self.rank)
+
+    def _deal(self) -> None:
+        d = self.daemon
+        try:
+            while not self._stop.is_set():
+                if d.buffer.num_tokens < self.min_tokens:
+                    self._stop.wait(self.idle_s)
+                    continue
+                draws = [d._usable(d.buffer.sample_train(self.per_rank)) for _ in range(self.world)]
+                if not all(draws):
+                    for r in range(1, self.world):
+                        send_batch(None, [], r, self.group)
+                    self._put((None, [], []))
+                    continue
+                dealt = [span_names(x) for x in draws]
+                for r in range(1, self.world):
+                    send_batch(pack(draws[r]), dealt[r], r, self.group)
+                self._put((collate(draws[0]), dealt[0], dealt))
+        finally:
+            for r in range(1, self.world):
+                send_batch(None, [], r, self.group, end=True)
+
+    def _receive(self) -> None:
+        while True:
+            kind, batch, spans = recv_batch(self.group)
+            if kind == "end":
+                return
+            self._put((batch, spans, []))  # once stopping: dropped, the receive goes on to the end mark
 
 
 def span_names(spans: list) -> list:
@@ -181,6 +259,8 @@ class RankLoop:
         # control and data travel over gloo on the CPU (a side group under NCCL): small, and no
         # GPU synchronisation for a flag
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.data_group = dist.new_group(backend="gloo")  # the data pipe's, beside the control flags
+        self.pipe: DataPipe | None = None
         self.run_dir = Path(daemon_cfg.run_dir)
         self._stop = threading.Event()
         self.dropped_steps = 0
@@ -198,6 +278,8 @@ class RankLoop:
         d = self.daemon
         if d is not None:
             d.subscriber = CaptureSubscriber(d.subscriber_cfg, on_span=d.on_span).start()
+        self.pipe = DataPipe(self.rank, self.world, self.data_group, d, math.ceil(self.dcfg.batch_tokens / self.world),
+                             self.dcfg.min_buffer_tokens, self.dcfg.idle_sleep_s)
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         clean = False
         try:
@@ -220,6 +302,7 @@ class RankLoop:
             clean = True
         finally:
             if clean:
+                self.pipe.close()
                 self.commit()  # every rank left the loop at the same step: the collective is safe
             if d is not None:  # otherwise a peer is gone: no collective, but the versions and the buffer
                 d.write_state()
@@ -274,21 +357,9 @@ class RankLoop:
         return True
 
     def deal(self) -> tuple[TrainBatch | None, list, list]:
-        """(this rank's micro-batch, its spans, on rank 0 every rank's spans); None to skip."""
-        if self.daemon is None:
-            batch, spans = recv_batch(self.group)
-            return batch, spans, []
-        d = self.daemon
-        per_rank = math.ceil(self.dcfg.batch_tokens / self.world)
-        draws = [d._usable(d.buffer.sample_train(per_rank)) for _ in range(self.world)]
-        if not all(draws):
-            for r in range(1, self.world):
-                send_batch(None, [], r, self.group)
-            return None, [], []
-        dealt = [span_names(s) for s in draws]
-        for r in range(1, self.world):
-            send_batch(collate(draws[r]), dealt[r], r, self.group)
-        return collate(draws[0]), dealt[0], dealt
+        """(this rank's micro-batch, its spans, on rank 0 every rank's spans); None to skip. Each
+        drawn span is trained on by one rank, once (`DataPipe`)."""
+        return self.pipe.next()
 
     def commit(self) -> None:
         """Save the resumable state on every rank at this step, then rank 0's state.json."""
