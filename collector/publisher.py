@@ -52,7 +52,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import zmq
 
@@ -164,7 +164,7 @@ class CapturePublisher:
         self.requests_captured += take
         return take
 
-    def submit(self, records: list[CaptureRecord]) -> None:
+    def submit(self, records: Sequence[CaptureRecord]) -> None:
         """Queue this round's records of sampled requests; drops (and counts) when full.
         Call from one thread (the engine's): the counters it updates have that single writer."""
         self.submitted += len(records)
@@ -177,7 +177,8 @@ class CapturePublisher:
             records = records[:max(room, 0)]
         if records:
             self._records_in += len(records)
-            self._queue.put_nowait(list(records))
+            # another sequence goes as it is: a `CaptureRound` builds its records when the sender reads it
+            self._queue.put_nowait(list(records) if isinstance(records, list) else records)
 
     def end_request(self, request_id: str) -> None:
         """The request finished; queue an end-of-request marker if it was sampled."""
@@ -258,7 +259,7 @@ class CapturePublisher:
                     continue
                 if item is _STOP:
                     break
-                self._records_out += len(item) if isinstance(item, list) else 1
+                self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)
                 try:
                     self._send_item(item)
                 except Exception:  # keep serving: one bad record must not stop the stream

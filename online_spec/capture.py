@@ -21,12 +21,19 @@ final_hidden H), `check_rows` (both types' validation of it), `adjacency_error` 
 directly continues another), `CaptureRecord.row_drafts` (per row: was its next token drafted,
 accepted, rejected). The wire codec (`collector.wire`) and the replay buffer import this type;
 the engine makes it, the trainer consumes it, offline or live alike.
+
+`CaptureRound` is how the engine hands over one round's records without building them: the
+round's own tensors (fresh each round, never written again), which rows each record takes, and
+a few Python values per record. It is a sequence of `CaptureRecord`s made on first access, on
+whichever thread reads it (the publisher's sender thread), after the host copy of the rows it
+may wait for (`ready`, a CUDA event) has landed; a sink that iterates it sees plain records.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -142,3 +149,82 @@ class CaptureRecord:
             draft_token[:m] = self.draft_tokens[:m].to(torch.int64)
             draft_prob[:m] = self.draft_probs[:m].to(torch.float32)
         return accepted, draft_token, draft_prob
+
+
+class RoundRow(NamedTuple):
+    """One record of a `CaptureRound`: its request, where its rows start and what the round
+    committed. `tokens` are the committed ids after the first row's token (accepted drafts and
+    the bonus; a prefill's: the prompt's after the first and the first generated token)."""
+
+    request_id: str
+    first_pos: int
+    slot: int  # row of the round's [B, ...] tensors (verify inputs, drafts)
+    tokens: list[int]
+    accept_len: int
+    num_steps: int
+    tag: str
+
+
+class CaptureRound(Sequence[CaptureRecord]):
+    """One engine round's capture records, built on first access (see the module docstring).
+
+    features, final_hidden: [N, 3H] / [N, H] host tensors holding every record's rows in record
+    order, or, with `row_index`, [M, ...] tensors of which rows row_index[i] are the records'
+    rows (the engine's verify output, gathered here on the reader's thread). first_tokens: [B]
+    the token at each slot's first row (the verify's input), or None when each row's `tokens`
+    starts with it. drafts, draft_probs: [B, K] the round's drafts and their probabilities (a
+    record takes its first num_steps). ready: an event (`.synchronize()`) the rows' host copy
+    completes with, or None. Every tensor is the round's own: the engine never writes it again."""
+
+    def __init__(self, rows: Sequence[RoundRow], features, final_hidden, *, row_index: list[int] | None = None,
+                 first_tokens=None, drafts=None, draft_probs=None, batch_size: int = 1, draft_version: int = 0,
+                 is_prefill: bool = False, ready=None, timestamp: float | None = None):
+        self.rows = list(rows)
+        self.features, self.final_hidden, self.row_index = features, final_hidden, row_index
+        self.first_tokens, self.drafts, self.draft_probs = first_tokens, drafts, draft_probs
+        self.batch_size, self.draft_version, self.is_prefill = batch_size, draft_version, is_prefill
+        self.ready = ready
+        self.timestamp = time.time() if timestamp is None else timestamp
+        self._records: list[CaptureRecord] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):  # a shorter round, still unbuilt (the publisher drops a full queue's excess)
+            return CaptureRound(self.rows[i], self.features, self.final_hidden, row_index=self.row_index,
+                                first_tokens=self.first_tokens, drafts=self.drafts, draft_probs=self.draft_probs,
+                                batch_size=self.batch_size, draft_version=self.draft_version,
+                                is_prefill=self.is_prefill, ready=self.ready, timestamp=self.timestamp)
+        return self.records()[i]
+
+    def __iter__(self):
+        return iter(self.records())
+
+    def records(self) -> list[CaptureRecord]:
+        """The records (built once; waits for `ready` first)."""
+        if self._records is None:
+            self._records = self._build()
+        return self._records
+
+    def _build(self) -> list[CaptureRecord]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        feats, final = self.features, self.final_hidden
+        if self.row_index is not None:
+            index = torch.tensor(self.row_index)
+            feats, final = feats.index_select(0, index), final.index_select(0, index)
+        firsts = None if self.first_tokens is None else self.first_tokens.tolist()
+        out, r0 = [], 0
+        for row in self.rows:
+            ids = row.tokens if firsts is None else [firsts[row.slot], *row.tokens]
+            n = len(ids) - 1  # rows: every token but the last
+            out.append(CaptureRecord(
+                request_id=row.request_id, first_pos=row.first_pos, tokens=torch.tensor(ids, dtype=torch.long),
+                features=feats[r0:r0 + n], final_hidden=final[r0:r0 + n],
+                **({} if self.drafts is None else {"draft_tokens": self.drafts[row.slot, :row.num_steps],
+                                                   "draft_probs": self.draft_probs[row.slot, :row.num_steps]}),
+                accept_len=row.accept_len, num_steps=row.num_steps, batch_size=self.batch_size,
+                draft_version=self.draft_version, is_prefill=self.is_prefill, timestamp=self.timestamp, tag=row.tag))
+            r0 += n
+        return out

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from online_spec.capture import CaptureRecord
+from online_spec.capture import CaptureRound, RoundRow
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import accept_sampled, probs_from_logits
+from serving.capture_rows import stage_rows
 from serving.requests import Request
 
 
@@ -26,15 +27,20 @@ class ChainRounds:
         full-vocab draft distributions per request (sampling requests only))."""
         head, B = self.head, len(reqs)
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
-        drafts = torch.zeros(B, K, dtype=torch.long)
-        probs = torch.zeros(B, K)
+        # per step, each request's draft and its probability as Python values: the drafts are
+        # read back once a step anyway (the next step embeds them, the policy reads the
+        # probabilities), and [B, K] tensors are built once at the end, not element by element
+        tok_steps: list[list[int]] = []
+        prob_steps: list[list[float]] = []
         q_full = [torch.zeros(K, self.target.info.vocab_size) for _ in range(B)] \
             if any(not r.params.greedy for r in reqs) else None
+        greedy = [r.params.greedy for r in reqs]
+        all_greedy = all(greedy)
         d2t = head.draft_to_target
         for j in range(K):
             if j > 0:
                 # step j+1 reads (embedding of draft j, hidden of step j) at position tlen + j - 1
-                emb = self.target.embed_tokens(drafts[:, j - 1:j].to(self.target.device))
+                emb = self.target.embed_tokens(torch.tensor(tok_steps[-1])[:, None].to(self.target.device))
                 starts = [t + j - 1 for t in tlen]
                 if self.graphs is not None:
                     lg, hid = self.graphs.head_step(head, self.dcache, emb, hidden[:, None], starts)
@@ -43,33 +49,44 @@ class ChainRounds:
                     lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
                 logits, hidden = lg[:, 0], hid[:, 0]
             lf = logits.float()
-            if any(r.params.greedy for r in reqs):  # greedy rows: one read-back for the whole batch
+            if any(greedy):  # greedy rows: one read-back for the whole batch
                 pr = torch.softmax(lf, -1)
                 d = pr.argmax(-1)
-                g_tok, g_prob = d2t[d].tolist(), pr.gather(1, d[:, None])[:, 0].tolist()
-            for b, r in enumerate(reqs):
-                if r.params.greedy:
-                    drafts[b, j], probs[b, j] = g_tok[b], g_prob[b]
-                else:
-                    full = torch.full((self.target.info.vocab_size,), float("-inf"))
-                    full[d2t] = lf[b]
-                    q = probs_from_logits(full, r.params)
-                    t = int(torch.multinomial(q, 1, generator=r.gen))
-                    drafts[b, j], probs[b, j] = t, float(q[t])
-                    q_full[b][j] = q
+                g_tok, g_prob = d2t[d].tolist(), pr.gather(1, d[:, None])[:, 0].float().tolist()
+            if all_greedy:
+                step_tok, step_prob = g_tok, g_prob
+            else:
+                step_tok, step_prob = [], []
+                for b, r in enumerate(reqs):
+                    if greedy[b]:
+                        step_tok.append(g_tok[b])
+                        step_prob.append(g_prob[b])
+                    else:
+                        full = torch.full((self.target.info.vocab_size,), float("-inf"))
+                        full[d2t] = lf[b]
+                        q = probs_from_logits(full, r.params)
+                        t = int(torch.multinomial(q, 1, generator=r.gen))
+                        step_tok.append(t)
+                        step_prob.append(float(q[t]))
+                        q_full[b][j] = q
+            tok_steps.append(step_tok)
+            prob_steps.append(step_prob)
             if j + 1 < K and self.policy.early_stop and \
-                    not self.policy.should_continue(j + 1, probs[:, j].numpy(), B, ctx):
-                drafts, probs = drafts[:, :j + 1], probs[:, :j + 1]
+                    not self.policy.should_continue(j + 1, step_prob, B, ctx):
                 q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
                 break
+        drafts = torch.tensor(tok_steps, dtype=torch.long).T.contiguous()  # [B, steps drafted]
+        # float32, as the probabilities were computed: the policy read the same values
+        probs = torch.tensor(prob_steps, dtype=torch.float32).T.contiguous()
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them
             self.dcache.lengths[b] = tlen[b]
         return drafts, probs, q_full
 
     def _accept_chain(self, reqs, tlen, lens, drafts, draft_probs, q_full, logits, feats, final):
-        """3) accept, 4) commit, 5) capture for a chain. Returns (accepted, records, outputs)."""
-        B = len(reqs)
-        accepted, records, round_outs = [], [], []
+        """3) accept, 4) commit, 5) capture for a chain. Returns (accepted, records, outputs):
+        records, a `CaptureRound` of the sampled requests' committed rows, built off this thread."""
+        B, T = len(reqs), feats.shape[1]
+        accepted, rows, index, round_outs = [], [], [], []
         greedy_choice = logits.argmax(-1).cpu() if any(r.params.greedy for r in reqs) else None
         for b, r in enumerate(reqs):
             n = lens[b]
@@ -85,14 +102,18 @@ class ChainRounds:
             accepted.append(a)
             L = tlen[b]
             new = drafts[b, :a].tolist() + [nxt]
+            if r.capture:  # rows L..L+a: the verify's rows 0..a of slot b; the token at L comes first
+                rows.append(RoundRow(r.request_id, L, b, [int(self.tok_buf[b, L])] + new, a, n, r.tag))
+                index.extend(range(b * T, b * T + a + 1))
             self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
             self.feat_buf[b, L:L + a + 1] = feats[b, :a + 1]
             self.tcache.lengths[b] = L + a + 1
-            if r.capture:
-                records.append(CaptureRecord(
-                    request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
-                    features=feats[b, :a + 1], final_hidden=final[b, :a + 1],
-                    draft_tokens=drafts[b, :n].clone(), draft_probs=draft_probs[b, :n].clone(), accept_len=a,
-                    num_steps=n, batch_size=B, draft_version=self.head_version, tag=r.tag))
             round_outs.append(self._commit_output(r, new, a, n))
+        records = []
+        if rows:
+            # 5) capture: the rows stay where the verify left them (CPU) or are gathered into fresh
+            #    pinned host buffers by an async copy (CUDA); the publisher's thread builds records
+            f, h, row_index, ready = stage_rows(feats, final, index)
+            records = CaptureRound(rows, f, h, row_index=row_index, drafts=drafts, draft_probs=draft_probs,
+                                   batch_size=B, draft_version=self.head_version, ready=ready)
         return accepted, records, round_outs

@@ -9,7 +9,7 @@ the refusals, and what the engine needs of a capture publisher.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Sequence, Protocol
 
 import torch
 
@@ -21,7 +21,9 @@ class CaptureSink(Protocol):
     """What the engine needs from the collector publisher (never blocks)."""
 
     def should_capture(self, request_id: str) -> bool: ...
-    def submit(self, records: list[CaptureRecord]) -> None: ...
+    def submit(self, records: Sequence[CaptureRecord]) -> None:
+        """A round's records: a list, or a `CaptureRound` that builds them where it is read (a
+        sink on the engine's thread that iterates it builds them there)."""
     def end_request(self, request_id: str) -> None: ...
 
 

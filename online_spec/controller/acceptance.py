@@ -194,6 +194,15 @@ class ConfidenceCalibrator:
                           for j, (h, t) in enumerate(zip(self.hits, self.trials))]
         return self._list
 
+    def lookup(self) -> list[float]:
+        """`table` with the top bin repeated once more, indexed by `int(c * bins)` for 0 < c < 1
+        without a clamp (c * bins rounds up to bins for c just below 1): the small-batch paths
+        bin inline with it, a method call per confidence being most of their cost."""
+        if self._ext is None:
+            tbl = self.table()
+            self._ext = tbl + tbl[-1:]
+        return self._ext
+
     def _values(self) -> np.ndarray:
         """`table` as an array, for the numpy path."""
         if self._table is None:
@@ -220,9 +229,11 @@ class ConfidenceCalibrator:
     def mean(self, confidences) -> float:
         """Mean calibrated value of a sequence or 1-D array of confidences (0 if empty)."""
         if len(confidences) <= SMALL_BATCH:
-            tbl = self.table()
             row = confidences.tolist() if isinstance(confidences, np.ndarray) else confidences
-            return sum(tbl[self.bin(c)] for c in row) / len(row) if len(row) else 0.0
+            if not len(row):
+                return 0.0
+            tbl, n = self.lookup(), self.bins  # `bin` inline: c > 0 (not NaN) below 1 -> int(c * n)
+            return sum([tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0] for c in row]) / len(row)
         vals = self.calibrated(confidences)
         return float(vals.sum()) / vals.size if vals.size else 0.0  # .sum() / size: np.mean costs more
 
@@ -246,10 +257,12 @@ class ConfidenceCalibrator:
             return  # a K = 0 round (the engine passes its [B, 0] array)
         rows = small_rows(confidences)
         if rows is not None:
-            hits, trials = self.hits, self.trials
+            hits, trials, n = self.hits, self.trials, self.bins
             for row, a in zip(rows, accepted):
                 for i, c in enumerate(row[:a + 1]):
-                    j = self.bin(c)
+                    j = (int(c * n) if c < 1.0 else n - 1) if c > 0.0 else 0  # `bin` inline
+                    if j == n:
+                        j = n - 1
                     trials[j] += 1
                     if i < a:
                         hits[j] += 1
@@ -279,6 +292,7 @@ class ConfidenceCalibrator:
 
     def _changed(self) -> None:
         self._list: list[float] | None = None
+        self._ext: list[float] | None = None
         self._table: np.ndarray | None = None
 
     def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:

@@ -91,17 +91,27 @@ class CostModelPolicy(StepPolicyBase):
         self._below = [0] * len(self._slots)  # decisions since the slot last drafted its next tier up
         self._probing = [False] * len(self._slots)  # the slot's current round is a probe: draft and verify all of it
         self._choice: tuple | None = None  # (estimates, round terms, K) of the last choose_steps
+        self._stops: tuple | None = None  # (estimates, round terms, {step: terms}) of should_continue
+        self._slot_of: dict[int, int] = {}  # batch size -> slot index, filled as batch sizes come
         self._trees = TreeChooser([s.trees for s in self._slots], tree_config)  # the slots' tree_candidates
+        self._any_trees = self._trees.any
+
+    def _slot(self, batch_size: int) -> int:
+        """`adaptive.slot_index`, remembered per batch size (the engine asks it several times a round)."""
+        i = self._slot_of.get(batch_size)
+        if i is None:
+            i = self._slot_of[batch_size] = self.adaptive.slot_index(batch_size)
+        return i
 
     @property
     def chooses_trees(self) -> bool:
         """Some slot lists tree candidates: each round's tree (or chain) is then chosen by value."""
-        return self._trees.any
+        return self._any_trees
 
     def tree_for(self, batch_size: int, ctx_len: float = 0) -> TreeShape | None:
         """A tree instead of the chain `steps_for` chose, where a candidate's measured committed
         tokens per second beat the chain's predicted ones (online_spec/controller/tree_choice.py)."""
-        i = self.adaptive.slot_index(batch_size)
+        i = self._slot(batch_size)
         k = self._last[i] or 0
         chain = self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)
         return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len))
@@ -119,13 +129,13 @@ class CostModelPolicy(StepPolicyBase):
     def expected_tokens(self, batch_size: int, k: int, estimates: Sequence[float] | None = None) -> float:
         """E(K): committed tokens per request (bonus included) with K drafts, from the estimates
         (the slot's, or the given a_1..a_depth)."""
-        a = self._accept[self.adaptive.slot_index(batch_size)].estimates() if estimates is None else estimates
+        a = self._accept[self._slot(batch_size)].estimates() if estimates is None else estimates
         return 1.0 + expected_accepted(a, k)
 
     def choose_steps(self, batch_size: int, ctx_len: float = 0) -> int:
         """The slot's tier maximizing E(K) / round seconds; ties go to the smaller K. Under a
         TPOT SLO, tiers predicted slower than it are skipped; if none fits, the smallest tier."""
-        i = self.adaptive.slot_index(batch_size)
+        i = self._slot(batch_size)
         a = self._accept[i].estimates()
         terms = self.cost.round_terms(batch_size, ctx_len)
         tiers = self._slots[i].candidate_steps
@@ -169,7 +179,7 @@ class CostModelPolicy(StepPolicyBase):
         same low estimate the probe is there to re-measure, and would cut every probe back to one
         draft (measured in an e2e run: a position-2 estimate that three misses after a swap had put
         at 0.35, true ~0.6, held K at 1 for the last 60 s; docs/controller.md)."""
-        i = self.adaptive.slot_index(batch_size)
+        i = self._slot(batch_size)
         k = self.choose_steps(batch_size, ctx_len)
         tiers = self._slots[i].candidate_steps
         self._probing[i] = False
@@ -195,33 +205,53 @@ class CostModelPolicy(StepPolicyBase):
         one draft step plus one verified token per request."""
         if not (isinstance(step_index, int) and step_index >= 1):  # no check(): its message is built every call
             raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
-        i = self.adaptive.slot_index(batch_size)
+        i = self._slot(batch_size)
         if self._probing[i]:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < (self._last[i] or 0)
-        a = self._accept[i].estimates()
-        if step_index >= len(a):
+        terms = self._continue_terms(i, step_index, batch_size, ctx_len)
+        if terms is None:
             return False
-        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(batch_size, ctx_len)
-        factor = self.cost.time_factors(batch_size, step_index + 1)
-        t_now = (max(0.0, step_index * step_s + d_extra)
-                 + max(0.0, base + v_extra + per_token * (step_index + 1))) * factor[step_index]
-        t_next = (max(0.0, (step_index + 1) * step_s + d_extra)
-                  + max(0.0, base + v_extra + per_token * (step_index + 2))) * factor[step_index + 1]
-        if self.config.tpot_slo_s is not None and t_next > self.config.tpot_slo_s:
-            return False
+        t_now, t_more, expected, surv, a_next = terms
         if isinstance(draft_confidence, (int, float)):
             p_last = self._calib(draft_confidence)
         else:
             p_last = self._calib.mean(draft_confidence)
-        expected, surv = 1.0, 1.0
-        for j in range(step_index - 1):
-            surv *= a[j]
-            expected += surv
         surv *= p_last
         expected += surv
-        gain = surv * a[step_index]
+        gain = surv * a_next
         # (E + gain) / t_next > E / t_now, cross-multiplied (both times are >= 0).
-        return gain * t_now > expected * (t_next - t_now)
+        return gain * t_now > expected * t_more
+
+    def _continue_terms(self, i: int, step_index: int, batch_size: int, ctx_len: float) -> tuple | None:
+        """What `should_continue` needs besides the draft's confidence, after `step_index` drafts:
+        (t_now, t_next - t_now, E and survival through the first step_index - 1 drafts, a_{step_index+1}),
+        or None when one more draft never pays (beyond the estimates, over the SLO). Computed once
+        per step for the slot's current estimates and round terms (the early stop is asked after
+        every draft step, between the head's forwards, where each call runs on cold caches)."""
+        a = self._accept[i].estimates()
+        round_terms = self.cost.round_terms(batch_size, ctx_len)
+        memo = self._stops
+        if memo is None or memo[0] is not a or memo[1] is not round_terms:
+            memo = self._stops = (a, round_terms, {})  # holds the objects, so `is` cannot match a recycled id
+        known = memo[2]
+        if step_index in known:
+            return known[step_index]
+        terms = None
+        if step_index < len(a):
+            step_s, base, per_token, d_extra, v_extra = round_terms
+            factor = self.cost.time_factors(batch_size, step_index + 1)
+            t_now = (max(0.0, step_index * step_s + d_extra)
+                     + max(0.0, base + v_extra + per_token * (step_index + 1))) * factor[step_index]
+            t_next = (max(0.0, (step_index + 1) * step_s + d_extra)
+                      + max(0.0, base + v_extra + per_token * (step_index + 2))) * factor[step_index + 1]
+            if self.config.tpot_slo_s is None or t_next <= self.config.tpot_slo_s:
+                expected, surv = 1.0, 1.0
+                for j in range(step_index - 1):
+                    surv *= a[j]
+                    expected += surv
+                terms = (t_now, t_next - t_now, expected, surv, a[step_index])
+        known[step_index] = terms
+        return terms
 
     def verify_lengths(self, confidences: Sequence[Sequence[float]], ctx_len: float = 0, *,
                        padded: bool = False) -> list[int]:
@@ -244,17 +274,17 @@ class CostModelPolicy(StepPolicyBase):
             full = [k] * b if lens is None else lens.tolist()
         if b == 0:
             return []
-        if k == 0 or self.cost.verify_token_s() <= 0 or self._probing[self.adaptive.slot_index(b)]:
+        if k == 0 or self.cost.verify_token_s() <= 0 or self._probing[self._slot(b)]:
             return full
         step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(b, ctx_len)
         draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
         if rows is not None:
             # gain[m] = sum_r S_rm, the survival S_rm = prod_{j<=m} p(conf_rj) (rows end at their length)
-            calib, tbl, gain = self._calib, self._calib.table(), [0.0] * k
+            tbl, n, gain = self._calib.lookup(), self._calib.bins, [0.0] * k
             for row in rows:
                 sv = 1.0
                 for m, c in enumerate(row):
-                    sv *= tbl[calib.bin(c)]
+                    sv *= tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]  # the calibrator's bin, inline
                     gain[m] += sv
             return self._padded_cut(gain, full, draft_s, base, per_token, v_extra)
         # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
@@ -317,7 +347,7 @@ class CostModelPolicy(StepPolicyBase):
         confidences: the head's confidence per draft per request, to calibrate. tree: the shape a
         tree round ran; its figures go to the tree's own means, never to the chain's estimates.
         """
-        i = self.adaptive.slot_index(batch_size)
+        i = self._slot(batch_size)
         if tree is not None:
             round_s = None if draft_s is None or verify_s is None else draft_s + verify_s
             self._trees.observe(i, tree, accepted, round_s, self.cost.predict_round_s(batch_size, 0, ctx_len))

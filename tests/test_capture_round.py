@@ -1,0 +1,91 @@
+"""A chain round's capture: the engine hands the round over unbuilt (`CaptureRound`), the reader
+builds the records, and they equal what a teacher-forced pass of the final sequences gives
+(tiny fp32 target, a stand-in for SmolLM2 that runs the same engine code)."""
+
+import torch
+
+from online_spec.capture import CaptureRecord, CaptureRound, RoundRow, adjacency_error
+from online_spec.head import new_head
+from online_spec.sampling import SamplingParams
+from serving.engine import Engine, EngineConfig
+from serving.requests import Request
+from tests.distill_helpers import tiny8
+from trainer.data import capture_tokens
+
+
+class _Event:
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+def test_round_builds_its_records_once_on_first_read_after_its_event():
+    feats, final = torch.randn(2 * 4, 6), torch.randn(2 * 4, 2)  # [B * T, 3H], [B * T, H]: B = 2, T = 4
+    drafts, probs = torch.tensor([[7, 8, 9], [4, 5, 6]]), torch.rand(2, 3)
+    rows = [RoundRow("a", 10, 0, [1, 7, 8, 3], 2, 3, "chat"), RoundRow("b", 20, 1, [2, 9], 0, 3, "")]
+    ev = _Event()
+    rnd = CaptureRound(rows, feats, final, row_index=[0, 1, 2, 4], drafts=drafts, draft_probs=probs,
+                       batch_size=2, draft_version=5, ready=ev, timestamp=1.0)
+    assert rnd._records is None and ev.waited == 0 and len(rnd) == 2  # nothing built by the engine's calls
+    a, b = list(rnd)
+    assert ev.waited == 1 and rnd.records() is rnd.records() and ev.waited == 1
+    assert a.tokens.tolist() == [1, 7, 8, 3] and a.first_pos == 10 and a.accept_len == 2 and a.tag == "chat"
+    assert torch.equal(a.features, feats[:3]) and torch.equal(a.final_hidden, final[:3])
+    assert torch.equal(b.features, feats[4:5]) and b.tokens.tolist() == [2, 9]
+    assert a.draft_tokens.tolist() == [7, 8, 9] and torch.equal(b.draft_probs, probs[1])
+    assert (a.batch_size, a.draft_version, a.timestamp) == (2, 5, 1.0)
+    part = rnd[1:]  # what a full publisher queue keeps: still unbuilt, the same rows
+    assert isinstance(part, CaptureRound) and part._records is None and part[0].request_id == "b"
+
+
+class _Sink:
+    def __init__(self):
+        self.rounds, self.prefills = [], []
+
+    def should_capture(self, request_id):
+        return request_id != "skip"
+
+    def submit(self, records):
+        (self.rounds if isinstance(records, CaptureRound) else self.prefills).append(records)
+
+    def end_request(self, request_id):
+        pass
+
+
+def test_engine_chain_rounds_capture_what_teacher_forcing_gives():
+    torch.manual_seed(0)
+    target = tiny8()
+    eng = Engine(target, new_head(target, draft_vocab_size=256, seed=3),
+                 EngineConfig(max_batch=4, max_len=256, num_steps=3), publisher=(sink := _Sink()))
+    prompts = {"r0": [5, 9, 33, 7], "r1": [1, 2, 3, 4, 5, 6], "skip": [100, 200, 300]}
+    for rid, p in prompts.items():
+        eng.add_request(Request(p, SamplingParams(max_tokens=20, ignore_eos=True), request_id=rid))
+    outs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while eng.has_work():
+        for o in eng.step():
+            outs[o.request_id] += o.new_token_ids
+    assert sink.rounds and all(r._records is None for r in sink.rounds)  # the engine built none
+    records = [rec for rnd in sink.rounds for rec in rnd]
+    assert {r.request_id for r in records} == {"r0", "r1"}  # an unsampled request sends nothing
+    for rid in ("r0", "r1"):
+        seq = prompts[rid] + outs[rid]
+        ref = capture_tokens(target, [seq], [rid])[0]  # teacher-forced rows of the whole sequence
+        pre = [r for batch in sink.prefills for r in batch if r.request_id == rid]
+        mine = sorted((r for r in records if r.request_id == rid), key=lambda r: r.first_pos)
+        assert len(pre) == 1 and pre[0].is_prefill and pre[0].first_pos == 0
+        assert mine[0].first_pos == len(prompts[rid])  # decode rounds go on from the prefill's rows
+        mine = pre + mine
+        for prev, rec in zip(mine, mine[1:]):
+            assert adjacency_error(prev, rec) is None
+        for rec in mine:
+            lo, n = rec.first_pos, rec.num_rows
+            assert isinstance(rec, CaptureRecord) and rec.tokens.tolist() == seq[lo:lo + n + 1]
+            torch.testing.assert_close(rec.features.float(), ref.features[lo:lo + n].float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(rec.final_hidden.float(), ref.final_hidden[lo:lo + n].float(),
+                                       atol=2e-2, rtol=2e-2)
+            if not rec.is_prefill:
+                assert rec.num_rows == rec.accept_len + 1 and len(rec.draft_tokens) == rec.num_steps
+                assert rec.draft_tokens[:rec.accept_len].tolist() == rec.tokens[1:rec.accept_len + 1].tolist()
+        assert mine[-1].first_pos + mine[-1].num_rows >= len(seq) - 1 - 3  # the last round's rows reach the end
