@@ -451,8 +451,9 @@ class TrainerDaemon:
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals}
 
 
-def install_signal_handlers(daemon: TrainerDaemon) -> None:
-    """SIGTERM/SIGINT: finish the current step, save, exit."""
+def install_signal_handlers(daemon) -> None:
+    """SIGTERM/SIGINT: `daemon.stop()` (a daemon, or a rank's loop: trainer/ranks.py); it finishes
+    the current step, saves and exits."""
     def handler(signum, frame):
         log.info("signal %d: stopping after this step", signum)
         daemon.stop()

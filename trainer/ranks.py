@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -380,13 +379,3 @@ class RankLoop:
             raise RuntimeError(f"step {self.distiller.step}: the ranks' weights differ "
                                f"({[format(int(t) + (1 << 63), '016x') for t in every]})")
         return digest
-
-
-def install_rank_signals(loop: RankLoop) -> None:
-    """SIGTERM/SIGINT: this rank asks to stop; the ranks agree and stop at the next step."""
-    def handler(signum, frame):
-        log.info("signal %d: stopping at the next step", signum)
-        loop.stop()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)

@@ -33,8 +33,7 @@ from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
 from trainer.launch import command_line, launch, world_from_env
 from trainer.loss import LossConfig
-from trainer.ranks import (RankConfig, RankLoop, RankZeroDaemon, follower_distiller, install_rank_signals,
-                           rank_device)
+from trainer.ranks import RankConfig, RankLoop, RankZeroDaemon, follower_distiller, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ def run_rank(args: argparse.Namespace, ranks: RankConfig, rank: int, world: int)
             distiller = follower_distiller(daemon_cfg, target, distill_config(args),
                                            config_from_args(LossConfig, args, prefix="loss_"))
         loop = RankLoop(ranks, distiller, daemon, daemon_cfg)
-        install_rank_signals(loop)
+        install_signal_handlers(loop)
         summary = loop.run(max_steps=args.max_steps, max_seconds=args.max_seconds)
         log.info("stopped: %s", {k: summary[k] for k in ("step", "dropped_steps", "live_version", "swaps")
                                  if k in summary})
