@@ -35,6 +35,7 @@ from bench.heads import HEAD_CHOICES, resolve_head
 from bench.trace import build_drift_trace, load_trace, phases
 from online_spec.config import add_config_args, check, config_from_args, doc
 from online_spec.drift import MIX_TAG
+from online_spec.starvation import KINDS as STARVATION_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ def summary_md(figs: dict) -> str:
     o, tr = figs["overall"], figs.get("trainer") or {}
     watch = tr.get("watch") or {}
     verdicts = [e for e in watch.get("events", []) if e["kind"] == "gate"]
+    starved = [a for a in figs["alerts"] if a.get("kind") in STARVATION_KINDS]  # the trainer's own alerts
     lines = [f"# online-spec demo ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"head at start: `{figs['head']}`; {figs['serving_s']:.0f} s of serving, after {figs['startup_s']:.0f} s "
              f"of start-up (model, K calibration, the trainer's start; times below count from the first request); "
@@ -169,8 +171,11 @@ def summary_md(figs: dict) -> str:
              f"Trace: {o['requests']} of {figs['trace_lines']} lines served. {skipped_note(figs)}", "",
              f"Trainer: {tr.get('step')} steps, {len(verdicts)} gate evaluations, {tr.get('swaps')} swaps "
              f"(live v{tr.get('live_version')}), {len(tr.get('rolled_back') or [])} rollbacks, "
-             f"{tr.get('refused_swaps')} refused by the server; {len(figs['alerts'])} drift alerts."
+             f"{tr.get('refused_swaps')} refused by the server; {len(figs['alerts']) - len(starved)} drift alerts."
              + (f" {why_no_swap(figs)}." if why_no_swap(figs) else ""), ""]
+    if starved:
+        lines += [f"**The trainer said it was starved** ({len(starved)} alerts): "
+                  + "; ".join(f"{a['t_s']:.0f} s: {a.get('text')}" for a in starved[-3:]), ""]
     if verdicts:
         lines += ["Gate verdicts (s from the first request): "
                   + "; ".join(f"{e['t_s']:.0f}: {e['text']}" for e in verdicts[-8:])

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -51,14 +52,17 @@ import zmq
 
 from collector.endpoint import is_loopback, prepare_run_dir, remove_ipc_file
 from online_spec import PRETRAINED_HEADS
+from online_spec.capture import MAX_VERSION
 from online_spec.config import ConfigError, check, doc
+from online_spec.drift import DriftAlert
+from online_spec.starvation import KINDS as STARVATION_KINDS
 from serving.control_client import ENDPOINT_FILE, TOKEN_FILE, ControlClient, ControlError  # noqa: F401 (re-export)
 from serving.swap import HeadSwapper, SwapError, tensor_from_bytes
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 30
-COMMANDS = ("info", "swap", "rollback", "set_adaptive")
+COMMANDS = ("info", "swap", "rollback", "set_adaptive", "trainer_alert")
 
 
 @dataclass
@@ -220,6 +224,29 @@ class ControlServer:
 
     def _cmd_rollback(self, args: dict, frames: list) -> dict:
         return self.swapper.rollback()
+
+    def _cmd_trainer_alert(self, args: dict, frames: list) -> dict:
+        """An alert the trainer raised about itself (`online_spec.starvation`): checked, then kept
+        in /server_info and given to the server's alert sinks (`SpecServer.on_trainer_alert`)."""
+        if args.get("kind") not in STARVATION_KINDS:
+            raise SwapError(f"trainer_alert: kind must be one of {STARVATION_KINDS}, got {args.get('kind')!r}")
+        for name in ("title", "text"):
+            if not isinstance(args.get(name), str) or len(args[name]) > 2000:
+                raise SwapError(f"trainer_alert: {name} must be a string of at most 2000 characters")
+        nums = {}
+        for name in ("before", "after", "time"):
+            v = args.get(name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise SwapError(f"trainer_alert: {name} must be a finite number, got {v!r}")
+            nums[name] = float(v)
+        for name in ("head_version", "round"):
+            if not isinstance(args.get(name), int) or isinstance(args.get(name), bool) or \
+                    not 0 <= args[name] <= MAX_VERSION:
+                raise SwapError(f"trainer_alert: {name} must be an integer in 0..{MAX_VERSION}")
+        alert = DriftAlert(kind=args["kind"], level="warn", slot=0, tag="", head_version=args["head_version"],
+                           round=args["round"], title=args["title"], text=args["text"], **nums)
+        self.server.on_trainer_alert(alert)
+        return {"taken": alert.kind}
 
     def _cmd_set_adaptive(self, args: dict, frames: list) -> dict:
         from online_spec.controller import AdaptiveConfig, EmaTierPolicy

@@ -144,6 +144,7 @@ class SpecServer:
         self._recovery: threading.Thread | None = None  # a rollback of a broken head, under way
         self._last_head_check = time.monotonic()
         self.head_faults: list[dict] = []
+        self.trainer_alerts: list[dict] = []  # what the trainer said of itself (control `trainer_alert`)
         self.round_observers: list[RoundObserver] = []
         self.loop = EngineLoop(self.engine, on_step=self._on_step, on_failure=self._on_round_failure)
         self.engine.on_round.append(self._on_round)
@@ -217,6 +218,7 @@ class SpecServer:
             "rounds_failed": self.loop.rounds_failed, "requests_failed": self.loop.requests_failed,
             "head_faults": self.head_faults[-10:], "tags": self.tags.info(), "capture_publisher": publisher,
             "drift": None if self.drift is None else self.drift.info(),
+            "trainer_alerts": self.trainer_alerts[-10:],
         }
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -278,6 +280,17 @@ class SpecServer:
         if n - start < 1:
             return None
         return e.tok_buf[0, start:n + 1].clone(), e.feat_buf[0, start:n].clone(), start
+
+    def on_trainer_alert(self, alert: DriftAlert) -> None:
+        """An alert the trainer raised about itself (starved, capture dropped: online_spec/starvation.py),
+        over the control endpoint: kept for /server_info and given to the alert sinks (log,
+        Prometheus, W&B) like the server's own."""
+        self.trainer_alerts.append(alert.to_dict())
+        del self.trainer_alerts[:-100]
+        if self.drift is not None:
+            self.drift.emit(alert)
+        else:
+            log.warning("%s: %s", alert.title, alert.text)
 
     def _head_fault(self, problem: str) -> None:
         if self._recovery is not None and self._recovery.is_alive():

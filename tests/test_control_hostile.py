@@ -187,3 +187,31 @@ def test_closing_removes_the_token_endpoint_and_socket(tiny_smol, tmp_path):
     finally:
         server.close()
     assert not names & set(os.listdir(run_dir))
+
+
+def test_trainer_alerts_reach_server_info_metrics_and_refuse_garbage(served):
+    """The trainer's own alert (online_spec/starvation.py) over the control endpoint: in
+    /server_info (its list and the drift list), counted in Prometheus by kind; malformed ones and
+    a caller without the token are refused, and the server serves on."""
+    from online_spec.starvation import StarvationConfig, StarvationDetector
+
+    server, http, run_dir, client = served
+    det = StarvationDetector(StarvationConfig(window_s=10))
+    det.update(0.0, 0, True, 0)
+    alert = det.update(10.0, 0, True, 0, head_version=1, wall_time=123.0)[0]
+    assert client.request("trainer_alert", alert.to_dict()) == {"taken": "trainer_starved"}
+    info = httpx.get(http.url + "/server_info").json()
+    assert info["trainer_alerts"][-1]["kind"] == "trainer_starved" and info["trainer_alerts"][-1]["time"] == 123.0
+    assert info["drift"]["recent_alerts"][-1]["title"] == alert.title
+    metrics = httpx.get(http.url + "/metrics").text
+    assert 'kind="trainer_starved"' in metrics
+    good = alert.to_dict()
+    for bad, why in (({"kind": "drop"}, "kind"), ({"before": float("nan")}, "before"), ({"text": "x" * 3000}, "text"),
+                     ({"round": -1}, "round"), ({"head_version": True}, "head_version")):
+        with pytest.raises(ControlError, match=why):
+            client.request("trainer_alert", {**good, **bad})
+    stranger = ControlClient(client.endpoint, "wrong-token", timeout_s=10)
+    with pytest.raises(ControlError, match="token"):
+        stranger.request("trainer_alert", good)
+    assert len(httpx.get(http.url + "/server_info").json()["trainer_alerts"]) == len(info["trainer_alerts"])
+    assert httpx.get(http.url + "/health").status_code == 200

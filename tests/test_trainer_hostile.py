@@ -129,3 +129,47 @@ def test_a_batch_whose_step_fails_is_dropped_and_the_weights_stay(tmp_path):
             break
     assert daemon.distiller.step == 1
     assert all(bool(torch.isfinite(p).all()) for p in daemon.distiller.head.parameters())
+
+
+class _Server:
+    """The control client's side the daemon uses for its own alerts: info (the publisher's drops)
+    and request("trainer_alert", ...)."""
+
+    def __init__(self):
+        self.dropped, self.alerts = 0, []
+
+    def info(self):
+        return {"head_version": 0, "capture_publisher": {"dropped_hwm": self.dropped, "dropped_queue_full": 0}}
+
+    def request(self, command, args=None):
+        assert command == "trainer_alert"
+        self.alerts.append(args)
+        return {"taken": args["kind"]}
+
+
+def test_a_trainer_without_steps_while_traffic_waits_says_it_is_starved(tmp_path):
+    """No steps in a window with traffic in the buffer, then dropped capture records: each raises
+    its own alert, reported to the server and counted in the summary; a drift alert of the
+    trainer's own kind does not boost its evaluations."""
+    from collector.span import CaptureSpan
+    from online_spec.starvation import StarvationConfig
+
+    target = tiny8()
+    recs, _ = greedy_records(target, num=2, new_tokens=24)
+    daemon = make_daemon(target, tmp_path)
+    daemon.publisher = server = _Server()
+    daemon.starvation.cfg = StarvationConfig(window_s=60, min_steps_per_min=6, min_dropped=5)
+    assert daemon.watch_starvation(now=1000.0) == []  # the buffer is empty: nothing waits
+    for r in recs:
+        daemon.buffer.add(CaptureSpan.from_records([r]))
+    assert daemon.buffer.num_tokens >= daemon.cfg.min_buffer_tokens
+    raised = [a.kind for t in range(1010, 1130, 10) for a in daemon.watch_starvation(now=float(t))]
+    assert raised == ["trainer_starved"]  # once a whole window saw traffic waiting and no step
+    server.dropped = 7
+    assert [a.kind for a in daemon.watch_starvation(now=1130.0)] == ["capture_dropping"]
+    assert [a["kind"] for a in server.alerts] == ["trainer_starved", "capture_dropping"]
+    assert daemon.watch_starvation(now=1132.0) == []  # checked every 5 s at most
+    s = daemon.summary()
+    assert s["starvation_alerts"] == 2 and s["starved"] == ["capture_dropping", "trainer_starved"]
+    daemon.on_drift(server.alerts[0])
+    assert daemon._drift_until == 0.0

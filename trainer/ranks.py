@@ -298,6 +298,7 @@ class RankLoop:
                     self._stop.wait(rest)
                 if d is not None:
                     d.watch_rollback()
+                    d.watch_starvation()
             clean = True
         finally:
             if clean:

@@ -28,6 +28,7 @@ from online_spec.config import add_config_args, config_from_args, config_to_dict
 from online_spec.target import load_target
 from online_spec.wandb_run import init_wandb
 from serving.control import ControlClient
+from online_spec.starvation import StarvationConfig
 from trainer.daemon import DaemonConfig, TrainerDaemon, install_signal_handlers
 from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
@@ -46,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, ReplayConfig, prefix="replay_")
     add_config_args(parser, SubscriberConfig, prefix="capture_")
     add_config_args(parser, RankConfig)
+    add_config_args(parser, StarvationConfig, prefix="starvation_")
     proc = parser.add_argument_group("process (where it connects, runs and logs)")
     proc.add_argument("--control-run-dir", type=Path, default=None, metavar="DIR",
                       help="the server's run directory (control endpoint + token); omit: train, never publish")
@@ -83,7 +85,8 @@ def build_daemon(args: argparse.Namespace, daemon_cls: type[TrainerDaemon] = Tra
                                                            device=getattr(args, "device", "cpu"))
     return daemon_cls(cfg, target, publisher, subscriber, replay, distill_config(args),
                       config_from_args(LossConfig, args, prefix="loss_"),
-                      config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run)
+                      config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run,
+                      starvation_cfg=config_from_args(StarvationConfig, args, prefix="starvation_"))
 
 
 def distill_config(args: argparse.Namespace) -> DistillConfig:

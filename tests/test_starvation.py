@@ -1,0 +1,63 @@
+"""The trainer-starvation detector on fixed sequences of checks (one every 10 s, window 60 s)."""
+
+import pytest
+
+from online_spec.config import ConfigError
+from online_spec.starvation import DROPPING, STARVED, StarvationConfig, StarvationDetector
+
+
+def run(det, checks):
+    """checks: (t, steps, trainable, dropped) -> the kinds raised at each check."""
+    return [[a.kind for a in det.update(t, s, tr, d, wall_time=1000.0 + t)] for t, s, tr, d in checks]
+
+
+def test_no_verdict_before_a_full_window():
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=6))
+    assert run(det, [(t, 0, True, 0) for t in range(0, 60, 10)]) == [[]] * 6
+    assert run(det, [(60, 0, True, 0)]) == [[STARVED]]  # 0 steps in 60 s with traffic waiting
+
+
+def test_starved_at_the_boundary_and_not_above_it():
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=6))
+    # 6 steps a minute exactly: not starved (fewer than 6 is)
+    assert run(det, [(t, t // 10, True, 0) for t in range(0, 70, 10)])[-1] == []
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=6))
+    got = run(det, [(t, 5 * t // 60, True, 0) for t in range(0, 70, 10)])  # 5 a minute
+    assert got[-1] == [STARVED]
+    alert = det.update(70, 5, True, 0)
+    assert alert == []  # raised once; not again within repeat_s
+
+
+def test_no_traffic_to_train_on_is_not_starvation():
+    det = StarvationDetector(StarvationConfig(window_s=60))
+    checks = [(t, 0, t != 30, 0) for t in range(0, 130, 10)]  # idle at one check of every window up to t=90
+    got = run(det, checks)
+    assert got[:10] == [[]] * 10  # windows that hold the idle check at t=30
+    assert got[10] == [STARVED]  # t=100: the window (40..100] saw traffic waiting at every check
+
+
+def test_repeats_while_it_lasts_and_ends_when_steps_resume():
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=6, repeat_s=120))
+    got = run(det, [(t, 0, True, 0) for t in range(0, 200, 10)])
+    assert [t for t, g in zip(range(0, 200, 10), got) if g] == [60, 180]
+    assert det.active == [STARVED]
+    got = run(det, [(t, (t - 190) * 2, True, 0) for t in range(200, 270, 10)])  # 120 a minute from t=190
+    assert det.active == [] and all(g == [] for g in got)
+
+
+def test_dropped_records_raise_their_own_kind_with_the_figures():
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=0, min_dropped=10))
+    run(det, [(t, t, True, 0) for t in range(0, 60, 10)])
+    assert run(det, [(60, 60, True, 9)]) == [[]]
+    alerts = det.update(70, 70, True, 25, head_version=4, wall_time=5.0)
+    assert [a.kind for a in alerts] == [DROPPING]
+    a = alerts[0]
+    assert (a.before, a.after, a.head_version, a.time, a.level) == (10.0, 25.0, 4, 5.0, "warn")
+    assert "capture" in a.text and "sample-fraction" in a.text
+
+
+def test_config_errors_name_the_field():
+    for kw, field in (({"window_s": 0}, "window_s"), ({"min_steps_per_min": -1}, "min_steps_per_min"),
+                      ({"min_dropped": 0}, "min_dropped"), ({"repeat_s": 0}, "repeat_s")):
+        with pytest.raises(ConfigError, match=field):
+            StarvationConfig(**kw)
