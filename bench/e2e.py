@@ -20,7 +20,8 @@ and online-spec from a random day-0 head: `tokens_to_beat_plain_from_day0`, the 
 server committed up to the end of the first 10 s window whose tokens/s beat plain decoding's
 overall tokens/s (None if none did).
 
-Per configuration and per phase: tokens/s, accept_len (bonus excluded) and accept_length
+Per phase, online-spec's ratios to static + SGLang adaptive, static and plain (`per_phase_ratios`,
+beside the overall ones). Per configuration and per phase: tokens/s, accept_len (bonus excluded) and accept_length
 (bonus included), TPOT p50/p99; for online-spec also the time and tokens to adapt after each
 shift (`report.adaptation`). Timings are never asserted; a shared machine moves them 20-40 %.
 
@@ -173,14 +174,14 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     runs = phases(items)
     targs = (DEMO_TRAINER_ARGS if trainer_args is None else trainer_args) + cfg.trainer_args.split()
 
-    def session(name, items_, **kw):
+    def session(name, items_, what: str = "", **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     tree_candidates=cfg.policy_tree_list(),
                     max_tokens=cfg.max_tokens, deadline_s=cfg.deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device)
         t0 = time.time()
-        print(f"== {name}", flush=True)
+        print(f"== {name}" + (f": {what}" if what else ""), flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))
         figs["wall_s"] = time.time() - t0
         return figs
@@ -193,8 +194,9 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     calib = {}
     ks = [int(s) for s in cfg.calib_steps.split(",") if s.strip()]
     for k in ks if len(ks) > 1 else []:
-        calib[k] = session(f"calib-k{k}", calib_items, num_steps=k, progress_every_s=0,
-                           **alone)["overall"]["tokens_per_s"]
+        calib[k] = session(f"calib-k{k}", calib_items, num_steps=k, progress_every_s=0, **alone,
+                           what=f"calibrating the static K: K = {k} serves the first {len(calib_items)} requests of "
+                                f"phase {runs[0][0]!r} (candidates {cfg.calib_steps}; best tokens/s wins)")["overall"]["tokens_per_s"]
     best_k = max(calib, key=lambda k: calib[k] or 0) if calib else ks[0]
     res["static_k"] = {"best": best_k, "tokens_per_s_by_k": calib,
                        "how": f"each K served the first {len(calib_items)} requests of phase {runs[0][0]!r}; "
@@ -280,6 +282,7 @@ def median_headline(heads: list[dict]) -> dict:
         vals = [h[k] for h in heads if h[k] is not None]
         out[k] = statistics.median(vals) if len(vals) == len(heads) else None
     out["per_phase"] = _median_tree([h["per_phase"] for h in heads])
+    out["per_phase_ratios"] = _median_tree([h["per_phase_ratios"] for h in heads])
     if "overhead_split" in out:
         out["overhead_split"] = _median_tree([h["overhead_split"] for h in heads])
     if "ceiling" in out:
@@ -325,6 +328,11 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
            "speedup_vs_sglang_default_tree": _ratio(tps("online_spec"), tps("sglang_default_tree")),
            "tree_vs_static": _ratio(tps("sglang_default_tree"), tps("static")),
            "per_phase": {p: {name: phase_figures(c, p) for name, c in configs.items()} for p in phases},
+           "per_phase_ratios": {p: {"speedup_vs_static_sglang_adaptive": _ratio(tps("online_spec", p),
+                                                                                tps("sglang_adaptive", p)),
+                                    "speedup_vs_static": _ratio(tps("online_spec", p), tps("static", p)),
+                                    "speedup_vs_plain": _ratio(tps("online_spec", p), tps("plain", p))}
+                                for p in phases},
            "overall": {name: overall_figures(c) for name, c in configs.items()},
            "adaptation_online_spec": configs["online_spec"]["adaptation"],
            "swaps_online_spec": len(configs["online_spec"]["swaps"]),

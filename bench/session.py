@@ -20,6 +20,7 @@ exits), then SIGKILL after a grace period; control, HTTP and engine threads are 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import shutil
@@ -97,6 +98,7 @@ class SessionResult:
     swaps: list[dict] = field(default_factory=list)
     trainer: dict = field(default_factory=dict)
     done: int = 0
+    phase: str = ""  # the phase of the request that finished last: the phase being served
     server_info: dict = field(default_factory=dict)
     policy_log: list[dict] = field(default_factory=list)  # the K policy's info() with each progress line
     trace_lines: int = 0  # lines of the trace given to the session (served or skipped)
@@ -207,6 +209,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         progress.start()
         def on_done(res: RequestResult) -> None:
             result.done += 1
+            result.phase = res.phase
 
         result.requests = asyncio.run(replay(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
                                              on_done=on_done, phase_budget_s=cfg.phase_budget_s or None))
@@ -226,6 +229,11 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
                 except Exception:  # noqa: BLE001 - keep cleaning up the rest
                     log.exception("closing %r failed", closer)
         shutil.rmtree(sock_dir, ignore_errors=True)
+        # the engine's KV caches (GBs at a long max_len) sit in reference cycles (hooks, policy,
+        # threads' closures): collected now, so a bench running session after session holds one
+        # session's caches, not all of them (an e2e --quick run grew to ~19 GB and was OOM-killed)
+        control = http = server = None
+        gc.collect()
     return result
 
 
@@ -339,7 +347,8 @@ def _progress(server, result: SessionResult, total: int, cfg: SessionConfig, sto
 def progress_line(name: str, result: SessionResult, rounds: list[dict], every_s: float, head_version: int,
                   total: int, trainer_step: int | None | bool = False) -> str:
     """What the loop did over the last `every_s` seconds (`rounds`): times from the start of traffic;
-    accept_len and K per batch size as `b2:...`, the plots' labels (K: the last K at that batch
+    the phase being served (of the request that finished last); accept_len and K per batch size as
+    `b2:...`, the plots' labels (K: the last K at that batch
     size); `trainer_step` None = the trainer has not trained yet, False = no trainer."""
     per_batch: dict[int, list] = {}
     for r in rounds:
@@ -350,6 +359,7 @@ def progress_line(name: str, result: SessionResult, rounds: list[dict], every_s:
     ks = " ".join(f"b{b}:{k}" for b, k in sorted(k_by_batch.items())) or "-"
     tps = sum(r["committed"] for r in rounds) / every_s
     trainer = "" if trainer_step is False else f"  trainer step {'-' if trainer_step is None else trainer_step}"
-    return (f"[{name} {time.time() - result.serve_t0:5.0f}s] rounds {len(result.rounds):5d}  tok/s {tps:5.1f}  "
+    phase = f" {result.phase}" if result.phase else ""
+    return (f"[{name} {time.time() - result.serve_t0:5.0f}s{phase}] rounds {len(result.rounds):5d}  tok/s {tps:5.1f}  "
             f"accept_len {acc}  K {ks}  head v{head_version}  swaps {len(result.swaps)}{trainer}  "
             f"alerts {len(result.alerts)}  done {result.done}/{total}")

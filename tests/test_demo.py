@@ -164,6 +164,12 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
     assert rep["static_k"]["best"] == 2 and rep["configs"]["static"]["timeline"]["num_steps_per_slot"]
     assert rep["tokens_to_beat_plain_from_day0"] is None  # --no-day0: reported, not invented
     assert set(rep["per_phase"]) == {"chat", "code", "mix"}
+    for p, ratios in rep["per_phase_ratios"].items():  # beside the overall: online-spec over each reference
+        figs = rep["per_phase"][p]
+        assert ratios["speedup_vs_static"] == pytest.approx(figs["online_spec"]["tokens_per_s"]
+                                                            / figs["static"]["tokens_per_s"])
+        assert ratios["speedup_vs_plain"] == pytest.approx(figs["online_spec"]["tokens_per_s"]
+                                                           / figs["plain"]["tokens_per_s"])
     assert rep["overall"]["plain"]["accept_len"] is None and rep["overall"]["static"]["accept_len"] is not None
     assert rep["speedup_vs_static_sglang_adaptive"] > 0 and rep["speedup_vs_plain_bs1_adapted"] > 0
 
@@ -214,6 +220,7 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
         return {"speedup_vs_static_sglang_adaptive": r_adapt, "speedup_vs_static": 1.0, "speedup_vs_plain": 1.1,
                 "speedup_vs_plain_bs1_adapted": r_bs1, "speedup_vs_sglang_default_tree": 1.2, "tree_vs_static": 1.0,
                 "per_phase": {"chat": {"online_spec": {"tokens_per_s": tps_online, "accept_len": acc}}},
+                "per_phase_ratios": {"chat": {"speedup_vs_static": r_adapt}},
                 "overall": {"online_spec": {"tokens_per_s": tps_online, "accept_len": acc, "failed": 0}},
                 "adaptation_online_spec": [], "swaps_online_spec": 0, "alerts_online_spec": 0,
                 "targets": {}, "met": {}}
@@ -222,6 +229,7 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
     assert out["speedup_vs_static_sglang_adaptive"] == 1.0 and out["speedup_vs_plain_bs1_adapted"] == 1.5
     assert out["overall"]["online_spec"]["tokens_per_s"] == 100.0
     assert out["per_phase"]["chat"]["online_spec"]["accept_len"] is None  # missing in one repeat
+    assert out["per_phase_ratios"]["chat"]["speedup_vs_static"] == 1.0
     assert out["met"] == {"speedup_vs_static_sglang_adaptive": False, "speedup_vs_plain_bs1_adapted": False}
     assert median_headline([head(1.3, 2.5, 1.0, 1.0)] * 2)["met"] == {"speedup_vs_static_sglang_adaptive": True,
                                                                      "speedup_vs_plain_bs1_adapted": True}

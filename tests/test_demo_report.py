@@ -74,6 +74,9 @@ def test_console_labels_k_by_batch_size_as_the_plot_does():
     assert "K b1:3 b2:3" in line and "accept_len b1:1.50 b2:1.50" in line
     assert "trainer step -" in line and "head v2" in line and "K/slot" not in line
     assert "trainer" not in progress_line("x", res, res.rounds, 5.0, 0, 10)
+    res.phase = "code"  # the phase of the request that finished last
+    assert progress_line("x", res, res.rounds, 5.0, 0, 10).startswith("[x ") and "s code] rounds" in \
+        progress_line("x", res, res.rounds, 5.0, 0, 10)
 
 
 TRAINER_LOG = """\
