@@ -4,6 +4,7 @@
 - `daemon`       `TrainerDaemon`, `online-spec train`: subscriber -> replay buffer -> distill ->
                  gate -> checkpoint -> swap over the control endpoint, rollback watch (`train_cli`
                  builds it from flags)
+- `starvation_watch`  the daemon's starvation alerts: when it checks, what it reads, where they go
 - `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, deals micro-batches,
                  publishes); `launch`: `online-spec train --ranks N` starts and watches them
 - `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the

@@ -44,17 +44,17 @@ import torch
 from collector.replay import ReplayBuffer, ReplayConfig
 from collector.span import CaptureSpan
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
-from online_spec.alerts import LogAlertSink, WandbAlertSink, fan_out
 from online_spec.checkpoint import META, load_head
 from online_spec.config import check, doc
 from online_spec.head import EagleHead, new_head
 from online_spec.starvation import KINDS as STARVATION_KINDS
-from online_spec.starvation import StarvationConfig, StarvationDetector
+from online_spec.starvation import StarvationConfig
 from trainer.batch import collate
 from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.evaluate import acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
+from trainer.starvation_watch import StarvationWatch
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,6 @@ class HeadPublisher(Protocol):
     def rollback(self) -> dict: ...
     # optional: `info() -> {"head_version": N, ...}` (the server's live version), used to number
     # published versions after it; `request("trainer_alert", alert_dict)`, the trainer's own alerts
-
-
-STARVATION_CHECK_S = 5.0  # how often the daemon asks whether it is starved (a control `info` call)
 
 
 @dataclass
@@ -154,10 +151,8 @@ class TrainerDaemon:
         self.last_refused = ""
         self.failed_steps = self.failed_evals = 0
         self._last_warn: dict[str, float] = {}
-        self.starvation = StarvationDetector(starvation_cfg or StarvationConfig())
-        self.starvation_alerts = 0
-        self._starvation_checked = 0.0
-        self._alert_sinks: list = [LogAlertSink(log)] + ([WandbAlertSink(wandb_run)] if wandb_run is not None else [])
+        self.starvation_watch = StarvationWatch(starvation_cfg, wandb_run)
+        self.starvation = self.starvation_watch.detector
 
     # -- inputs ---------------------------------------------------------------------------
     def span_error(self, span: CaptureSpan) -> str | None:
@@ -245,37 +240,10 @@ class TrainerDaemon:
                 self._warn("eval", f"evaluation failed ({type(e).__name__}: {e}); training goes on")
 
     def watch_starvation(self, now: float | None = None) -> list:
-        """Every STARVATION_CHECK_S: too few steps while traffic waits, or capture records dropped
-        on the way (the server's publisher; without a server, the stream's gaps)? Alerts go to the
-        log, W&B and the server (control `trainer_alert`: its /server_info, Prometheus, W&B)."""
-        now = time.monotonic() if now is None else now
-        if now - self._starvation_checked < STARVATION_CHECK_S:
-            return []
-        self._starvation_checked = now
-        alerts = self.starvation.update(now, self.distiller.step, self.buffer.num_tokens >= self.cfg.min_buffer_tokens,
-                                        self._capture_dropped(), self.state["live_version"], time.time())
-        for alert in alerts:
-            self.starvation_alerts += 1
-            fan_out(alert, self._alert_sinks)
-            report = getattr(self.publisher, "request", None)
-            if report is not None:
-                try:
-                    report("trainer_alert", alert.to_dict())
-                except Exception as e:  # noqa: BLE001 - the server may be busy or older; the log has it
-                    log.warning("could not report the %s alert to the server: %s", alert.kind, e)
-        return alerts
-
-    def _capture_dropped(self) -> int:
-        """Capture records lost before this trainer stored them: the server publisher's drops
-        (control `info`), else the gaps the subscriber saw."""
-        info = getattr(self.publisher, "info", None)
-        if info is not None:
-            try:
-                pub = info().get("capture_publisher") or {}
-                return int(pub.get("dropped_hwm", 0)) + int(pub.get("dropped_queue_full", 0))
-            except Exception:  # noqa: BLE001 - unreachable now: the stream's own count
-                pass
-        return int(self.subscriber.assembler.gaps) if self.subscriber is not None else 0
+        """Too few steps while traffic waits, or capture dropped on the way? (`StarvationWatch`)"""
+        return self.starvation_watch.check(time.monotonic() if now is None else now, self.distiller.step,
+                                           self.buffer.num_tokens >= self.cfg.min_buffer_tokens, self.publisher,
+                                           self.subscriber, self.state["live_version"])
 
     def _usable(self, spans: list) -> list:
         """`spans` without those that do not fit the target (stored before they were checked)."""
@@ -497,7 +465,7 @@ class TrainerDaemon:
                 "rested_s": round(self._rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
-                "starvation_alerts": self.starvation_alerts, "starved": self.starvation.active}
+                "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active}
 
 
 def install_signal_handlers(daemon) -> None:

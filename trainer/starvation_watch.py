@@ -1,0 +1,58 @@
+"""The daemon's side of starvation alerts: when to ask, what it reads, where alerts go.
+
+`StarvationWatch.check` runs the pure detector (`online_spec/starvation.py`) every
+`STARVATION_CHECK_S` with the trainer's steps, whether traffic waits in its buffer, and the
+capture records dropped on the way (the server publisher's drops via control `info`; without a
+server, the gaps the subscriber saw). Each alert goes to the log (with what to do), the trainer's
+W&B run and the server (control `trainer_alert`: its /server_info, Prometheus and W&B).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from online_spec.alerts import LogAlertSink, WandbAlertSink, fan_out
+from online_spec.starvation import StarvationConfig, StarvationDetector
+
+log = logging.getLogger("trainer.daemon")
+
+STARVATION_CHECK_S = 5.0  # how often the daemon asks whether it is starved (a control `info` call)
+
+
+class StarvationWatch:
+    def __init__(self, cfg: StarvationConfig | None, wandb_run=None):
+        self.detector = StarvationDetector(cfg or StarvationConfig())
+        self.alerts = 0
+        self._checked = 0.0
+        self._sinks: list = [LogAlertSink(log)] + ([WandbAlertSink(wandb_run)] if wandb_run is not None else [])
+
+    def check(self, now: float, steps: int, trainable: bool, publisher, subscriber, head_version: int) -> list:
+        """The alerts raised by this check ([] between checks); `publisher`: the daemon's control
+        client (or None)."""
+        if now - self._checked < STARVATION_CHECK_S:
+            return []
+        self._checked = now
+        alerts = self.detector.update(now, steps, trainable, self.dropped(publisher, subscriber), head_version, time.time())
+        for alert in alerts:
+            self.alerts += 1
+            fan_out(alert, self._sinks)
+            report = getattr(publisher, "request", None)
+            if report is not None:
+                try:
+                    report("trainer_alert", alert.to_dict())
+                except Exception as e:  # noqa: BLE001 - the server may be busy or older; the log has it
+                    log.warning("could not report the %s alert to the server: %s", alert.kind, e)
+        return alerts
+
+    def dropped(self, publisher, subscriber) -> int:
+        """Capture records lost before the trainer stored them: the server publisher's drops
+        (control `info`), else the gaps the subscriber saw."""
+        info = getattr(publisher, "info", None)
+        if info is not None:
+            try:
+                pub = info().get("capture_publisher") or {}
+                return int(pub.get("dropped_hwm", 0)) + int(pub.get("dropped_queue_full", 0))
+            except Exception:  # noqa: BLE001 - unreachable now: the stream's own count
+                pass
+        return int(subscriber.assembler.gaps) if subscriber is not None else 0
