@@ -174,9 +174,14 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
     seconds = t[-1] - t[warmup]
     rows = sum(x["rows"] for rank in lines for x in rank if x["step"] > steps[warmup])
     per_rank = [statistics.median(x["rows"] for x in rank[warmup + 1:]) for rank in lines]
+
+    def med(key: str) -> list:
+        return [round(1e3 * statistics.median(x.get(key, 0.0) for x in rank[warmup + 1:]), 2) for rank in lines]
     return {"steps": len(steps), "timed_steps": timed, "seconds": round(seconds, 3),
             "steps_per_s": round(timed / seconds, 3), "rows_per_s": round(rows / seconds, 1),
-            "rows_per_rank_step_median": per_rank}
+            "rows_per_rank_step_median": per_rank,
+            # per rank, median ms a step waited for its micro-batch (data-bound when large) and trained
+            "wait_ms_median": med("wait_s"), "train_ms_median": med("train_s")}
 
 
 def run_once(cfg: RanksBenchConfig, buffer: Path, mode: str, n: int, rep: int) -> dict:

@@ -51,7 +51,7 @@ import numpy as np
 
 from online_spec.config import check, doc
 
-from collector.shards import dir_bytes, read_shard, remove_partial, row_to_span, write_shard
+from collector.shards import dir_bytes, read_rows, read_shard, remove_partial, row_to_span, write_shard
 from collector.span import CaptureSpan
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,20 @@ def is_heldout(request_id: str, every: int) -> bool:
 
 @dataclass
 class _Pool:
-    """Spans to draw from: their row counts and a way to fetch span i."""
+    """Spans to draw from: their row counts and a way to fetch rows lo..hi-1 of span i."""
 
     lens: np.ndarray
-    get: Callable[[int], CaptureSpan]
+    get: Callable[[int, int, int], CaptureSpan]
+
+    @classmethod
+    def of(cls, spans: list[CaptureSpan]) -> "_Pool":
+        """A pool of spans in memory."""
+        return cls(np.array([s.num_rows for s in spans], dtype=np.int64),
+                   lambda i, lo, hi: _window(spans[i], lo, hi))
+
+
+def _window(span: CaptureSpan, lo: int, hi: int) -> CaptureSpan:
+    return span if (lo, hi) == (0, span.num_rows) else span.slice(lo, hi)
 
 
 class _Generation:
@@ -115,6 +125,10 @@ class _Generation:
 
     def span(self, split: str, i: int) -> CaptureSpan:
         return row_to_span(self.data[split][int(i)])
+
+    def rows(self, split: str, i: int, lo: int, hi: int) -> CaptureSpan:
+        """Rows lo..hi-1 of span i, only their bytes read (`collector.shards.read_rows`)."""
+        return read_rows(self.data[split], i, lo, hi)
 
 
 class ReplayBuffer:
@@ -197,7 +211,7 @@ class ReplayBuffer:
         with self._lock:
             out: list[CaptureSpan] = []
             recent = list(self._recent)
-            recent_pool = [_Pool(np.array([s.num_rows for s in recent], dtype=np.int64), recent.__getitem__)]
+            recent_pool = [_Pool.of(recent)]
             cut = not self.cfg.whole_spans
             got = _draw(out, round(max_tokens * self.cfg.recent_fraction), recent_pool, rng, cut)
             _draw(out, max_tokens - got, self._pools("train"), rng, cut)
@@ -267,9 +281,9 @@ class ReplayBuffer:
     # ---- internals ------------------------------------------------------------------------------
 
     def _pools(self, split: str) -> list[_Pool]:
-        pools = [_Pool(g.lens[split], lambda i, g=g: g.span(split, i)) for g in self._gens if len(g.lens[split])]
-        pending = list(self._pending[split])
-        pools.append(_Pool(np.array([s.num_rows for s in pending], dtype=np.int64), pending.__getitem__))
+        pools = [_Pool(g.lens[split], lambda i, lo, hi, g=g: g.rows(split, i, lo, hi))
+                 for g in self._gens if len(g.lens[split])]
+        pools.append(_Pool.of(list(self._pending[split])))
         return pools
 
     def _iter_split(self, split: str, newest: bool, tag: str | None = None):
@@ -379,11 +393,9 @@ def _draw(out: list[CaptureSpan], budget: int, pools: list[_Pool], rng: np.rando
     while got < budget:
         flat = int(np.searchsorted(cum, rng.integers(0, cum[-1]), side="right"))
         k = int(np.searchsorted(pool_end, flat, side="right"))
-        span = pools[k].get(flat - (int(pool_end[k - 1]) if k else 0))
-        take = min(span.num_rows, budget - got) if cut else span.num_rows
-        if take < span.num_rows:
-            lo = int(rng.integers(0, span.num_rows - take + 1))
-            span = span.slice(lo, lo + take)
-        out.append(span)
+        n = int(lens[flat])
+        take = min(n, budget - got) if cut else n
+        lo = int(rng.integers(0, n - take + 1)) if take < n else 0
+        out.append(pools[k].get(flat - (int(pool_end[k - 1]) if k else 0), lo, lo + take))
         got += take
     return got

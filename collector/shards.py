@@ -106,6 +106,53 @@ def row_to_span(row: dict) -> CaptureSpan:
     return span
 
 
+def read_rows(ds: datasets.Dataset, i: int, lo: int = 0, hi: int | None = None) -> CaptureSpan:
+    """Rows lo..hi-1 of span `i` of a shard, straight from the memory-mapped Arrow table: only
+    those rows' bytes are copied, and no Python lists are built (what `row_to_span` of the whole
+    row then `CaptureSpan.slice` returns, at a fraction of the cost: the replay buffer's draws).
+    Schema and shapes are checked (ValueError); values are not re-scanned for non-finite numbers:
+    the replay buffer validated every span before writing it, and a corrupted value reaches the
+    distiller as a non-finite loss, a dropped step."""
+    if i < 0:
+        raise IndexError(f"span {i} outside a shard of {len(ds)} spans")
+    k = int(i) if ds._indices is None else ds._indices.column(0)[int(i)].as_py()  # a select()ed dataset
+    row = ds.data.table.slice(k, 1)
+    one = {name: next((c for c in row.column(name).chunks if len(c)), None) for name in row.column_names}
+    if one["schema"] is None:
+        raise IndexError(f"span {i} outside a shard of {len(ds)} spans")
+    if one["schema"][0].as_py() != SCHEMA_VERSION:
+        raise ValueError(f"span row of schema {one['schema'][0].as_py()}, this reader understands {SCHEMA_VERSION}")
+    n, hidden = one["num_rows"][0].as_py(), one["hidden_size"][0].as_py()
+    hi = n if hi is None else hi
+    if not 0 <= lo < hi <= n:
+        raise ValueError(f"rows {lo}:{hi} outside a span of {n} rows")
+    dtype = FLOAT_DTYPES[one["float_dtype"][0].as_py()]
+    shapes = row_shapes(n, hidden)
+
+    def floats(name: str) -> torch.Tensor:
+        width = shapes[name][1]
+        buf = one[name][0].as_buffer()
+        if buf is None or buf.size != n * width * dtype.itemsize:
+            size = 0 if buf is None else buf.size
+            raise ValueError(f"stored {name} has {size} bytes, expected {n * width * dtype.itemsize} "
+                             f"for [{n}, {width}] {dtype}")
+        part = memoryview(buf)[lo * width * dtype.itemsize:hi * width * dtype.itemsize]
+        return torch.frombuffer(bytearray(part), dtype=torch.uint8).view(dtype).reshape(hi - lo, width)
+
+    def ints(name: str, a: int, b: int, want: int, dtype_: torch.dtype) -> torch.Tensor:
+        values = one[name].flatten()
+        if len(values) != want:
+            raise ValueError(f"stored {name} has {len(values)} values, expected {want}")
+        return torch.from_numpy(values.slice(a, b - a).to_numpy(zero_copy_only=False).copy()).to(dtype_)
+
+    return CaptureSpan(
+        request_id=one["request_id"][0].as_py(), first_pos=one["first_pos"][0].as_py() + lo,
+        tokens=ints("tokens", lo, hi + 1, n + 1, torch.int64),
+        features=floats("features"), final_hidden=floats("final_hidden"), tag=one["tag"][0].as_py(),
+        **{name: ints(name, lo, hi, n, PER_ROW_DTYPES[name]) for name in PER_ROW},
+    )
+
+
 def write_shard(spans: list[CaptureSpan], path: str | Path) -> int:
     """Write one shard atomically (temporary directory, then rename); returns its bytes on disk."""
     path = Path(path)

@@ -19,7 +19,8 @@ def write_journal(run_dir, rank, times, rows):
     (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "ranks" / f"rank{rank}.jsonl", "w") as f:
         for i, (t, n) in enumerate(zip(times, rows)):
-            f.write(json.dumps({"step": i + 1, "time": t, "rows": n}) + "\n")
+            f.write(json.dumps({"step": i + 1, "time": t, "rows": n, "wait_s": 0.001 * rank * (i + 1),
+                                "train_s": 0.02}) + "\n")
 
 
 def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
@@ -31,6 +32,8 @@ def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
     assert f["steps_per_s"] == 1.0
     assert f["rows_per_s"] == round(3 * 190 / 3.0, 1)
     assert f["rows_per_rank_step_median"] == [100, 90]
+    # per rank, the median wait for its micro-batch and training time of the timed steps (3..5)
+    assert f["wait_ms_median"] == [0.0, 4.0] and f["train_ms_median"] == [20.0, 20.0]
     with pytest.raises(RuntimeError, match="too few"):
         journal_figures(tmp_path, 2, warmup=4)
 

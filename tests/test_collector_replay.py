@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from collector.replay import ReplayBuffer, ReplayConfig, is_heldout
-from collector.shards import load_dataset_dir, load_spans, save_spans, shard_paths
+from collector.shards import load_dataset_dir, load_spans, read_rows, read_shard, row_to_span, save_spans, shard_paths
 from collector.span import CaptureSpan
 from collector_records import bits, request_records
 from online_spec.config import ConfigError
@@ -56,6 +56,38 @@ def test_save_and_load_spans_round_trip_across_shards(tmp_path: Path, dtype):
     assert len(ds) == 9 and ds[4]["request_id"] == "req-4" and ds[4]["num_rows"] == spans[4].num_rows
     more = save_spans([make_span(100, dtype=dtype)], tmp_path / "pretrain")  # appends after the others
     assert more[0].name == f"shard-{len(written):05d}" and len(load_spans(tmp_path / "pretrain")) == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_read_rows_is_the_slice_of_the_stored_span(tmp_path: Path, dtype):
+    # the replay buffer's draws read only a window's bytes; what they read must be exactly the
+    # window of the span row_to_span decodes (every column, any window, a concatenated dataset too)
+    spans = [make_span(i, rounds=1 + i % 4, dtype=dtype) for i in range(6)]
+    save_spans(iter(spans), tmp_path / "d", shard_bytes=2 * spans[0].nbytes)
+    for ds in [read_shard(p) for p in shard_paths(tmp_path / "d")] + [load_dataset_dir(tmp_path / "d")]:
+        for i in range(len(ds)):
+            full = row_to_span(ds[i])
+            n = full.num_rows
+            for lo, hi in ((0, n), (1, n), (0, 1), (n // 2, n // 2 + 1), (n - 1, n)):
+                got = read_rows(ds, i, lo, hi)
+                assert_spans_equal(got, full.slice(lo, hi))
+                assert got.features.dtype == dtype and got.features.is_contiguous()
+    picked = load_dataset_dir(tmp_path / "d").select([4, 1])  # a dataset with an index mapping
+    assert_spans_equal(read_rows(picked, 0, 1, 2), row_to_span(picked[0]).slice(1, 2))
+    ds = read_shard(shard_paths(tmp_path / "d")[0])
+    with pytest.raises(ValueError, match="outside"):
+        read_rows(ds, 0, 0, ds[0]["num_rows"] + 1)
+    with pytest.raises(IndexError):
+        read_rows(ds, len(ds))
+
+
+def test_read_rows_refuses_a_row_whose_bytes_do_not_match_its_shape(tmp_path: Path):
+    span = make_span(1)
+    save_spans([span], tmp_path / "d")
+    ds = read_shard(shard_paths(tmp_path / "d")[0])
+    bad = ds.map(lambda r: {"features": r["features"][:-2]})  # a torn write: 2 bytes short
+    with pytest.raises(ValueError, match="stored features has"):
+        read_rows(bad, 0)
 
 
 def test_heldout_and_train_are_split_by_request(tmp_path: Path):

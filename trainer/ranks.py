@@ -120,7 +120,7 @@ def send_batch(packed: dict | None, spans: list, dst: int, group, end: bool = Fa
         dist.send(packed[n].contiguous().reshape(-1).view(torch.uint8), dst, group=group)
 
 
-def recv_batch(group) -> tuple[str, TrainBatch | None, list]:
+def recv_batch(group, pin: bool = False) -> tuple[str, TrainBatch | None, list]:
     """("batch", this rank's micro-batch, its spans), ("skip", None, []) or ("end", None, [])."""
     import torch.distributed as dist
 
@@ -137,14 +137,14 @@ def recv_batch(group) -> tuple[str, TrainBatch | None, list]:
         buf = torch.empty(math.prod(shape) * torch.empty(0, dtype=dt).element_size(), dtype=torch.uint8)
         dist.recv(buf, 0, group=group)
         out[name] = buf.view(dt).reshape(shape)
-    return "batch", unpack(out), header["spans"]
+    return "batch", unpack(out, pin), header["spans"]
 
 
 class DataPipe:
     """The data path one step ahead of training, on its own gloo group and thread per rank.
 
     Rank 0 (`daemon` given): once the buffer holds `min_buffer_tokens`, draw the next step's N
-    micro-batches, send micro-batch r (packed, `trainer.batch.pack`) to rank r and queue its own.
+    micro-batches (reading only the drawn rows' bytes from the buffer's shards), send micro-batch r (packed, `trainer.batch.pack`) to rank r and queue its own.
     Rank r > 0: receive, unpack, queue. While the ranks train on step k, step k + 1 is drawn,
     packed, sent and padded (the drawing, the transfer and the padding were most of a step's
     time on an H100 with 2 ranks). Every rank takes one item per training step (`next`), so the
@@ -152,8 +152,8 @@ class DataPipe:
     each rank an end mark, the receivers drain until it, so no send is left waiting."""
 
     def __init__(self, rank: int, world: int, group, daemon: TrainerDaemon | None, per_rank: int,
-                 min_tokens: int, idle_s: float):
-        self.rank, self.world, self.group, self.daemon = rank, world, group, daemon
+                 min_tokens: int, idle_s: float, pin: bool = False):
+        self.rank, self.world, self.group, self.daemon, self.pin = rank, world, group, daemon, pin
         self.per_rank, self.min_tokens, self.idle_s = per_rank, min_tokens, idle_s
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
@@ -205,14 +205,14 @@ class DataPipe:
                 dealt = [span_names(x) for x in draws]
                 for r in range(1, self.world):
                     send_batch(pack(draws[r]), dealt[r], r, self.group)
-                self._put((collate(draws[0]), dealt[0], dealt))
+                self._put((collate(draws[0], self.pin), dealt[0], dealt))
         finally:
             for r in range(1, self.world):
                 send_batch(None, [], r, self.group, end=True)
 
     def _receive(self) -> None:
         while True:
-            kind, batch, spans = recv_batch(self.group)
+            kind, batch, spans = recv_batch(self.group, self.pin)
             if kind == "end":
                 return
             self._put((batch, spans, []))  # once stopping: dropped, the receive goes on to the end mark
@@ -278,7 +278,8 @@ class RankLoop:
         if d is not None:
             d.subscriber = CaptureSubscriber(d.subscriber_cfg, on_span=d.on_span).start()
         self.pipe = DataPipe(self.rank, self.world, self.data_group, d, math.ceil(self.dcfg.batch_tokens / self.world),
-                             self.dcfg.min_buffer_tokens, self.dcfg.idle_sleep_s)
+                             self.dcfg.min_buffer_tokens, self.dcfg.idle_sleep_s,
+                             pin=self.distiller.device.type == "cuda")  # batches leave for the GPU asynchronously
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         clean = False
         try:
@@ -324,9 +325,11 @@ class RankLoop:
 
     def step_once(self) -> bool:
         """Deal, train, commit, and on rank 0 evaluate/publish; False if the step was skipped."""
+        t0 = time.perf_counter()
         batch, spans, dealt = self.deal()
         if batch is None:
             return False
+        t1 = time.perf_counter()
         try:
             metrics = self.distiller.train_step(batch)
         except StepDropped as e:  # every rank raised it: they stay in step
@@ -347,7 +350,10 @@ class RankLoop:
             # per span the sum of the token ids of its rows, from the tensors trained on: an audit
             # that a rank's rows are the spans it was dealt
             sums = (batch.tokens[:, :-1] * batch.row_mask).sum(1).tolist()
+            # wait_s: this rank waited for its micro-batch (the data path behind training);
+            # train_s: the step itself (forward, backward, gradient all-reduce, optimizer)
             line = {"step": step, "rows": batch.num_rows, "spans": spans, "token_sums": sums, "time": time.time(),
+                    "wait_s": round(t1 - t0, 5), "train_s": round(time.perf_counter() - t1, 5),
                     **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
             if self.daemon is not None and self.daemon.state["published"] and \
                     self.daemon.state["published"][-1]["step"] == step:
