@@ -181,7 +181,11 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
             "steps_per_s": round(timed / seconds, 3), "rows_per_s": round(rows / seconds, 1),
             "rows_per_rank_step_median": per_rank,
             # per rank, median ms a step waited for its micro-batch (data-bound when large) and trained
-            "wait_ms_median": med("wait_s"), "train_ms_median": med("train_s")}
+            "wait_ms_median": med("wait_s"), "train_ms_median": med("train_s"),
+            "agree_ms_median": med("agree_s"), "after_ms_median": med("after_s"),
+            # padding: the rows a step computes (batch rows x its longest) over those it trains on
+            "padded_over_rows_median": [round(statistics.median(x.get("padded", x["rows"]) / x["rows"]
+                                                                for x in rank[warmup + 1:]), 3) for rank in lines]}
 
 
 def run_once(cfg: RanksBenchConfig, buffer: Path, mode: str, n: int, rep: int) -> dict:

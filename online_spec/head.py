@@ -128,6 +128,17 @@ class EagleHead(nn.Module):
         """embeds [B,T,H] (the target's embeddings of the next tokens), hidden [B,T,3H|H],
         cos/sin [B,T,hd]; `attend(q, k, v) -> [B,T,nh*hd]` does the cached (or training) attention.
         Returns (draft logits [B,T,V_d], output hidden [B,T,H])."""
+        h = self.hidden_out(embeds, hidden, cos, sin, attend)
+        return self.logits(h), h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits [.., V_d] of output hidden states h [.., H]."""
+        return self.lm_head(self.norm(h))
+
+    def hidden_out(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend) -> torch.Tensor:
+        """`forward` without the lm_head: output hidden [B,T,H] (training takes logits only of
+        the rows its loss reads: the lm_head is most of a step's work, and padding none of it)."""
         hidden, x = self._attention_input(embeds, hidden)
         layer, a = self.midlayer, self.midlayer.self_attn
         B, T, _ = embeds.shape
@@ -135,8 +146,7 @@ class EagleHead(nn.Module):
         k, v = self._rope_kv(x, cos, sin)
         q = _rope(q, cos, sin)
         h = hidden + a.o_proj(attend(q, k, v))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h)), h
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def kv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,8 @@
 #   1. bash scripts/gpu_ranks_device.sh part .gpu/a          (carry .gpu/a: gguf.part.00)
 #   2. bash scripts/gpu_ranks_device.sh part .gpu/b          (carry .gpu/b: gguf.part.01)
 #   3. bash scripts/gpu_ranks_device.sh run .gpu/c           (carry .gpu/c: whl/, head/, inputs)
-#      installs, converts the model, runs bench ranks, starts bench e2e in its own session, follows
+#      installs, converts the model, runs bench ranks (REPEATS=N: medians of N), then, given
+#      bench e2e flags after .gpu/c, starts bench e2e in its own session and follows it
 #   4. bash scripts/gpu_ranks_device.sh follow               (until the e2e ends; JSON + logs to $OUT)
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
@@ -57,11 +58,13 @@ m = [d.train_step(collate(recs)) for _ in range(3)]
 print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss'], 3), '->', round(m[-1]['loss'], 3))
 " 2>&1 | grep -v "Loading weights" | tail -n 5
     python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes strong,weak --steps ${STEPS:-40} \
+        --repeats ${REPEATS:-1} \
         --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
         --json $W/gpu_ranks.json 2>&1 | grep -v "Loading weights" > $W/ranks.log
     tail -n 40 $W/ranks.log
     for f in $W/ranks/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 4; done
     cp $W/gpu_ranks.json $W/ranks.log $OUT/ 2>/dev/null
+    [ $# -eq 0 ] && exit 0  # no e2e flags: bench ranks only
     cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device cuda:1 --trace $W/trace.jsonl $(printf '%q ' "$@")"
     cmd="$cmd --json $W/gpu_e2e.json --out $W/run"
     echo "$cmd" > $W/e2e_cmd.txt; echo "$cmd"

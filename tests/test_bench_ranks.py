@@ -20,7 +20,7 @@ def write_journal(run_dir, rank, times, rows):
     with open(run_dir / "ranks" / f"rank{rank}.jsonl", "w") as f:
         for i, (t, n) in enumerate(zip(times, rows)):
             f.write(json.dumps({"step": i + 1, "time": t, "rows": n, "wait_s": 0.001 * rank * (i + 1),
-                                "train_s": 0.02}) + "\n")
+                                "train_s": 0.02, "padded": 2 * n}) + "\n")
 
 
 def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
@@ -34,6 +34,7 @@ def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
     assert f["rows_per_rank_step_median"] == [100, 90]
     # per rank, the median wait for its micro-batch and training time of the timed steps (3..5)
     assert f["wait_ms_median"] == [0.0, 4.0] and f["train_ms_median"] == [20.0, 20.0]
+    assert f["padded_over_rows_median"] == [2.0, 2.0]
     with pytest.raises(RuntimeError, match="too few"):
         journal_figures(tmp_path, 2, warmup=4)
 

@@ -91,6 +91,42 @@ def test_ttt_loss_matches_naive(setup, kind):
     assert math.isclose(float(loss), expected, rel_tol=1e-4)
 
 
+def dense_ttt_loss(head, batch, shared, cfg):
+    """The loss over every position of the padded batch, masked afterwards (what ttt_loss
+    computed before it took logits of the loss's rows only): the reference for its gradients."""
+    B, T = batch.row_mask.shape
+    probs = target_probs(batch, shared)
+    steps = ttt_unroll(head, batch, shared, cfg.ttt_steps)
+    total = 0.0
+    for k, logits in enumerate(steps):
+        n = T - k - 1
+        valid = batch.row_mask[:, k + 1:k + 1 + n] & head.t2d[batch.tokens][:, k + 2:k + 2 + n]
+        w = valid.float() * (1.0 + cfg.rejected_weight * batch.rejected[:, k + 2:k + 2 + n].float())
+        per = token_loss(logits[:, :n], probs[:, k + 1:k + 1 + n], cfg.kind)
+        total = total + cfg.step_decay ** k * (per * w).sum() / w.sum().clamp_min(1.0)
+    return total
+
+
+@pytest.mark.parametrize("kind", ["kl", "neg_log_alpha"])
+def test_ttt_loss_gradients_equal_the_dense_loss(setup, kind):
+    # padding rows and rows without a target take no logits, and change nothing: same loss and
+    # same gradient for every parameter as the loss over the whole padded batch
+    target, head, recs, batch = setup
+    cfg = LossConfig(ttt_steps=K, kind=kind, rejected_weight=1.5)
+    shared = SharedTarget.build(target, head)
+    grads = []
+    for fn in (lambda: ttt_loss(head, batch, shared, cfg)[0], lambda: dense_ttt_loss(head, batch, shared, cfg)):
+        head.zero_grad()
+        loss = fn()
+        loss.backward()
+        grads.append((float(loss), [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+    (a, ga), (b, gb) = grads
+    assert math.isclose(a, b, rel_tol=1e-5) and len(ga) == len(gb) > 5
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-4 * float(y.abs().max()), rtol=1e-4)  # rounding only
+    head.zero_grad()
+
+
 def test_masking_out_of_vocab_changes_loss(setup):
     target, head, recs, batch = setup
     shared = SharedTarget.build(target, head)

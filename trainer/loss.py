@@ -111,6 +111,11 @@ class TTTAttention:
 
 def ttt_unroll(head, batch: TrainBatch, shared: SharedTarget, num_steps: int) -> list[torch.Tensor]:
     """Draft logits [B,T,V_d] of each step k (row p of step k predicts tokens[p+k+2])."""
+    return [head.logits(h) for h in ttt_hidden(head, batch, shared, num_steps)]
+
+
+def ttt_hidden(head, batch: TrainBatch, shared: SharedTarget, num_steps: int) -> list[torch.Tensor]:
+    """The head's output hidden [B,T,H] of each step k (`ttt_unroll` before the lm_head)."""
     B, T = batch.row_mask.shape
     dtype = head.fc.weight.dtype
     with torch.no_grad():
@@ -122,9 +127,9 @@ def ttt_unroll(head, batch: TrainBatch, shared: SharedTarget, num_steps: int) ->
     out = []
     for k in range(num_steps):
         cos, sin = shared.rope(positions + k)
-        logits, hidden = head(emb_all[:, k + 1:k + 1 + T], hidden, cos.squeeze(1).to(dtype),
-                              sin.squeeze(1).to(dtype), attend)
-        out.append(logits)
+        hidden = head.hidden_out(emb_all[:, k + 1:k + 1 + T], hidden, cos.squeeze(1).to(dtype),
+                                 sin.squeeze(1).to(dtype), attend)
+        out.append(hidden)
     return out
 
 
@@ -140,41 +145,58 @@ def token_loss(logits: torch.Tensor, target_probs: torch.Tensor, kind: str) -> t
     return -torch.log(alpha.clamp_min(1e-6))
 
 
-def target_probs(batch: TrainBatch, shared: SharedTarget) -> torch.Tensor:
+def target_probs(batch: TrainBatch, shared: SharedTarget, rows: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(lm_head_draft · final_hidden) [B,T,V_d]: the target's next-token distribution
-    restricted (renormalized) to the draft vocabulary."""
+    restricted (renormalized) to the draft vocabulary; of the rows where `rows` [B,T] is True
+    only ([R,V_d], in row-major order) when given."""
     with torch.no_grad():
         w = shared.lm_head_draft
-        return torch.softmax((batch.final_hidden.to(w.dtype) @ w.T).float(), dim=-1)
+        h = batch.final_hidden if rows is None else batch.final_hidden[rows]
+        return torch.softmax((h.to(w.dtype) @ w.T).float(), dim=-1)
 
 
 def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
              num_steps: int | None = None) -> tuple[torch.Tensor, dict]:
     """The weighted TTT loss over `num_steps` (default cfg.ttt_steps) unrolled draft steps, and
-    metrics (loss_k, acc_k: draft argmax == true token over rows)."""
+    metrics (loss_k, acc_k: draft argmax == true token over rows).
+
+    Logits and target distributions are computed only for the rows the loss reads (anchors
+    with an in-vocabulary target inside their span), not for padding: at 4,096 rows a step the
+    vocabulary projections are most of the work, and a batch of spans of unequal length is
+    often half padding."""
     B, T = batch.row_mask.shape
-    probs = target_probs(batch, shared)
+    real = batch.row_mask
+    probs = target_probs(batch, shared, real)  # [R, V_d], real rows in order
+    index = torch.cumsum(real.flatten(), 0).view(B, T) - 1  # row (b, t) -> its place in probs
     in_vocab = head.t2d[batch.tokens]  # [B, T+1]
     d2t = head.draft_to_target
-    steps = ttt_unroll(head, batch, shared, num_steps or cfg.ttt_steps)
+    steps = ttt_hidden(head, batch, shared, num_steps or cfg.ttt_steps)
     # A batch without any anchor (every span a single row) still yields a loss in the autograd
     # graph: zero, with zero gradients, so every rank's backward and all-reduce run as usual.
     total = steps[0].sum() * 0.0
-    metrics: dict[str, float] = {}
-    for k, logits in enumerate(steps):
+    # the metrics stay on the device until one transfer at the end: a float() per value would
+    # make the host wait for the device 3 times a step (on a GPU the host then cannot queue the
+    # next kernels while the device works)
+    names: list[str] = []
+    values: list[torch.Tensor] = []
+    for k, hidden in enumerate(steps):
         n = T - k - 1  # anchors 0..n-1 have a target row p+k+1 inside the batch
         if n <= 0:
             break
-        rows = batch.row_mask[:, k + 1:k + 1 + n]
-        true_tok = batch.tokens[:, k + 2:k + 2 + n]
+        rows = real[:, k + 1:k + 1 + n]
         valid = rows & in_vocab[:, k + 2:k + 2 + n]
-        w = valid.float() * (1.0 + cfg.rejected_weight * batch.rejected[:, k + 2:k + 2 + n].float())
-        per = token_loss(logits[:, :n], probs[:, k + 1:k + 1 + n], cfg.kind)
+        logits = head.logits(hidden[:, :n][valid])  # [M, V_d]
+        w = 1.0 + cfg.rejected_weight * batch.rejected[:, k + 2:k + 2 + n][valid].float()
+        per = token_loss(logits, probs[index[:, k + 1:k + 1 + n][valid]], cfg.kind)
         loss_k = (per * w).sum() / w.sum().clamp_min(1.0)
         total = total + cfg.step_decay ** k * loss_k
-        with torch.no_grad():
-            hit = (d2t[logits[:, :n].argmax(-1)] == true_tok) & rows
-            metrics[f"loss_{k}"] = float(loss_k)
-            metrics[f"acc_{k}"] = float(hit.sum()) / max(int(rows.sum()), 1)
-    metrics["loss"] = float(total.detach())
+        with torch.no_grad():  # a true token outside the draft vocabulary is never hit: valid rows suffice
+            hits = (d2t[logits.argmax(-1)] == batch.tokens[:, k + 2:k + 2 + n][valid]).sum()
+            names.append(str(k))
+            values += [loss_k.detach().float(), hits.float() / rows.sum().clamp_min(1).float()]
+    out = torch.stack(values + [total.detach().float()]).tolist()
+    metrics: dict[str, float] = {}
+    for i, k in enumerate(names):
+        metrics[f"loss_{k}"], metrics[f"acc_{k}"] = out[2 * i], out[2 * i + 1]
+    metrics["loss"] = out[-1]
     return total, metrics

@@ -263,6 +263,7 @@ class RankLoop:
         self.run_dir = Path(daemon_cfg.run_dir)
         self._stop = threading.Event()
         self.dropped_steps = 0
+        self._agree_s = 0.0  # the last step's agreement (rank 0: with the buffer's size), for the journal
         self._journal = None
         if cfg.rank_journal:
             (self.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
@@ -287,8 +288,10 @@ class RankLoop:
                 stop = self._stop.is_set() or (d is not None and (
                     (max_steps is not None and self.distiller.step >= max_steps)
                     or (t_end is not None and time.monotonic() > t_end)))
+                t_agree = time.perf_counter()
                 ready = d is not None and d.buffer.num_tokens >= self.dcfg.min_buffer_tokens
                 stop, ready = self.agree(stop, ready)
+                self._agree_s = time.perf_counter() - t_agree
                 if stop:
                     break
                 t0 = time.monotonic()
@@ -338,6 +341,7 @@ class RankLoop:
                 self.daemon.failed_steps += 1
                 self.daemon._warn("step", f"training step failed on a rank: {e}")
             return False
+        t2 = time.perf_counter()
         step = self.distiller.step
         digest = None
         if self.cfg.rank_check_every and step % self.cfg.rank_check_every == 0:
@@ -351,9 +355,12 @@ class RankLoop:
             # that a rank's rows are the spans it was dealt
             sums = (batch.tokens[:, :-1] * batch.row_mask).sum(1).tolist()
             # wait_s: this rank waited for its micro-batch (the data path behind training);
-            # train_s: the step itself (forward, backward, gradient all-reduce, optimizer)
+            # train_s: the step itself (forward, backward, gradient all-reduce, optimizer);
+            # agree_s: the step's agreement before it; after_s: what followed it here (rank 0: the
+            # daemon's logging, evaluation, publishing); padded: batch rows x the longest row
             line = {"step": step, "rows": batch.num_rows, "spans": spans, "token_sums": sums, "time": time.time(),
-                    "wait_s": round(t1 - t0, 5), "train_s": round(time.perf_counter() - t1, 5),
+                    "wait_s": round(t1 - t0, 5), "train_s": round(t2 - t1, 5), "agree_s": round(self._agree_s, 5),
+                    "after_s": round(time.perf_counter() - t2, 5), "padded": int(batch.row_mask.numel()),
                     **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
             if self.daemon is not None and self.daemon.state["published"] and \
                     self.daemon.state["published"][-1]["step"] == step:
