@@ -11,7 +11,8 @@
 #   1. bash scripts/gpu_ranks_device.sh part .gpu/a          (carry .gpu/a: gguf.part.00)
 #   2. bash scripts/gpu_ranks_device.sh part .gpu/b          (carry .gpu/b: gguf.part.01)
 #   3. bash scripts/gpu_ranks_device.sh run .gpu/c           (carry .gpu/c: whl/, head/, inputs)
-#      installs, converts the model, runs bench ranks (REPEATS=N: medians of N), then, given
+#      installs, converts the model, runs bench ranks (REPEATS=N: medians of N; PROFILE=1: then
+#      scripts/profile_train_step.py on its buffer, profile.txt), then, given
 #      bench e2e flags after .gpu/c, starts bench e2e in its own session and follows it
 #   4. bash scripts/gpu_ranks_device.sh follow               (until the e2e ends; JSON + logs to $OUT)
 set -o pipefail
@@ -62,6 +63,8 @@ print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss
         --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
         --json $W/gpu_ranks.json 2>&1 | grep -v "Loading weights" > $W/ranks.log
     tail -n 40 $W/ranks.log
+    [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks/buffer --device cuda:0 \
+        2>&1 | grep -v "Loading weights" > $W/profile.txt; cp $W/profile.txt $OUT/ 2>/dev/null
     for f in $W/ranks/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 4; done
     cp $W/gpu_ranks.json $W/ranks.log $OUT/ 2>/dev/null
     [ $# -eq 0 ] && exit 0  # no e2e flags: bench ranks only
