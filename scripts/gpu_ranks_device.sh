@@ -58,15 +58,18 @@ d = Distiller(t, new_head(t, 128, seed=0).float(), DistillConfig(warmup_steps=1,
 m = [d.train_step(collate(recs)) for _ in range(3)]
 print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss'], 3), '->', round(m[-1]['loss'], 3))
 " 2>&1 | grep -v "Loading weights" | tail -n 5
-    python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes strong,weak --steps ${STEPS:-40} \
-        --repeats ${REPEATS:-1} \
-        --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
-        --json $W/gpu_ranks.json 2>&1 | grep -v "Loading weights" > $W/ranks.log
+    for ds in ${DSCONFIGS:-zero1}; do  # DSCONFIGS="zero0 zero1": one bench per DeepSpeed config
+        python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
+            --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
+            --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
+            --json $W/gpu_ranks_$ds.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
+        cp $W/gpu_ranks_$ds.json $W/gpu_ranks.json
+    done
     tail -n 40 $W/ranks.log
     [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks/buffer --device cuda:0 \
         2>&1 | grep -v "Loading weights" > $W/profile.txt; cp $W/profile.txt $OUT/ 2>/dev/null
     for f in $W/ranks/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 4; done
-    cp $W/gpu_ranks.json $W/ranks.log $OUT/ 2>/dev/null
+    cp $W/gpu_ranks*.json $W/ranks.log $OUT/ 2>/dev/null
     [ $# -eq 0 ] && exit 0  # no e2e flags: bench ranks only
     cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device cuda:1 --trace $W/trace.jsonl $(printf '%q ' "$@")"
     cmd="$cmd --json $W/gpu_e2e.json --out $W/run"

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One 2-rank run (ZeRO-1: sharded optimizer state plus gradient averaging); ZeRO-0 runs in the
 # single-process test below (the default config). A second torchrun costs ~1.5 min under load.
-@pytest.mark.parametrize("ds_config", ["configs/deepspeed/zero1.json"])
+@pytest.mark.parametrize("ds_config", ["configs/deepspeed/zero1.json", "configs/deepspeed/zero1_overlap.json"])
 def test_two_ranks_end_identical(tmp_path, ds_config):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -170,7 +170,18 @@ def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
     index = torch.cumsum(real.flatten(), 0).view(B, T) - 1  # row (b, t) -> its place in probs
     in_vocab = head.t2d[batch.tokens]  # [B, T+1]
     d2t = head.draft_to_target
-    steps = ttt_hidden(head, batch, shared, num_steps or cfg.ttt_steps)
+    num_steps = num_steps or cfg.ttt_steps
+    # the rows each step's loss reads, found before the unroll: finding them waits for the
+    # device (nonzero), which costs nothing while it is idle and a stall in the middle of the work
+    reads = []
+    for k in range(num_steps):
+        n = T - k - 1  # anchors 0..n-1 have a target row p+k+1 inside the batch
+        if n <= 0:
+            break
+        rows = real[:, k + 1:k + 1 + n]
+        b, p = (rows & in_vocab[:, k + 2:k + 2 + n]).nonzero(as_tuple=True)
+        reads.append((b, p, rows.sum()))
+    steps = ttt_hidden(head, batch, shared, num_steps)
     # A batch without any anchor (every span a single row) still yields a loss in the autograd
     # graph: zero, with zero gradients, so every rank's backward and all-reduce run as usual.
     total = steps[0].sum() * 0.0
@@ -179,21 +190,16 @@ def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
     # next kernels while the device works)
     names: list[str] = []
     values: list[torch.Tensor] = []
-    for k, hidden in enumerate(steps):
-        n = T - k - 1  # anchors 0..n-1 have a target row p+k+1 inside the batch
-        if n <= 0:
-            break
-        rows = real[:, k + 1:k + 1 + n]
-        valid = rows & in_vocab[:, k + 2:k + 2 + n]
-        logits = head.logits(hidden[:, :n][valid])  # [M, V_d]
-        w = 1.0 + cfg.rejected_weight * batch.rejected[:, k + 2:k + 2 + n][valid].float()
-        per = token_loss(logits, probs[index[:, k + 1:k + 1 + n][valid]], cfg.kind)
+    for k, (b, p, num_rows) in enumerate(reads):
+        logits = head.logits(steps[k][b, p])  # [M, V_d]: the anchors with an in-vocabulary target
+        w = 1.0 + cfg.rejected_weight * batch.rejected[b, p + k + 2].float()
+        per = token_loss(logits, probs[index[b, p + k + 1]], cfg.kind)
         loss_k = (per * w).sum() / w.sum().clamp_min(1.0)
         total = total + cfg.step_decay ** k * loss_k
         with torch.no_grad():  # a true token outside the draft vocabulary is never hit: valid rows suffice
-            hits = (d2t[logits.argmax(-1)] == batch.tokens[:, k + 2:k + 2 + n][valid]).sum()
+            hits = (d2t[logits.argmax(-1)] == batch.tokens[b, p + k + 2]).sum()
             names.append(str(k))
-            values += [loss_k.detach().float(), hits.float() / rows.sum().clamp_min(1).float()]
+            values += [loss_k.detach().float(), hits.float() / num_rows.clamp_min(1).float()]
     out = torch.stack(values + [total.detach().float()]).tolist()
     metrics: dict[str, float] = {}
     for i, k in enumerate(names):
