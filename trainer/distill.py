@@ -7,7 +7,7 @@ state (`state_dict()` / `load_state_dict()`: weights, optimizer, scheduler, coun
 ZeRO 1-2 across ranks each rank saves its own part of the optimizer, `save_state`).
 
 AdamW keeps fp32 master weights (the head's parameters are fp32); the forward/backward run under
-bf16 autocast when `bf16` is set. Gradient clipping, ZeRO stage and micro-batching are DeepSpeed's
+bf16 autocast when `bf16` is set (on a CPU only where it computes bf16 natively). Gradient clipping, ZeRO stage and micro-batching are DeepSpeed's
 and live in its own JSON (`configs/deepspeed/*.json`). A single process needs no launcher (the
 rendezvous variables get single-rank defaults); under torchrun or the deepspeed launcher the same
 code runs data-parallel, each rank stepping on its own share of the batch.
@@ -32,6 +32,7 @@ import torch
 from online_spec.checkpoint import save_head
 from online_spec.config import check, doc
 from online_spec.head import EagleHead
+from online_spec.target import cpu_has_native_bf16
 from trainer.batch import TrainBatch
 from trainer.ds_ops import prepare_ops
 from trainer.loss import LossConfig, SharedTarget, ttt_loss
@@ -52,7 +53,9 @@ class DistillConfig:
     warmup_steps: int = doc("linear warmup steps", 20)
     total_steps: int = doc("steps of the cosine schedule (it stays at min_lr_ratio after)", 1000)
     min_lr_ratio: float = doc("cosine floor as a fraction of lr", 0.1)
-    bf16: bool = doc("bf16 autocast for forward/backward (master weights stay fp32)", True)
+    bf16: bool = doc("bf16 autocast for forward/backward (master weights stay fp32) on a GPU and on a CPU with "
+                     "native bf16 (AVX512-BF16, AMX); an AVX2-only CPU emulates bf16 matmuls up to ~100x slower "
+                     "than fp32 (a 256-row step: 20.7 s bf16, see docs/trainer.md), so there it trains in fp32", True)
     deepspeed_config: str = doc("DeepSpeed JSON (ZeRO stage, gradient clipping), relative to the repo",
                                 "configs/deepspeed/zero0.json")
     seed: int = doc("seed of the head's initialisation and the data order", 0)
@@ -190,6 +193,10 @@ class Distiller:
         import torch.distributed as dist
 
         self.cfg, self.loss_cfg, self.target = cfg, loss_cfg, target
+        self.autocast = cfg.bf16 and (self.device.type != "cpu" or cpu_has_native_bf16())
+        if cfg.bf16 and not self.autocast:
+            logging.getLogger(__name__).info("training in fp32: this CPU has no native bf16 (its bf16 matmuls "
+                                             "are emulated, many times slower than fp32)")
         head = head.float().to(self.device).train()
         for p in target.parameters():
             p.requires_grad_(False)
@@ -227,7 +234,7 @@ class Distiller:
         failure = None
         try:  # a batch that fails (or gives a non-finite loss) leaves no gradient behind
             batch = batch.to(self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
                 loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
             if not bool(torch.isfinite(loss)):
