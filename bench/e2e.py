@@ -96,7 +96,10 @@ class E2EConfig:
     calib_steps: str = doc("static K candidates, comma-separated", "1,2,3,4,5")
     calib_requests: int = doc("requests of the first phase served per calibration K", 6)
     bs1_requests: int = doc("last-phase requests of the batch-1 measurement", 4)
-    deadline_s: float = doc("per configuration: stop starting requests after this long", 900.0)
+    deadline_s: float = doc("the first configuration (plain) starts no request after this long; every other "
+                            "configuration then serves exactly the requests plain served, so all do the same work "
+                            "(each with 3x this long as a safety stop; `same_work` in the report says whether "
+                            "every one served them all)", 900.0)
     day0: bool = doc("also run online-spec from a random day-0 head (tokens_to_beat_plain_from_day0)", True)
     out: str = doc("run directory of the sessions (trainer state, logs)", "runs/bench_e2e")
     server_threads: int = doc("torch threads of the server process", 1)
@@ -174,10 +177,12 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     runs = phases(items)
     targs = (DEMO_TRAINER_ARGS if trainer_args is None else trainer_args) + cfg.trainer_args.split()
 
+    deadline = {"s": cfg.deadline_s}  # after the first configuration: the safety stop of the others
+
     def session(name, items_, what: str = "", **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     tree_candidates=cfg.policy_tree_list(),
-                    max_tokens=cfg.max_tokens, deadline_s=cfg.deadline_s, server_threads=cfg.server_threads,
+                    max_tokens=cfg.max_tokens, deadline_s=deadline["s"], server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device)
         t0 = time.time()
@@ -207,8 +212,11 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     repeats = []
     for rep in range(cfg.repeats):
         pre = f"rep{rep}/" if cfg.repeats > 1 else ""
-        configs = {"plain": session(f"{pre}plain", items, head="none", num_steps=0, **alone),
-                   "static": session(f"{pre}static", items, num_steps=best_k, **alone),
+        configs = {"plain": session(f"{pre}plain", items, head="none", num_steps=0, **alone)}
+        if rep == 0:  # the deadline shortens the trace for every configuration alike
+            items = same_work(items, configs["plain"], res)
+            deadline["s"] = 3 * cfg.deadline_s
+        configs |= {"static": session(f"{pre}static", items, num_steps=best_k, **alone),
                    "sglang_adaptive": session(f"{pre}sglang_adaptive", items, policy="sglang_default",
                                               num_steps=best_k, **alone)}
         if cfg.tree:
@@ -240,6 +248,9 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
 
     configs, res["bs1"] = repeats[0]
     res["configs"] = configs
+    cut = sorted(f"rep{i}/{n}" if cfg.repeats > 1 else n for i, (conf, _) in enumerate(repeats)
+                 for n, figs in conf.items() if served(figs) < len(items))
+    res["same_work"].update(all_served=not cut, short=cut)
     heads = [headline(res["trace"], c, b) for c, b in repeats]
     res.update(heads[0] if len(heads) == 1 else median_headline(heads))
     if len(heads) > 1:
@@ -254,6 +265,22 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
             figs["online_spec_day0"] = phase_figures(day0, p)
         res["tokens_to_beat_plain_from_day0"] = tokens_to_beat(day0, res["overall"]["plain"]["tokens_per_s"])
     return res
+
+
+def served(figs: dict) -> int:
+    """Requests a session started (the others were cancelled at its deadline, never begun)."""
+    return figs["overall"]["requests"] - figs["overall"]["cancelled_at_deadline"]
+
+
+def same_work(items: list, first: dict, res: dict) -> list:
+    """The trace every configuration serves after `first`: the requests `first` served (a prefix:
+    requests start in trace order); recorded in `res["same_work"]`."""
+    n = max(served(first), 1)
+    res["same_work"] = {"requests": n, "of": len(items), "set_by": first["name"]}
+    if n < len(items):
+        print(f"== the deadline cut the trace to its first {n} of {len(items)} requests: every configuration "
+              f"serves those", flush=True)
+    return items[:n]
 
 
 NEVER_TRAIN_TOKENS = 10**12  # a replay buffer never holds this many rows: the daemon ingests, never trains

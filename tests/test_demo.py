@@ -133,6 +133,19 @@ def test_demo_end_to_end_writes_the_report(smol, tmp_path, capsys):
     assert all(set(r["tags"]) <= {"chat", "code"} for r in rounds)
 
 
+def test_a_deadline_shortens_the_trace_for_every_configuration_alike():
+    from bench.e2e import same_work, served
+
+    def figs(requests, cancelled):
+        return {"name": "plain", "overall": {"requests": requests, "cancelled_at_deadline": cancelled}}
+    items = list(range(10))
+    res = {}
+    # plain started 6 of 10 before its deadline: the others serve exactly those 6
+    assert same_work(items, figs(10, 4), res) == items[:6] and served(figs(10, 4)) == 6
+    assert res["same_work"] == {"requests": 6, "of": 10, "set_by": "plain"}
+    assert same_work(items, figs(10, 0), res) == items and res["same_work"]["requests"] == 10
+
+
 def test_bench_e2e_quick_writes_every_key(tmp_path):
     from online_spec.cli import main
 
@@ -164,6 +177,8 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
     assert rep["static_k"]["best"] == 2 and rep["configs"]["static"]["timeline"]["num_steps_per_slot"]
     assert rep["tokens_to_beat_plain_from_day0"] is None  # --no-day0: reported, not invented
     assert set(rep["per_phase"]) == {"chat", "code", "mix"}
+    # no deadline reached: every configuration served the whole trace
+    assert rep["same_work"] == {"requests": 3, "of": 3, "set_by": "plain", "all_served": True, "short": []}
     for p, ratios in rep["per_phase_ratios"].items():  # beside the overall: online-spec over each reference
         figs = rep["per_phase"][p]
         assert ratios["speedup_vs_static"] == pytest.approx(figs["online_spec"]["tokens_per_s"]
