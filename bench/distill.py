@@ -2,7 +2,7 @@
 
     online-spec bench distill --json out/bench_distill.json [--quick] [--head shipped|code|sharegpt|day0|DIR]
 
-Writes: `train_tokens_per_s` (Distiller steps on real ShareGPT records, bf16 autocast, this CPU),
+Writes: `train_tokens_per_s` (Distiller steps on real ShareGPT records on this CPU: bf16 autocast where it computes bf16 natively, else fp32),
 `heldout_accept_length` {"sharegpt"|"humaneval": {"1","3","5","7": simulated accept length}} of
 the head (`--head`, resolved by bench.heads like every bench's; default: the shipped chat head), `engine` (real accept
 length and tokens/s per K at batch 1 on held-out ShareGPT prompts, median of repeats, plain
