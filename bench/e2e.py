@@ -177,12 +177,12 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     runs = phases(items)
     targs = (DEMO_TRAINER_ARGS if trainer_args is None else trainer_args) + cfg.trainer_args.split()
 
-    deadline = {"s": cfg.deadline_s}  # after the first configuration: the safety stop of the others
+    deadline_s = cfg.deadline_s  # after the first configuration: the safety stop of the others
 
     def session(name, items_, what: str = "", **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     tree_candidates=cfg.policy_tree_list(),
-                    max_tokens=cfg.max_tokens, deadline_s=deadline["s"], server_threads=cfg.server_threads,
+                    max_tokens=cfg.max_tokens, deadline_s=deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device)
         t0 = time.time()
@@ -215,7 +215,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         configs = {"plain": session(f"{pre}plain", items, head="none", num_steps=0, **alone)}
         if rep == 0:  # the deadline shortens the trace for every configuration alike
             items = same_work(items, configs["plain"], res)
-            deadline["s"] = 3 * cfg.deadline_s
+            deadline_s = 3 * cfg.deadline_s
         configs |= {"static": session(f"{pre}static", items, num_steps=best_k, **alone),
                    "sglang_adaptive": session(f"{pre}sglang_adaptive", items, policy="sglang_default",
                                               num_steps=best_k, **alone)}

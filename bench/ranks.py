@@ -175,12 +175,13 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
     rows = sum(x["rows"] for rank in lines for x in rank if x["step"] > steps[warmup])
     per_rank = [statistics.median(x["rows"] for x in rank[warmup + 1:]) for rank in lines]
 
-    def med(key: str) -> list:
-        return [round(1e3 * statistics.median(x.get(key, 0.0) for x in rank[warmup + 1:]), 2) for rank in lines]
-
-    def mean(key: str) -> list:
-        return [round(1e3 * statistics.fmean(x.get(key, 0.0) for x in rank[warmup + 1:]), 2) for rank in lines]
+    timed_lines = [rank[warmup + 1:] for rank in lines]
     parts = ("wait_s", "train_s", "agree_s", "after_s")
+
+    def med(key: str) -> list:
+        return [round(1e3 * statistics.median(x.get(key, 0.0) for x in rank), 2) for rank in timed_lines]
+    means = [{k: statistics.fmean(x.get(k, 0.0) for x in rank) for k in parts} for rank in timed_lines]
+    cycle_s = seconds / timed
     return {"steps": len(steps), "timed_steps": timed, "seconds": round(seconds, 3),
             "steps_per_s": round(timed / seconds, 3), "rows_per_s": round(rows / seconds, 1),
             "rows_per_rank_step_median": per_rank,
@@ -189,14 +190,12 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
             "agree_ms_median": med("agree_s"), "after_ms_median": med("after_s"),
             # means, and what a step took in all (journal line to journal line) beyond the parts:
             # the loop around the steps, and stalls a median hides
-            "ms_mean": {k.removesuffix("_s"): mean(k) for k in parts},
-            "cycle_ms_mean": round(1e3 * seconds / timed, 2),
-            "unaccounted_ms_mean": [round(1e3 * seconds / timed - sum(
-                statistics.fmean(x.get(k, 0.0) for x in rank[warmup + 1:]) for k in parts) * 1e3, 2)
-                for rank in lines],
+            "ms_mean": {k.removesuffix("_s"): [round(1e3 * m[k], 2) for m in means] for k in parts},
+            "cycle_ms_mean": round(1e3 * cycle_s, 2),
+            "unaccounted_ms_mean": [round(1e3 * (cycle_s - sum(m.values())), 2) for m in means],
             # padding: the rows a step computes (batch rows x its longest) over those it trains on
             "padded_over_rows_median": [round(statistics.median(x.get("padded", x["rows"]) / x["rows"]
-                                                                for x in rank[warmup + 1:]), 3) for rank in lines]}
+                                                                for x in rank), 3) for rank in timed_lines]}
 
 
 def run_once(cfg: RanksBenchConfig, buffer: Path, mode: str, n: int, rep: int) -> dict:

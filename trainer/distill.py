@@ -7,10 +7,11 @@ state (`state_dict()` / `load_state_dict()`: weights, optimizer, scheduler, coun
 ZeRO 1-2 across ranks each rank saves its own part of the optimizer, `save_state`).
 
 AdamW keeps fp32 master weights (the head's parameters are fp32); the forward/backward run under
-bf16 autocast when `bf16` is set (on a CPU only where it computes bf16 natively). Gradient clipping, ZeRO stage and micro-batching are DeepSpeed's
-and live in its own JSON (`configs/deepspeed/*.json`). A single process needs no launcher (the
-rendezvous variables get single-rank defaults); under torchrun or the deepspeed launcher the same
-code runs data-parallel, each rank stepping on its own share of the batch.
+bf16 autocast when `bf16` is set (on a CPU only where it computes bf16 natively). Gradient
+clipping, ZeRO stage and micro-batching are DeepSpeed's and live in its own JSON
+(`configs/deepspeed/*.json`). A single process needs no launcher (the rendezvous variables get
+single-rank defaults); under torchrun or the deepspeed launcher the same code runs data-parallel,
+each rank stepping on its own share of the batch.
 
     d = Distiller(target, head, DistillConfig(total_steps=1000), LossConfig())
     metrics = d.train_step(collate(spans));  d.save("out/head", version=1)

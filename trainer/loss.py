@@ -188,7 +188,6 @@ def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
     # the metrics stay on the device until one transfer at the end: a float() per value would
     # make the host wait for the device 3 times a step (on a GPU the host then cannot queue the
     # next kernels while the device works)
-    names: list[str] = []
     values: list[torch.Tensor] = []
     for k, (b, p, num_rows) in enumerate(reads):
         logits = head.logits(steps[k][b, p])  # [M, V_d]: the anchors with an in-vocabulary target
@@ -198,11 +197,10 @@ def ttt_loss(head, batch: TrainBatch, shared: SharedTarget, cfg: LossConfig,
         total = total + cfg.step_decay ** k * loss_k
         with torch.no_grad():  # a true token outside the draft vocabulary is never hit: valid rows suffice
             hits = (d2t[logits.argmax(-1)] == batch.tokens[b, p + k + 2]).sum()
-            names.append(str(k))
             values += [loss_k.detach().float(), hits.float() / num_rows.clamp_min(1).float()]
     out = torch.stack(values + [total.detach().float()]).tolist()
     metrics: dict[str, float] = {}
-    for i, k in enumerate(names):
-        metrics[f"loss_{k}"], metrics[f"acc_{k}"] = out[2 * i], out[2 * i + 1]
+    for k in range(len(reads)):
+        metrics[f"loss_{k}"], metrics[f"acc_{k}"] = out[2 * k], out[2 * k + 1]
     metrics["loss"] = out[-1]
     return total, metrics

@@ -144,7 +144,8 @@ class DataPipe:
     """The data path one step ahead of training, on its own gloo group and thread per rank.
 
     Rank 0 (`daemon` given): once the buffer holds `min_buffer_tokens`, draw the next step's N
-    micro-batches (reading only the drawn rows' bytes from the buffer's shards), send micro-batch r (packed, `trainer.batch.pack`) to rank r and queue its own.
+    micro-batches (reading only the drawn rows' bytes from the buffer's shards), send micro-batch
+    r (packed, `trainer.batch.pack`) to rank r and queue its own.
     Rank r > 0: receive, unpack, queue. While the ranks train on step k, step k + 1 is drawn,
     packed, sent and padded (the drawing, the transfer and the padding were most of a step's
     time on an H100 with 2 ranks). Every rank takes one item per training step (`next`), so the
