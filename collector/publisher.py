@@ -150,7 +150,10 @@ class CapturePublisher:
         self.dropped_invalid = 0
         self.bytes_sent = 0
         self.end_markers_sent = 0
-        self.end_markers_dropped = 0
+        self.end_markers_dropped = 0  # the sender thread's: invalid, or no subscriber / HWM
+        self._ends_queue_full = 0  # the caller's: no room in the queue
+        self._ends_queued = 0  # the caller's
+        self._ends_done = 0  # the sender's: markers it has sent or dropped
         self.send_errors = 0
         self._thread = threading.Thread(target=self._run, name="capture-publisher", daemon=True)
         self._thread.start()
@@ -185,8 +188,9 @@ class CapturePublisher:
         if self._closed or not self._sampled(request_id):
             return
         if self._depth() >= self.cfg.queue_size:
-            self.end_markers_dropped += 1
+            self._ends_queue_full += 1
             return
+        self._ends_queued += 1
         self._records_in += 1
         self._queue.put_nowait(EndOfRequest(request_id, time.time()))
 
@@ -195,6 +199,7 @@ class CapturePublisher:
                  "dropped_no_subscriber", "dropped_invalid", "dropped_closed", "bytes_sent",
                  "end_markers_sent", "end_markers_dropped", "send_errors")
         out: dict[str, Any] = {name: getattr(self, name) for name in names}
+        out["end_markers_dropped"] += self._ends_queue_full
         out["queue_depth"] = self._depth()
         out["subscribed"] = bool(self._topics)
         out["endpoint"] = self.endpoint
@@ -208,11 +213,15 @@ class CapturePublisher:
         return bool(self._topics)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every submitted record is sent or counted as dropped (benchmarks, tests)."""
+        """Wait until every submitted record and queued end marker is sent or counted as dropped
+        (benchmarks, tests)."""
         deadline = time.monotonic() + timeout_s
-        while self._accounted() < self.submitted and time.monotonic() < deadline:
+        while not self._drained() and time.monotonic() < deadline:
             time.sleep(0.001)
-        return self._accounted() >= self.submitted
+        return self._drained()
+
+    def _drained(self) -> bool:
+        return self._accounted() >= self.submitted and self._ends_done >= self._ends_queued
 
     def _depth(self) -> int:
         """Records and end markers queued and not yet taken by the sender thread."""
@@ -265,6 +274,8 @@ class CapturePublisher:
                 except Exception:  # keep serving: one bad record must not stop the stream
                     self.send_errors += 1
                     log.exception("capture publisher: failed to send a message; continuing")
+                finally:
+                    self._ends_done += isinstance(item, EndOfRequest)
         finally:
             self._sock.close()
 
