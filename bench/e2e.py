@@ -25,6 +25,11 @@ beside the overall ones). Per configuration and per phase: tokens/s, accept_len 
 (bonus included), TPOT p50/p99; for online-spec also the time and tokens to adapt after each
 shift (`report.adaptation`). Timings are never asserted; a shared machine moves them 20-40 %.
 
+`--trace-shape return` builds chat -> code -> chat again: `returns` then gives, per
+configuration, the return phase's accept_len over its first 500 served tokens against the
+first chat phase's (`report.returns`); `returns.ratio_online_spec` is the figure whose target is
+0.95 (whatever the head learnt of code must not cost the chat acceptance it had).
+
 `--repeats N` runs the four configurations and the batch-1 pair N times, interleaved (plain,
 static, adaptive, online-spec, bs1 pair, then again; each online-spec repeat starts from the
 same head in a fresh run directory); every headline figure is then the median over the repeats
@@ -76,7 +81,7 @@ from bench.demo import DEMO_TRAINER_ARGS
 from bench.heads import HEAD_CHOICES, resolve_head
 from bench.report import session_figures
 from bench.session import SessionConfig, run_session
-from bench.trace import build_drift_trace, load_trace, phases
+from bench.trace import SHAPES, build_drift_trace, load_trace, phases
 from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
 from online_spec.target import load_target
 from online_spec.tree import TreeShape
@@ -91,6 +96,9 @@ class E2EConfig:
     head: str = doc("static head: " + HEAD_CHOICES + " (bench.heads)", "shipped")
     head_tokens: int = doc("training tokens of the ShareGPT head if it must be built", 16_000)
     requests_per_phase: int = doc("built-in trace: requests per phase", 16)
+    trace_shape: str = doc("built-in trace: 'drift' (chat -> code -> mix) or 'return' (chat -> code -> chat "
+                           "again: the `returns` figures, acceptance early in the return against the first "
+                           "chat phase)", "drift")
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
     concurrency: int = doc("streaming clients in flight", 4)
     calib_steps: str = doc("static K candidates, comma-separated", "1,2,3,4,5")
@@ -127,6 +135,7 @@ class E2EConfig:
 
     def __post_init__(self):
         check(self.requests_per_phase >= 1, "requests_per_phase", "must be >= 1")
+        check(self.trace_shape in SHAPES, "trace_shape", f"must be one of {', '.join(SHAPES)}, got {self.trace_shape!r}")
         ks = [s for s in self.calib_steps.split(",") if s.strip()]
         check(bool(ks) and all(s.strip().isdigit() and int(s) >= 1 for s in ks), "calib_steps",
               f"must be comma-separated integers >= 1, got {self.calib_steps!r}")
@@ -173,7 +182,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         items = load_trace(cfg.trace)
     else:
         n = cfg.requests_per_phase
-        items = load_trace(build_drift_trace(out / "trace.jsonl", n, n, n, cfg.seed))
+        items = load_trace(build_drift_trace(out / "trace.jsonl", n, n, n, cfg.seed, shape=cfg.trace_shape))
     runs = phases(items)
     targs = (DEMO_TRAINER_ARGS if trainer_args is None else trainer_args) + cfg.trainer_args.split()
 
@@ -314,6 +323,9 @@ def median_headline(heads: list[dict]) -> dict:
         out["overhead_split"] = _median_tree([h["overhead_split"] for h in heads])
     if "ceiling" in out:
         out["ceiling"] = _median_tree([h["ceiling"] for h in heads])
+    if "returns" in out:
+        out["returns"] = _median_tree([h["returns"] for h in heads])
+        out["returns"]["met"] = met_return(out["returns"]["ratio_online_spec"])
     out["overall"] = _median_tree([h["overall"] for h in heads])
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
     return out
@@ -364,6 +376,8 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
            "adaptation_online_spec": configs["online_spec"]["adaptation"],
            "swaps_online_spec": len(configs["online_spec"]["swaps"]),
            "alerts_online_spec": len(configs["online_spec"]["alerts"])}
+    if configs["online_spec"].get("returns"):
+        out["returns"] = return_figures(configs)
     if any(name.startswith("ceiling_") for name in configs):
         out["ceiling"] = ceiling_figures(configs, bs1, phases)
     if "cost_policy" in configs and "online_no_training" in configs:
@@ -374,6 +388,29 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
     out["targets"] = dict(TARGETS)
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
     return out
+
+
+RETURN_TARGET = 0.95  # acceptance early in a return phase, over the earlier phase's level (issue 30)
+
+
+def met_return(ratio: float | None) -> bool | None:
+    return None if ratio is None else ratio >= RETURN_TARGET
+
+
+def return_figures(configs: dict) -> dict:
+    """The trace's first return to earlier traffic (`bench.report.returns`), per configuration:
+    the return phase's accept_len over its first tokens against the earlier phase's accept_len;
+    `ratio_online_spec` is online-spec's, the figure the target is about."""
+    ret = configs["online_spec"]["returns"][0]
+    per = {}
+    for name, c in configs.items():
+        mine = next((r for r in c.get("returns") or [] if r["phase"] == ret["phase"]), None)
+        if mine is not None:
+            per[name] = {k: mine[k] for k in ("earlier_accept_len", "accept_len_first_tokens", "request_rounds",
+                                              "ratio")}
+    ratio = per["online_spec"]["ratio"]
+    return {"phase": ret["phase"], "earlier": ret["earlier"], "tokens": ret["tokens"], "configs": per,
+            "ratio_online_spec": ratio, "target": RETURN_TARGET, "met": met_return(ratio)}
 
 
 def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:

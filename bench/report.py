@@ -86,8 +86,49 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
             "swaps": [{"t_s": s["t"] - t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"]}
                       for s in result.swaps],
             "alerts": [{**a, "t_s": a["t"] - t0} for a in result.alerts],
-            "adaptation": adaptation(result), "trainer": result.trainer, "policy_log": result.policy_log}
+            "adaptation": adaptation(result), "returns": returns(result), "trainer": result.trainer,
+            "policy_log": result.policy_log}
     return figs
+
+
+RETURN_TOKENS = 500  # the return figure's window: the returning phase's first served tokens
+
+
+def returns(result: SessionResult, tokens: int = RETURN_TOKENS) -> list[dict]:
+    """For each phase that goes back to an earlier phase's traffic (the same set of request
+    tags, another phase between them): its accept_len (bonus excluded, per request-round) over
+    the rounds until `tokens` tokens were committed after it began (the rounds of its own
+    requests only), beside the earlier phase's accept_len over all its rounds, and their ratio:
+    whether what the head learnt in between cost the acceptance that traffic had."""
+    rid_phase = request_phases(result)
+    names = phase_order(result)
+    tags = {n: frozenset(r.tag for r in result.requests if r.phase == n) for n in names}
+    starts: dict[str, float] = {}
+    for r in result.requests:
+        starts.setdefault(r.phase, r.t_submit)
+    out = []
+    for j, name in enumerate(names):
+        if j < 2 or tags[names[j - 1]] == tags[name] or name in names[:j]:
+            continue  # not a return (a phase named twice is one phase to these figures)
+        earlier = next((q for q in reversed(names[:j - 1]) if tags[q] == tags[name]), None)
+        if earlier is None:
+            continue
+        level = _mean([a for rd in result.rounds if rd["num_steps"] > 0
+                       for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == earlier])
+        first, served = [], 0
+        for rd in result.rounds:
+            if rd["t"] < starts[name]:
+                continue
+            if served >= tokens:
+                break
+            served += rd["committed"]
+            if rd["num_steps"] > 0:
+                first += [a for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == name]
+        now = _mean(first)
+        out.append({"phase": name, "earlier": earlier, "tokens": tokens, "earlier_accept_len": level,
+                    "accept_len_first_tokens": now, "request_rounds": len(first),
+                    "ratio": None if now is None or not level else now / level})
+    return out
 
 
 def why_no_swap(figs: dict) -> str | None:

@@ -14,8 +14,10 @@ validation names the file and line of anything wrong.
 `build_drift_trace(path, n_chat, n_code, n_mix, seed)` writes the built-in drifting trace:
 held-out ShareGPT chat conversations (phase "chat"; no programming: `online_spec.data.
 is_code_conversation`), then held-out HumanEval code (phase "code"), then a mix
-(phase "mix", lines tagged "chat" or "code"). Held-out, so a head pretrained on ShareGPT's train
-split never saw these conversations.
+(phase "mix", lines tagged "chat" or "code"). With `shape="return"` the third phase goes back to
+chat instead (phase "chat-return", tagged "chat", conversations the first phase did not serve):
+the trace that asks whether adaptation to code cost the chat acceptance the first phase had.
+Held-out, so a head pretrained on ShareGPT's train split never saw these conversations.
 
     python -c "from bench.trace import build_drift_trace; build_drift_trace('t.jsonl', 16, 16, 16, 0)"
 """
@@ -108,9 +110,17 @@ def phases(items: list[TraceItem]) -> list[tuple[str, list[TraceItem]]]:
     return [(name, list(run)) for name, run in groupby(items, key=lambda it: it.phase)]
 
 
+SHAPES = ("drift", "return")  # the built-in traces: chat -> code -> mix, chat -> code -> chat-return
+RETURN_PHASE = "chat-return"
+
+
 def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, seed: int = 0,
-                      max_tokens: int | None = None, max_prompt_tokens: int = 200) -> Path:
-    """Write the built-in drifting trace (chat, then code, then a mix) as JSONL; returns the path."""
+                      max_tokens: int | None = None, max_prompt_tokens: int = 200, shape: str = "drift") -> Path:
+    """Write a built-in trace as JSONL; returns the path. shape "drift": chat, then code, then
+    `n_mix` lines of a mix; "return": chat, then code, then `n_mix` lines of chat again (phase
+    `RETURN_PHASE`, conversations the chat phase did not serve)."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape: must be one of {', '.join(SHAPES)}, got {shape!r}")
     # torch and transformers come with these; reading a trace needs neither
     from transformers import AutoTokenizer
 
@@ -118,19 +128,19 @@ def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, se
     from online_spec.target import prepare_smollm2
 
     tok = AutoTokenizer.from_pretrained(prepare_smollm2())
-    n_chat_total = n_chat + (n_mix + 1) // 2
-    n_code_total = n_code + n_mix // 2
+    n_mix_chat = (n_mix + 1) // 2 if shape == "drift" else n_mix  # the third phase's chat lines
+    n_chat_total = n_chat + n_mix_chat
+    n_code_total = n_code + (n_mix - n_mix_chat)
     chat = sharegpt_conversations(limit=n_chat_total, seed=seed, split="heldout", topic="chat",
                                   max_prompt_tokens=max_prompt_tokens, tokenizer=tok)
     code = humaneval_conversations(split="heldout", seed=seed)
-    n_mix_chat = (n_mix + 1) // 2
     if len(chat) < n_chat_total:
         # Fewer held-out chat conversations fit than asked (639 at 200 prompt tokens; the demo's
         # default asks 900). The mix keeps its own, never-served ones; the chat phase gets the rest
         # (a demo serves only part of each phase's lines in its time budget anyway).
         if len(chat) <= n_mix_chat:
-            raise TraceError(f"only {len(chat)} held-out ShareGPT chat conversations fit; the mix alone asks "
-                             f"for {n_mix_chat}")
+            raise TraceError(f"only {len(chat)} held-out ShareGPT chat conversations fit; the third phase "
+                             f"alone asks for {n_mix_chat}")
         warn(log, "trace_chat_short",
              f"only {len(chat)} held-out ShareGPT chat conversations fit in {max_prompt_tokens} prompt tokens: "
              f"the chat phase gets {len(chat) - n_mix_chat} lines instead of {n_chat}",
@@ -143,10 +153,13 @@ def build_drift_trace(path: str | Path, n_chat: int, n_code: int, n_mix: int, se
     code = [code[i % len(code)] for i in range(n_code_total)]  # HumanEval held-out has ~40 tasks
     lines = [{"messages": c[:1], "tag": "chat", "phase": "chat"} for c in chat[:n_chat]]
     lines += [{"messages": c[:1], "tag": "code", "phase": "code"} for c in code[:n_code]]
-    mix = [{"messages": c[:1], "tag": "chat", "phase": "mix"} for c in chat[n_chat:]]
-    mix += [{"messages": c[:1], "tag": "code", "phase": "mix"} for c in code[n_code:]]
-    random.Random(seed).shuffle(mix)
-    lines += mix
+    if shape == "return":
+        lines += [{"messages": c[:1], "tag": "chat", "phase": RETURN_PHASE} for c in chat[n_chat:]]
+    else:
+        mix = [{"messages": c[:1], "tag": "chat", "phase": "mix"} for c in chat[n_chat:]]
+        mix += [{"messages": c[:1], "tag": "code", "phase": "mix"} for c in code[n_code:]]
+        random.Random(seed).shuffle(mix)
+        lines += mix
     if max_tokens is not None:
         for line in lines:
             line["max_tokens"] = max_tokens

@@ -74,6 +74,16 @@ def test_built_in_drift_trace_is_chat_then_code_then_mix(tmp_path):
     assert len(set(chat_texts)) == len(chat_texts)  # the mix brings new conversations, not repeats
 
 
+def test_built_in_return_trace_goes_back_to_new_chat(tmp_path):
+    items = load_trace(build_drift_trace(tmp_path / "r.jsonl", 3, 2, 4, seed=0, shape="return"))
+    assert [(n, len(r)) for n, r in phases(items)] == [("chat", 3), ("code", 2), ("chat-return", 4)]
+    assert {it.tag for it in items[5:]} == {"chat"}
+    chat_texts = [it.messages[0]["content"] for it in items if it.tag == "chat"]
+    assert len(set(chat_texts)) == 7  # the return serves conversations the first phase did not
+    with pytest.raises(ValueError, match="shape: must be one of drift, return"):
+        build_drift_trace(tmp_path / "x.jsonl", 1, 1, 1, shape="loop")
+
+
 def test_the_demo_default_trace_builds(tmp_path, caplog):
     """The default demo (10 minutes x 60 lines per phase per minute) asks for 600 chat + 300 mix chat
     conversations; 639 held-out chat conversations fit (the chat-only filter of 2026-11-24 made the
@@ -248,3 +258,24 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
     assert out["met"] == {"speedup_vs_static_sglang_adaptive": False, "speedup_vs_plain_bs1_adapted": False}
     assert median_headline([head(1.3, 2.5, 1.0, 1.0)] * 2)["met"] == {"speedup_vs_static_sglang_adaptive": True,
                                                                      "speedup_vs_plain_bs1_adapted": True}
+
+
+def test_e2e_return_figure_is_online_specs_ratio_against_the_target():
+    """`returns` in the headline: each configuration's figures of the trace's return phase,
+    online-spec's ratio measured against 0.95, and the median over repeats."""
+    from bench.e2e import median_headline, return_figures
+
+    def conf(ratio):
+        return {"returns": [{"phase": "chat-return", "earlier": "chat", "tokens": 500, "earlier_accept_len": 2.0,
+                             "accept_len_first_tokens": 2.0 * ratio, "request_rounds": 40, "ratio": ratio}]}
+
+    out = return_figures({"plain": {"returns": []}, "static": conf(1.0), "online_spec": conf(0.9)})
+    assert out["phase"] == "chat-return" and out["earlier"] == "chat" and set(out["configs"]) == {"static", "online_spec"}
+    assert out["ratio_online_spec"] == 0.9 and out["target"] == 0.95 and out["met"] is False
+    assert return_figures({"online_spec": conf(0.96)})["met"] is True
+    base = {"speedup_vs_static_sglang_adaptive": 1.0, "speedup_vs_static": 1.0, "speedup_vs_plain": 1.0,
+            "speedup_vs_plain_bs1_adapted": 1.0, "speedup_vs_sglang_default_tree": None, "tree_vs_static": None,
+            "per_phase": {}, "per_phase_ratios": {}, "overall": {}}
+    heads = [{**base, "returns": return_figures({"online_spec": conf(r)})} for r in (0.9, 0.97, 0.96)]
+    med = median_headline(heads)["returns"]
+    assert med["ratio_online_spec"] == 0.96 and med["met"] is True

@@ -67,6 +67,31 @@ def test_no_adaptation_claim_without_a_swap_or_when_acceptance_falls():
     assert rose["time_to_first_swap_s"] == pytest.approx(90.0) and rose["time_to_adapt_s"] == pytest.approx(90.0)
 
 
+def test_return_figure_compares_the_returns_first_tokens_with_the_earlier_phase():
+    from bench.report import returns
+
+    def with_tags(res, tags):
+        for r in res.requests:
+            r.tag = tags[r.phase]
+        return res
+
+    tags = {"chat": "chat", "code": "code", "back": "chat"}
+    # chat at 2 accepted drafts a round (3 tokens), code, then chat again: 1 for its first 300
+    # tokens (150 rounds of 2 tokens), 4 after; only the first 500 served tokens count
+    res = with_tags(_session({"chat": [2] * 20, "code": [0] * 10, "back": [1] * 150 + [4] * 40}, serve_s=300), tags)
+    (ret,) = returns(res)
+    assert ret["phase"] == "back" and ret["earlier"] == "chat" and ret["earlier_accept_len"] == 2
+    # 500 tokens: 150 rounds of 2 tokens, then 40 rounds of 5 (the round crossing 500 counts)
+    assert ret["request_rounds"] == 190 and ret["accept_len_first_tokens"] == pytest.approx((150 + 160) / 190)
+    assert ret["ratio"] == pytest.approx((150 + 160) / 190 / 2)
+    first = returns(res, tokens=100)[0]
+    assert first["request_rounds"] == 50 and first["ratio"] == pytest.approx(0.5)
+    # no return: a new tag, or a phase right after one of the same traffic
+    assert returns(with_tags(_session({"chat": [1] * 5, "code": [1] * 5, "mix": [1] * 5}),
+                             {"chat": "chat", "code": "code", "mix": "mixed"})) == []
+    assert returns(with_tags(_session({"chat": [1] * 5, "more": [1] * 5}), {"chat": "chat", "more": "chat"})) == []
+
+
 def test_console_labels_k_by_batch_size_as_the_plot_does():
     res = _session({"chat": [1, 2], "code": [3, 0]})
     line = progress_line("online-spec", res, res.rounds, 5.0, head_version=2, total=10, trainer_step=None)
