@@ -28,7 +28,9 @@ shift (`report.adaptation`). Timings are never asserted; a shared machine moves 
 `--trace-shape return` builds chat -> code -> chat again: `returns` then gives, per
 configuration, the return phase's accept_len over its first 500 served tokens against the
 first chat phase's (`report.returns`); `returns.ratio_online_spec` is the figure whose target is
-0.95 (whatever the head learnt of code must not cost the chat acceptance it had).
+0.95 (whatever the head learnt of code must not cost the chat acceptance it had);
+`ratio_online_spec_over_static` divides it by the static head's own ratio (a head that cannot
+forget: what the two phases' prompts alone make of acceptance).
 
 `--repeats N` runs the four configurations and the batch-1 pair N times, interleaved (plain,
 static, adaptive, online-spec, bs1 pair, then again; each online-spec repeat starts from the
@@ -129,13 +131,16 @@ class E2EConfig:
     policy_trees: str = doc("trees the cost policy may choose per round in every cost-policy configuration "
                             "(online-spec included), 'steps,topk,tokens' separated by spaces; empty = chains "
                             "only", "3,4,10 5,4,8")
+    bank: bool = doc("online-spec's server keeps a head bank (a returning tag's best head swapped back in; "
+                     "serving/head_bank.py)", True)
     ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
                              "controller and no trainer, for the per-phase ceiling (see the module doc); "
                              "empty = none", "")
 
     def __post_init__(self):
         check(self.requests_per_phase >= 1, "requests_per_phase", "must be >= 1")
-        check(self.trace_shape in SHAPES, "trace_shape", f"must be one of {', '.join(SHAPES)}, got {self.trace_shape!r}")
+        check(self.trace_shape in SHAPES, "trace_shape",
+              f"must be one of {', '.join(SHAPES)}, got {self.trace_shape!r}")
         ks = [s for s in self.calib_steps.split(",") if s.strip()]
         check(bool(ks) and all(s.strip().isdigit() and int(s) >= 1 for s in ks), "calib_steps",
               f"must be comma-separated integers >= 1, got {self.calib_steps!r}")
@@ -238,7 +243,8 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
             configs["online_no_training"] = session(
                 f"{pre}online_no_training", items, policy="cost", num_steps=best_k, online=True,
                 trainer_args=targs + ["--min-buffer-tokens", str(NEVER_TRAIN_TOKENS)])
-        configs["online_spec"] = session(f"{pre}online_spec", items, policy="cost", num_steps=best_k, online=True)
+        configs["online_spec"] = session(f"{pre}online_spec", items, policy="cost", num_steps=best_k, online=True,
+                                         bank=cfg.bank)
         # batch 1 on the last phase, with the head the trainer left live
         live = (configs["online_spec"].get("trainer") or {}).get("live_version") or 0
         adapted = out / f"{pre}online_spec" / "trainer" / "ckpt" / f"v{live}"
@@ -409,8 +415,12 @@ def return_figures(configs: dict) -> dict:
             per[name] = {k: mine[k] for k in ("earlier_accept_len", "accept_len_first_tokens", "request_rounds",
                                               "ratio")}
     ratio = per["online_spec"]["ratio"]
+    static = (per.get("static") or {}).get("ratio")
     return {"phase": ret["phase"], "earlier": ret["earlier"], "tokens": ret["tokens"], "configs": per,
-            "ratio_online_spec": ratio, "target": RETURN_TARGET, "met": met_return(ratio)}
+            "ratio_online_spec": ratio, "target": RETURN_TARGET, "met": met_return(ratio),
+            # the static head cannot forget: its own ratio is what the two phases' prompts make of
+            # acceptance, and online-spec's over it what adaptation cost (< 1) or kept
+            "ratio_online_spec_over_static": _ratio(ratio, static)}
 
 
 def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:

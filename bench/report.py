@@ -83,7 +83,8 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
             "skipped_lines": max(0, result.trace_lines - len(result.requests)),
             "overall": _block(result.requests, all_acc, len(all_acc)),
             "phases": phases, "timeline": timeline(result, bin_s),
-            "swaps": [{"t_s": s["t"] - t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"]}
+            "swaps": [{"t_s": s["t"] - t0, "from": s["from"], "to": s["to"], "rollback": s["rollback"],
+                       "bank": s.get("bank", False)}
                       for s in result.swaps],
             "alerts": [{**a, "t_s": a["t"] - t0} for a in result.alerts],
             "adaptation": adaptation(result), "returns": returns(result), "trainer": result.trainer,

@@ -9,8 +9,9 @@ Process layout (2-core CPU): the server (engine thread + uvicorn + the replaying
 on loopback) stays in this process with `server_threads` torch threads; the trainer daemon runs
 in a child process (`python -m bench.demo_trainer`) with `trainer_threads` torch threads
 and OMP_NUM_THREADS to match, so neither starves the other. They talk over ZMQ ipc sockets in
-a private temporary directory: the capture stream (server -> trainer) and the control endpoint
-(trainer -> server swaps, `serving.control`). Drift alerts reach the daemon by its polling
+a private temporary directory: the capture stream (server -> trainer) and the server's own control
+endpoint (trainer -> server swaps, `serving.control`; the head bank swaps through the same
+swapper). Sessions without a trainer run no control endpoint. Drift alerts reach the daemon by its polling
 `/server_info` (`drift.recent_alerts`) and calling `daemon.on_drift`.
 
 Everything started here is stopped in `finally`: the trainer gets SIGTERM (it saves and
@@ -63,6 +64,8 @@ class SessionConfig:
     tree_candidates: list = doc("trees [num_steps, topk, num_draft_tokens] the cost policy may run instead of "
                                 "a chain (empty: chains only)", list)
     online: bool = doc("run the trainer daemon beside the server (capture on, gated swaps)", False)
+    bank: bool = doc("with the trainer: the server's head bank (a returning tag's best head swapped back in; "
+                     "serving/head_bank.py)", True)
     concurrency: int = doc("streaming clients in flight", 4)
     max_tokens: int = doc("max_tokens of trace lines that give none", 64)
     max_batch: int = doc("engine max_batch", 16)
@@ -113,8 +116,9 @@ class RoundLog:
     """Round observer: one compact dict per engine round (engine thread), request ids kept so
     rounds can be attributed to phases afterwards."""
 
-    def __init__(self, result: SessionResult):
+    def __init__(self, result: SessionResult, bank=None):
         self.result = result
+        self.bank = bank  # the server's head bank (serving/head_bank.py), whose swaps go down in version too
         self.last_version = None
 
     def __call__(self, stats, outs, tags) -> None:
@@ -124,9 +128,12 @@ class RoundLog:
             "accepted": list(stats.accepted), "committed": stats.committed, "total_s": stats.total_s,
             "head_version": stats.head_version, "request_ids": [o.request_id for o in outs], "tags": list(tags)})
         if self.last_version is not None and stats.head_version != self.last_version:
-            # the daemon numbers versions upwards, so going down is a rollback
-            self.result.swaps.append({"t": now, "from": self.last_version, "to": stats.head_version,
-                                      "rollback": stats.head_version < self.last_version})
+            # the daemon numbers versions upwards, so going down is a rollback, unless the bank
+            # brought back an older head (it records its swap before the swap lands)
+            bank = self.bank is not None and any(s["from"] == self.last_version and s["to"] == stats.head_version
+                                                 for s in self.bank.swaps[-2:])
+            self.result.swaps.append({"t": now, "from": self.last_version, "to": stats.head_version, "bank": bank,
+                                      "rollback": not bank and stats.head_version < self.last_version})
         self.last_version = stats.head_version
 
 
@@ -147,17 +154,14 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
                               trees=cfg.tree_candidates)[0]
 
 
-def _control_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("serving.control") is not None
-
-
 def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionResult:
     """Serve `items` with the configured head/policy (and trainer); always cleans up."""
     # transformers comes with these: the benches that import this module keep their --help fast
     from online_spec.checkpoint import load_head
     from online_spec.head import new_head
     from serving.engine import EngineConfig
+    from serving.control import ControlConfig
+    from serving.head_bank import BankConfig
     from serving.server import ServerConfig, SpecServer
     from serving.server_app import HttpThread
     from trainer.distill import init_from_target
@@ -167,7 +171,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
     run_dir.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(tempfile.mkdtemp(prefix="osd-"))  # short path: ipc socket names are limited to ~100 chars
     result = SessionResult(cfg.name, time.time(), trace_lines=len(items))
-    server = http = control = trainer = watch = None
+    server = http = trainer = watch = None
     stop_progress = threading.Event()
     try:
         version, plain = 0, cfg.head == "none" or cfg.num_steps == 0 and cfg.policy == "static"
@@ -186,19 +190,23 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         publisher = None
         if cfg.online:
             publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"))
-        scfg = ServerConfig(engine=engine_cfg, capture=cfg.online, log_level="warning")
+        # the server's own control endpoint, in the private socket directory: the trainer swaps
+        # through it, and the head bank through its swapper (one swapper knows the live head)
+        control_cfg = ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir),
+                                    control_endpoint="" if cfg.online else "off")
+        scfg = ServerConfig(engine=engine_cfg, capture=cfg.online, log_level="warning", control=control_cfg,
+                            bank=BankConfig(enabled=cfg.bank))
         server = SpecServer(scfg, target, None if plain else head, head_version=version,
                             policy=None if plain else build_policy(cfg, target, head, engine_cfg, run_dir),
                             publisher=publisher)
-        server.round_observers.append(RoundLog(result))
+        server.round_observers.append(RoundLog(result, server.bank))
         if server.drift is not None:
             server.drift.sinks.append(CallbackAlertSink(
                 lambda a: result.alerts.append({"t": time.time(), **_alert_dict(a)})))
         server.start()
         http = HttpThread(server).start()
         if cfg.online:
-            control = _start_control(server, sock_dir, run_dir)
-            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url, control is not None)
+            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url)
             if cfg.progress_every_s > 0:
                 print(f"trainer: starting (log: {run_dir / 'trainer.log'})", flush=True)
             watch = TrainerWatch(run_dir / "trainer.log", echo=cfg.progress_every_s > 0).start()
@@ -222,7 +230,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         if watch is not None:
             watch.stop()
             result.trainer["watch"] = watch.figures(result.serve_t0)
-        for closer in (control, http, server):
+        for closer in (http, server):
             if closer is not None:
                 try:
                     closer.close() if hasattr(closer, "close") else closer.stop()
@@ -232,7 +240,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         # the engine's KV caches (GBs at a long max_len) sit in reference cycles (hooks, policy,
         # threads' closures): collected now, so a bench running session after session holds one
         # session's caches, not all of them (an e2e --quick run grew to ~19 GB and was OOM-killed)
-        control = http = server = None
+        http = server = None
         gc.collect()
     return result
 
@@ -242,26 +250,14 @@ def _alert_dict(alert) -> dict:
     return {k: v for k, v in d.items() if isinstance(v, (str, int, float, bool)) or v is None}
 
 
-def _start_control(server, sock_dir: Path, run_dir: Path):
-    if not _control_available():
-        warn(log, "session_no_control", "serving.control is not available",
-             cost="the trainer trains but cannot swap heads into the server", fix="reinstall the package (pip install -e .)")
-        return None
-    from serving.control import ControlConfig, ControlServer
-
-    return ControlServer(server, ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir))).start()
-
-
-def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str, with_control: bool):
+def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str):
     # every session starts from its own head, fresh; the daemon numbers its versions after the
     # server's live one (control `info`, else the head's metadata), so they never collide
     shutil.rmtree(run_dir / "trainer", ignore_errors=True)
     args = [sys.executable, "-m", "bench.demo_trainer", "--run-dir", str(run_dir / "trainer"),
             "--capture-endpoint", f"ipc://{sock_dir}/capture.sock", "--alerts-url", url + "/server_info",
             "--threads", str(cfg.trainer_threads), "--wandb-mode", "disabled",
-            "--max-seconds", str(cfg.deadline_s + 120)]
-    if with_control:
-        args += ["--control-run-dir", str(sock_dir)]
+            "--max-seconds", str(cfg.deadline_s + 120), "--control-run-dir", str(sock_dir)]
     if cfg.trainer_device or cfg.device != "cpu":
         args += ["--device", cfg.trainer_device or cfg.device]  # empty: colocated, on the server's device
     if cfg.head and cfg.head != "none":

@@ -9,6 +9,7 @@
                  (`api` request schemas, `server_detok` incremental detokenization)
 - `control`      the control endpoint (swap, rollback, info, set adaptive config; token-checked);
                  `swap` validates and loads a head checkpoint; `swap_cli` `online-spec swap|rollback|status`
+- `head_bank`    per traffic tag, the head that drafted best on it; swapped back in when the tag returns
 - `sglang_*`     the same loop on an SGLang server: plugin, capture hook, adaptive policy, swap client
 
 Where a token goes: `Engine.step` verifies it and commits it; the round's `CaptureRecord`

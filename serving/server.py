@@ -16,6 +16,8 @@ Hooks for the rest of the system (a control plane, the trainer daemon, the drift
                                          on the engine thread (failures logged, never raised)
   - `server.drift.sinks`                 where drift alerts go; append e.g.
                                          `CallbackAlertSink(daemon.on_drift)` (serving/server_drift.py)
+  - `server.bank`                        the head bank (serving/head_bank.py; with the control
+                                         endpoint): a returning tag's best head swapped back in
 
 Faults it survives: a round that fails fails only its culprit request (serving/server_loop.py);
 a live head whose drafts turn non-finite (found when a round fails, and every `head_check_s` on
@@ -53,6 +55,7 @@ from serving.api import ApiError
 from serving.calibrate import engine_cost_policy
 from serving.control import ControlConfig, ControlServer
 from serving.engine import Engine, EngineConfig
+from serving.head_bank import BankConfig, HeadBank
 from serving.head_probe import HeadProbe
 from serving.requests import EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 from serving.metrics import ServerMetrics, TagLabels
@@ -107,6 +110,8 @@ class ServerConfig:
     control: ControlConfig = field(default_factory=ControlConfig,
                                    metadata={"help": "control endpoint (--run-dir, --control-endpoint, "
                                              "--allowed-roots)", "cli": False})
+    bank: BankConfig = field(default_factory=BankConfig,
+                             metadata={"help": "head bank settings (--bank-* flags)", "cli": False})
 
     def __post_init__(self):
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
@@ -155,6 +160,11 @@ class SpecServer:
             self.round_observers.append(self.drift.observe)
         self.started_at = time.time()
         self.control = ControlServer(self, cfg.control) if cfg.control.enabled else None
+        self.bank: HeadBank | None = None
+        if cfg.bank.enabled and self.control is not None:  # it swaps through the control's swapper
+            self.bank = HeadBank(cfg.bank, self.control.swapper)
+            self.control.swapper.holds = self.bank.holds
+            self.round_observers.append(self.bank.observe)
 
     def _plain_round_s(self, batch_size: int, ctx_len: int) -> float | None:
         """A plain decode round's seconds at this batch and context, from the cost-model policy's
@@ -170,8 +180,9 @@ class SpecServer:
         for name, value in (("tag", tag), ("rid", request_id)):
             if len(value) > MAX_ID_CHARS:
                 raise ApiError(400, f"{name}: at most {MAX_ID_CHARS} characters, got {len(value)}", param=name)
+        label = self.tags.label(tag)
         try:
-            return self.loop.submit(Request(prompt_ids, params, request_id, self.tags.label(tag)))
+            stream = self.loop.submit(Request(prompt_ids, params, request_id, label))
         except EngineFull as e:
             self.metrics.on_rejected("queue_full")
             raise ApiError(503, f"server busy: {e}; retry later", "server_busy") from None
@@ -181,6 +192,9 @@ class SpecServer:
             raise ApiError(400, str(e), param="prompt") from None
         except RuntimeError as e:
             raise ApiError(503, str(e), "server_unavailable") from None
+        if self.bank is not None:
+            self.bank.admitted(label)
+        return stream
 
     def swap(self, head: EagleHead | None, version: int, rollback: bool = False) -> None:
         """Install `head` (already validated) before the next round; None = plain decode."""
@@ -219,6 +233,7 @@ class SpecServer:
             "head_faults": self.head_faults[-10:], "tags": self.tags.info(), "capture_publisher": publisher,
             "drift": None if self.drift is None else self.drift.info(),
             "trainer_alerts": self.trainer_alerts[-10:],
+            "head_bank": None if self.bank is None else self.bank.info(),
         }
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -226,9 +241,13 @@ class SpecServer:
         self.loop.start()
         if self.control is not None:
             self.control.start()
+        if self.bank is not None:
+            self.bank.start()
 
     def close(self) -> None:
         """Stop the engine thread, then close what the server was given: publisher, W&B run."""
+        if self.bank is not None:
+            self.bank.close()
         if self.control is not None:
             self.control.close()
         self.loop.close()

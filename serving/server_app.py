@@ -44,6 +44,7 @@ from serving import api
 from serving.api import ApiError
 from serving.control import ControlConfig
 from serving.engine import EngineConfig
+from serving.head_bank import BankConfig
 from serving.server import ServerConfig, SpecServer, build_server
 from serving.server_detok import TextStream
 from serving.server_loop import EngineError, RequestStream
@@ -371,6 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, DriftConfig, prefix="drift_")
     add_config_args(parser, PublisherConfig, prefix="capture_")
     add_config_args(parser, ControlConfig)
+    add_config_args(parser, BankConfig, prefix="bank_")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
     drift_cfg = config_from_args(DriftConfig, args, prefix="drift_")
     publisher_cfg = config_from_args(PublisherConfig, args, prefix="capture_")
     cfg = config_from_args(ServerConfig, args, engine=engine_cfg, drift=drift_cfg, publisher=publisher_cfg,
-                           control=config_from_args(ControlConfig, args))
+                           control=config_from_args(ControlConfig, args),
+                           bank=config_from_args(BankConfig, args, prefix="bank_"))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: with the default
     # handler that kills the process before `finally` removes the token and the sockets

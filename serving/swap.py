@@ -41,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -153,6 +154,7 @@ class HeadSwapper:
         self.swaps = self.rollbacks = self.refused = self.auto_rollbacks = 0
         self.last_swap: dict | None = None
         self.last_fault: dict | None = None
+        self.holds: Callable[[EagleHead], bool] = lambda head: False  # a head bank's: never reuse its modules
 
     # -- commands -------------------------------------------------------------------------------
     def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict:
@@ -203,6 +205,15 @@ class HeadSwapper:
                 self.refused += 1
                 raise
             return self._install(HeadVersion(head, version, actual, "inline"), t0)
+
+    def swap_banked(self, banked: HeadVersion) -> dict:
+        """Reinstall a head the server had live before (serving/head_bank.py), the very module,
+        validated when it first came in; live becomes previous."""
+        t0 = time.perf_counter()
+        with self._lock:
+            if banked.head is None or banked.head is self.live.head:
+                raise SwapError("the banked head is already live (or none)")
+            return self._install(banked, t0)
 
     def rollback(self) -> dict:
         """Reinstall the previous head (the very module, weights untouched); live becomes previous."""
@@ -285,7 +296,8 @@ class HeadSwapper:
         old_previous = self.previous
         self.previous, self.live = self.live, new
         if not rollback and old_previous is not None and old_previous.head is not None \
-                and old_previous.head is not self.live.head:
+                and old_previous.head is not self.live.head and old_previous.head is not self.previous.head \
+                and not self.holds(old_previous.head):
             self._spare = old_previous.head
         if rollback:
             self.rollbacks += 1

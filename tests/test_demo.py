@@ -269,9 +269,11 @@ def test_e2e_return_figure_is_online_specs_ratio_against_the_target():
         return {"returns": [{"phase": "chat-return", "earlier": "chat", "tokens": 500, "earlier_accept_len": 2.0,
                              "accept_len_first_tokens": 2.0 * ratio, "request_rounds": 40, "ratio": ratio}]}
 
-    out = return_figures({"plain": {"returns": []}, "static": conf(1.0), "online_spec": conf(0.9)})
-    assert out["phase"] == "chat-return" and out["earlier"] == "chat" and set(out["configs"]) == {"static", "online_spec"}
+    out = return_figures({"plain": {"returns": []}, "static": conf(1.2), "online_spec": conf(0.9)})
+    assert out["phase"] == "chat-return" and out["earlier"] == "chat"
+    assert set(out["configs"]) == {"static", "online_spec"}
     assert out["ratio_online_spec"] == 0.9 and out["target"] == 0.95 and out["met"] is False
+    assert out["ratio_online_spec_over_static"] == pytest.approx(0.75)  # the prompts alone gave 1.2
     assert return_figures({"online_spec": conf(0.96)})["met"] is True
     base = {"speedup_vs_static_sglang_adaptive": 1.0, "speedup_vs_static": 1.0, "speedup_vs_plain": 1.0,
             "speedup_vs_plain_bs1_adapted": 1.0, "speedup_vs_sglang_default_tree": None, "tree_vs_static": None,

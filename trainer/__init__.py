@@ -5,6 +5,8 @@
                  gate -> checkpoint -> swap over the control endpoint, rollback watch (`train_cli`
                  builds it from flags)
 - `starvation_watch`  the daemon's starvation alerts: when it checks, what it reads, where they go
+- `server_head`  the daemon follows a head the server made live on its own (its head bank, a
+                 rollback of a broken head), and learns which tags the bank holds a head for
 - `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, deals micro-batches,
                  publishes); `launch`: `online-spec train --ranks N` starts and watches them
 - `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the

@@ -14,6 +14,9 @@ Loop (one thread; the subscriber fills the replay buffer from its own thread):
      control endpoint
   3. watch live acceptance of the new version (`RollbackMonitor`) and roll back if it is worse
      than the previous version's beyond a threshold
+  4. follow the server when it changed its head on its own (its head bank brought back a head
+     for returning traffic, or it rolled back a broken one): that head becomes the live one the
+     gate compares with, and training continues from it (`trainer/server_head.py`)
 Bad input never stops it: a span that is well-formed on the wire but does not fit the target
 (hidden size, token ids outside the vocabulary, positions beyond its context) is counted and
 dropped before it reaches the replay buffer (so it is never persisted, and a restart does not
@@ -54,6 +57,7 @@ from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.evaluate import acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
+from trainer.server_head import ServerHeadWatch
 from trainer.starvation_watch import StarvationWatch
 
 log = logging.getLogger(__name__)
@@ -153,6 +157,7 @@ class TrainerDaemon:
         self._last_warn: dict[str, float] = {}
         self.starvation_watch = StarvationWatch(starvation_cfg, wandb_run)
         self.starvation = self.starvation_watch.detector
+        self.server_head = ServerHeadWatch()
 
     # -- inputs ---------------------------------------------------------------------------
     def span_error(self, span: CaptureSpan) -> str | None:
@@ -200,6 +205,7 @@ class TrainerDaemon:
                     self._stop.wait(rest)
                 self.watch_rollback()
                 self.watch_starvation()
+                self.watch_server_head()
         finally:
             self.save_state()
             self.subscriber.close(flush=True)
@@ -280,9 +286,11 @@ class TrainerDaemon:
         decision, per_tag = self.gate.decide(c, lv, anchors), {}
         if decision.publish and self.gate.cfg.tag_regress < 1:
             # a winner on the mix: also each stored tag on its own newest held-out traffic (only
-            # now, an evaluation per tag being as costly as the one above)
+            # now, an evaluation per tag being as costly as the one above); not the tags the
+            # server's bank holds another head for: theirs comes back when they return
             mix_tags = {sp.tag for sp in heldout}
-            for tag in self.buffer.heldout_tags():
+            banked = self.server_head.banked_elsewhere(self.state["live_version"])
+            for tag in (t for t in self.buffer.heldout_tags() if t not in banked):
                 per_tag[tag] = ((c, lv, anchors) if mix_tags == {tag} else
                                 self._gate_scores(self._gate_sample(tag), k_counts))
             decision = self.gate.decide(c, lv, anchors, per_tag)
@@ -381,6 +389,29 @@ class TrainerDaemon:
         self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
         self.save_state()
 
+    def watch_server_head(self, now: float | None = None) -> int | None:
+        """Adopt the server's live head if the server changed it on its own (`ServerHeadWatch`)."""
+        now = time.monotonic() if now is None else now
+        v = self.server_head.changed(now, getattr(self.publisher, "info", None), self.state["live_version"],
+                                     self._loadable)
+        if v is None:
+            return None
+        head, prev = self._load_version(v), self.state["live_version"]
+        self.distiller.set_weights(head)
+        self.rollbacks.start_from(self.live, v, prev)
+        self.state.update(previous_version=prev, live_version=v)
+        self.live_head = self._live_head_from(head)
+        self.server_head.adopted += 1
+        self._log({"swap/adopted_server_head": v})
+        log.info("the server made v%d live (it was v%d): training continues from it", v, prev)
+        self.save_state()
+        return v
+
+    def _loadable(self, version: int) -> bool:
+        if version == self.state.get("initial_version", 0):
+            return bool(self.cfg.init_head)  # a random day-0 head cannot be loaded again
+        return (self.run_dir / "ckpt" / f"v{version}").is_dir()
+
     # -- state -------------------------------------------------------------------------------
     def save_state(self) -> None:
         self.distiller.save_state(self.run_dir / "distiller.pt")
@@ -465,7 +496,8 @@ class TrainerDaemon:
                 "rested_s": round(self._rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
-                "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active}
+                "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,
+                "adopted_server_heads": self.server_head.adopted}
 
 
 def install_signal_handlers(daemon) -> None:

@@ -281,6 +281,19 @@ class Distiller:
         """ZeRO 1-2 over several ranks: each rank holds its own part of the optimizer state."""
         return self.world_size > 1 and self.zero_stage >= 1
 
+    def set_weights(self, head: EagleHead) -> None:
+        """Train on from `head`'s weights (the server's live head changed under the trainer: its
+        head bank swapped back a head it had before); optimizer moments, schedule and counters go
+        on. ZeRO keeps its own fp32 copy of the weights: refreshed from the new ones. One rank
+        only (several would each need the same weights: `trainer/ranks.py` does not follow)."""
+        check(self.world_size == 1, "set_weights", f"one rank only, this trainer has {self.world_size}")
+        new = head.state_dict()
+        with torch.no_grad():
+            for name, p in self.head.named_parameters():
+                p.copy_(new[name].to(device=p.device, dtype=p.dtype))
+        if self.zero_stage >= 1:
+            self.optimizer.refresh_fp32_params()
+
     def state_dict(self) -> dict:
         """Weights, optimizer, scheduler, counters; partitioned, the optimizer is this rank's part."""
         return {"head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},

@@ -1,0 +1,65 @@
+"""The daemon follows the server's live head when the server changed it on its own.
+
+The server's head bank (serving/head_bank.py) swaps a head back in when traffic it drafted best
+on returns; an automatic rollback of a broken head changes it too. Either way the trainer's idea
+of the live head (what the gate compares candidates with, what the rollback monitor watches, what
+training continues from) is then wrong. `ServerHeadWatch.changed` asks the server's live version
+(control `info`) every `poll_s` and says when it is neither the daemon's live version nor one it
+cannot load; the daemon then adopts it (`TrainerDaemon.watch_server_head`).
+
+The same read gives the tags the server's bank holds another head for (`banked_elsewhere`): the
+gate does not refuse a candidate for regressing on those (that traffic gets its own head back
+when it returns), so the live head may specialise on the traffic of now.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+SERVER_HEAD_POLL_S = 2.0  # seconds between the daemon's reads of the server's live version
+
+
+class ServerHeadWatch:
+    def __init__(self, poll_s: float = SERVER_HEAD_POLL_S):
+        self.poll_s = poll_s
+        self._next = 0.0
+        self._unknown: set[int] = set()  # versions already said to be unloadable
+        self.adopted = 0
+        self.banked: dict[str, int] = {}  # tag -> version the server's bank holds for it (last read)
+
+    def banked_elsewhere(self, live_version: int) -> set[str]:
+        """Tags for which the server's bank holds a head other than the live one."""
+        return {t for t, v in self.banked.items() if v != live_version}
+
+    def changed(self, now: float, server_info: Callable[[], dict] | None, live_version: int,
+                loadable: Callable[[int], bool]) -> int | None:
+        """The server's live version when it is due to be read and differs from `live_version`
+        and the daemon can load it (one of its own versions, or the one it started from); None
+        otherwise. A version it cannot load (an operator's swap from elsewhere) is logged once.
+        `server_info`: the control `info` call (None: no server to ask); a failing or odd answer
+        reads as "cannot say"."""
+        if server_info is None or now < self._next:
+            return None
+        self._next = now + self.poll_s
+        try:
+            info = server_info()
+        except Exception as e:  # noqa: BLE001 - unreachable now: asked again at the next poll
+            log.debug("server info unavailable: %s", e)
+            return None
+        v = info.get("head_version") if isinstance(info, dict) else None
+        bank = info.get("head_bank") if isinstance(info, dict) else None
+        banked = bank.get("banked") if isinstance(bank, dict) else None
+        self.banked = {str(t): e["version"] for t, e in banked.items()
+                       if isinstance(e, dict) and isinstance(e.get("version"), int)} if isinstance(banked, dict) else {}
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v == live_version:
+            return None
+        if not loadable(v):
+            if v not in self._unknown:
+                self._unknown.add(v)
+                log.warning("the server's live head is v%d, not one this trainer published or started from: "
+                            "training goes on from v%d's line", v, live_version)
+            return None
+        return v
