@@ -26,8 +26,8 @@ beside the overall ones). Per configuration and per phase: tokens/s, accept_len 
 shift (`report.adaptation`). Timings are never asserted; a shared machine moves them 20-40 %.
 
 `--trace-shape return` builds chat -> code -> chat again: `returns` then gives, per
-configuration, the return phase's accept_len over its first 500 served tokens against the
-first chat phase's (`report.returns`); `returns.ratio_online_spec` is the figure whose target is
+configuration, the return phase's first-draft acceptance over its first 500 served tokens
+against the first chat phase's (`report.returns`); `returns.ratio_online_spec` is the figure whose target is
 0.95 (whatever the head learnt of code must not cost the chat acceptance it had);
 `ratio_online_spec_over_static` divides it by the static head's own ratio (a head that cannot
 forget: what the two phases' prompts alone make of acceptance).
@@ -412,8 +412,8 @@ def return_figures(configs: dict) -> dict:
     for name, c in configs.items():
         mine = next((r for r in c.get("returns") or [] if r["phase"] == ret["phase"]), None)
         if mine is not None:
-            per[name] = {k: mine[k] for k in ("earlier_accept_len", "accept_len_first_tokens", "request_rounds",
-                                              "ratio")}
+            per[name] = {k: mine[k] for k in ("earlier_first_draft", "first_draft_first_tokens", "earlier_accept_len",
+                                              "accept_len_first_tokens", "request_rounds", "ratio")}
     ratio = per["online_spec"]["ratio"]
     static = (per.get("static") or {}).get("ratio")
     return {"phase": ret["phase"], "earlier": ret["earlier"], "tokens": ret["tokens"], "configs": per,

@@ -97,10 +97,12 @@ RETURN_TOKENS = 500  # the return figure's window: the returning phase's first s
 
 def returns(result: SessionResult, tokens: int = RETURN_TOKENS) -> list[dict]:
     """For each phase that goes back to an earlier phase's traffic (the same set of request
-    tags, another phase between them): its accept_len (bonus excluded, per request-round) over
-    the rounds until `tokens` tokens were committed after it began (the rounds of its own
-    requests only), beside the earlier phase's accept_len over all its rounds, and their ratio:
-    whether what the head learnt in between cost the acceptance that traffic had."""
+    tags, another phase between them): its first-draft acceptance (the share of its request-
+    rounds with K >= 1 whose first draft was accepted; unlike accept_len it does not move with
+    the K the controller picks) over the rounds until `tokens` tokens were committed after it
+    began (the rounds of its own requests only), beside the earlier phase's over all its
+    rounds, and their ratio: whether what the head learnt in between cost the acceptance that
+    traffic had. accept_len (bonus excluded) beside them."""
     rid_phase = request_phases(result)
     names = phase_order(result)
     tags = {n: frozenset(r.tag for r in result.requests if r.phase == n) for n in names}
@@ -114,8 +116,8 @@ def returns(result: SessionResult, tokens: int = RETURN_TOKENS) -> list[dict]:
         earlier = next((q for q in reversed(names[:j - 1]) if tags[q] == tags[name]), None)
         if earlier is None:
             continue
-        level = _mean([a for rd in result.rounds if rd["num_steps"] > 0
-                       for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == earlier])
+        before = [a for rd in result.rounds if rd["num_steps"] > 0
+                  for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == earlier]
         first, served = [], 0
         for rd in result.rounds:
             if rd["t"] < starts[name]:
@@ -125,9 +127,10 @@ def returns(result: SessionResult, tokens: int = RETURN_TOKENS) -> list[dict]:
             served += rd["committed"]
             if rd["num_steps"] > 0:
                 first += [a for rid, a in zip(rd["request_ids"], rd["accepted"]) if rid_phase.get(rid) == name]
-        now = _mean(first)
-        out.append({"phase": name, "earlier": earlier, "tokens": tokens, "earlier_accept_len": level,
-                    "accept_len_first_tokens": now, "request_rounds": len(first),
+        level, now = _mean([a > 0 for a in before]), _mean([a > 0 for a in first])
+        out.append({"phase": name, "earlier": earlier, "tokens": tokens, "earlier_first_draft": level,
+                    "first_draft_first_tokens": now, "earlier_accept_len": _mean(before),
+                    "accept_len_first_tokens": _mean(first), "request_rounds": len(first),
                     "ratio": None if now is None or not level else now / level})
     return out
 

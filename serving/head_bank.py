@@ -11,13 +11,16 @@ and swaps it back in when that tag's traffic returns.
 - Keep (the bank's thread): per tag, the version with the best first-draft acceptance over at
   least `min_rounds` request-rounds, its module held while it is best for some tag (at most
   `max_heads` modules; the swapper never reuses a banked module as its spare).
-- Route (the bank's thread, every `poll_s`): the tags of the last `window` admitted requests. When
-  the tag holding at least `dominance` of them changes from another such tag (traffic moved), and that
-  tag's banked head is not live, and the live head is measured worse on it by more than `margin`
-  (or was never measured on it), the banked head is swapped in through the swapper, as a control
-  swap would be; at most one such swap every `min_dwell_s`. Only a change of traffic moves the
-  head: the trainer's later versions for the same traffic are the gate's business, never undone
-  here. Mixed traffic (no dominant tag) never moves it.
+- Route (the bank's thread, every `poll_s`): the tags of the last `window` admitted requests.
+  When the tag holding at least `dominance` of them changes from another such tag (traffic
+  moved) and that tag's banked head is not live, the bank waits until the live head has drafted
+  `min_rounds` request-rounds of it (the trainer's newest head may draft it as well), then swaps
+  the banked head in through the swapper, as a control swap would be, if its first-draft
+  acceptance there beats the live one's by more than `margin`; at most one such swap every
+  `min_dwell_s`. Only a change of traffic moves the head: the trainer's later versions for the
+  same traffic are the gate's business, never undone here. Mixed traffic moves it only where a
+  window of it shows a dominant tag and the banked head is measurably better on that tag, once
+  per `min_dwell_s` at most.
 
 The trainer follows: it reads the server's live version (control `info`) and continues training
 from that head (trainer/server_head.py).
@@ -48,8 +51,9 @@ class BankConfig:
                       "seen after a few admissions; mixed traffic then often shows a dominant tag, which "
                       "min_dwell_s and margin keep from moving the head back and forth)", 4)
     dominance: float = doc("share of that window one tag must hold before the bank acts for it", 0.75)
-    min_rounds: int = doc("request-rounds a version must have drafted on a tag before its acceptance there counts", 64)
-    margin: float = doc("first-draft acceptance by which the banked head must beat the live one on the tag", 0.03)
+    min_rounds: int = doc("request-rounds a version must have drafted on a tag before its acceptance there counts "
+                          "(banked, and compared when that traffic returns)", 48)
+    margin: float = doc("first-draft acceptance by which the banked head must beat the live one on the tag", 0.05)
     min_dwell_s: float = doc("seconds between two swaps the bank makes", 30.0)
     max_heads: int = doc("head modules the bank holds in memory at most (one per tag it remembers)", 4)
     poll_s: float = doc("seconds between the bank's looks at the admitted tags", 0.1)
@@ -148,14 +152,19 @@ class HeadBank:
         tag = self.dominant()
         if tag is None or tag == self._serving or now - self._last_swap_t < self.cfg.min_dwell_s:
             return None  # no change of traffic (or too soon after the last swap: decided later)
-        first, self._serving = self._serving is None, tag
-        if first:
-            return None  # the traffic the server started with: nothing has moved the head away from it
-        best = self._best.get(tag)
-        if best is None or best == live.version or live.head is None:
+        if self._serving is None:
+            self._serving = tag  # the traffic the server started with: nothing moved the head away from it
             return None
-        best_rate, live_rate = self.rate(best, tag), self.rate(live.version, tag)
-        if best_rate is None or (live_rate is not None and best_rate <= live_rate + self.cfg.margin):
+        best = self._best.get(tag)
+        best_rate = None if best is None else self.rate(best, tag)
+        if best_rate is None or best == live.version or live.head is None:
+            self._serving = tag  # nothing banked for this traffic: the live head (the trainer's) serves it
+            return None
+        live_rate = self.rate(live.version, tag)
+        if live_rate is None:
+            return None  # decided once the live head has drafted enough of it: its newest head may do as well
+        self._serving = tag
+        if best_rate <= live_rate + self.cfg.margin:
             return None
         with self._lock:
             banked = self._kept[best]

@@ -266,7 +266,8 @@ def test_e2e_return_figure_is_online_specs_ratio_against_the_target():
     from bench.e2e import median_headline, return_figures
 
     def conf(ratio):
-        return {"returns": [{"phase": "chat-return", "earlier": "chat", "tokens": 500, "earlier_accept_len": 2.0,
+        return {"returns": [{"phase": "chat-return", "earlier": "chat", "tokens": 500, "earlier_first_draft": 0.6,
+                             "first_draft_first_tokens": 0.6 * ratio, "earlier_accept_len": 2.0,
                              "accept_len_first_tokens": 2.0 * ratio, "request_rounds": 40, "ratio": ratio}]}
 
     out = return_figures({"plain": {"returns": []}, "static": conf(1.2), "online_spec": conf(0.9)})

@@ -76,16 +76,23 @@ def test_return_figure_compares_the_returns_first_tokens_with_the_earlier_phase(
         return res
 
     tags = {"chat": "chat", "code": "code", "back": "chat"}
-    # chat at 2 accepted drafts a round (3 tokens), code, then chat again: 1 for its first 300
-    # tokens (150 rounds of 2 tokens), 4 after; only the first 500 served tokens count
-    res = with_tags(_session({"chat": [2] * 20, "code": [0] * 10, "back": [1] * 150 + [4] * 40}, serve_s=300), tags)
+    # chat: 16 of 20 rounds with the first draft accepted (2 drafts), code, then chat again: 150
+    # rounds of 2 tokens alternating 1 and 0 accepted (the first draft half the time, 0.5 a round),
+    # then 40 of 5 tokens (4 accepted); only the rounds of the first 500 served tokens count
+    back = [1, 0] * 75 + [4] * 40
+    res = with_tags(_session({"chat": [2] * 16 + [0] * 4, "code": [0] * 10, "back": back}, serve_s=400), tags)
     (ret,) = returns(res)
-    assert ret["phase"] == "back" and ret["earlier"] == "chat" and ret["earlier_accept_len"] == 2
-    # 500 tokens: 150 rounds of 2 tokens, then 40 rounds of 5 (the round crossing 500 counts)
-    assert ret["request_rounds"] == 190 and ret["accept_len_first_tokens"] == pytest.approx((150 + 160) / 190)
-    assert ret["ratio"] == pytest.approx((150 + 160) / 190 / 2)
+    assert ret["phase"] == "back" and ret["earlier"] == "chat" and ret["earlier_first_draft"] == pytest.approx(0.8)
+    assert ret["earlier_accept_len"] == pytest.approx(1.6)
+    # 500 tokens: 75 rounds of 2 and 75 of 1 (225), then 55 rounds of 5 (the round crossing 500 counts)
+    assert ret["request_rounds"] == 150 + 40  # the phase has only 40 rounds of 5
+    assert ret["first_draft_first_tokens"] == pytest.approx((75 + 40) / 190)
+    assert ret["accept_len_first_tokens"] == pytest.approx((75 + 160) / 190)
+    assert ret["ratio"] == pytest.approx((75 + 40) / 190 / 0.8)
+    # 100 tokens: the code phase's last round (1 token, at the return's start) is served after it
+    # began too, then 66 of the return's rounds (33 of 2 tokens, 33 of 1)
     first = returns(res, tokens=100)[0]
-    assert first["request_rounds"] == 50 and first["ratio"] == pytest.approx(0.5)
+    assert first["request_rounds"] == 66 and first["ratio"] == pytest.approx(0.5 / 0.8)
     # no return: a new tag, or a phase right after one of the same traffic
     assert returns(with_tags(_session({"chat": [1] * 5, "code": [1] * 5, "mix": [1] * 5}),
                              {"chat": "chat", "code": "code", "mix": "mixed"})) == []

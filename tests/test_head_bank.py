@@ -62,9 +62,28 @@ def test_a_returning_tag_gets_back_the_head_that_drafted_best_on_it():
     admit(bank, ["chat", "chat", "code"])
     assert bank.step(4.0) is None  # 2 of 4 is no dominance
     admit(bank, ["chat"])
+    rounds(bank, 2, "chat", 9, 9)
+    assert bank.step(5.0) is None  # v2 has drafted too little chat to judge: wait for it
+    rounds(bank, 2, "chat", 1, 0)  # 10 rounds of chat, 9 first drafts accepted: as good as v1
+    assert bank.step(5.5) is None and sw.asked == []  # the trainer's newest head keeps the chat
+    assert bank.info()["serving_tag"] == "chat"
+
+    bank, sw = bank_with()  # again, v2 drafting chat badly this time
+    admit(bank, ["chat"] * 4)
+    rounds(bank, 0, "chat", 20, 14)
+    bank.step(1.0)
+    sw.publish(1)
+    rounds(bank, 1, "chat", 20, 16)
+    bank.step(2.0)
+    admit(bank, ["code"] * 4)
+    sw.publish(2)
+    rounds(bank, 2, "code", 30, 24)
+    bank.step(3.0)
+    admit(bank, ["chat"] * 3)
+    rounds(bank, 2, "chat", 10, 3)  # 0.3 against v1's 0.8
     out = bank.step(5.0)
     assert sw.asked == [1] and out["tag"] == "chat" and out["from"] == 2 and out["to"] == 1
-    assert out["rate_banked"] == pytest.approx(0.8) and out["rate_live"] is None  # v2 never drafted on chat
+    assert out["rate_banked"] == pytest.approx(0.8) and out["rate_live"] == pytest.approx(0.3)
     info = bank.info()
     assert info["banked"] == {"chat": {"version": 1, "first_draft_acceptance": pytest.approx(0.8)},
                               "code": {"version": 2, "first_draft_acceptance": pytest.approx(0.8)}}
@@ -104,6 +123,7 @@ def test_no_swap_when_the_live_head_is_as_good_there_or_too_soon():
     dwell.step(1.0)
     dwell._last_swap_t = 1.0  # as if it had just swapped
     admit(dwell, ["chat"] * 4)
+    rounds(dwell, 1, "chat", 20, 2)  # v1 drafts chat badly
     assert dwell.step(5.0) is None and sw2.asked == []
     assert dwell.step(11.5)["to"] == 0 and sw2.asked == [0]  # the change waited, it was not forgotten
 

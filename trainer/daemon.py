@@ -95,6 +95,10 @@ class DaemonConfig:
                           "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
                           "core or GPU time to the server it shares the machine with", 1.0)
     drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
+    specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
+                           "so the live head may specialise on the traffic of now (the bank brings the other head "
+                           "back when its traffic returns); off: every published head keeps every stored tag's "
+                           "acceptance", False)
 
     def __post_init__(self):
         check(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
@@ -286,10 +290,10 @@ class TrainerDaemon:
         decision, per_tag = self.gate.decide(c, lv, anchors), {}
         if decision.publish and self.gate.cfg.tag_regress < 1:
             # a winner on the mix: also each stored tag on its own newest held-out traffic (only
-            # now, an evaluation per tag being as costly as the one above); not the tags the
-            # server's bank holds another head for: theirs comes back when they return
+            # now, an evaluation per tag being as costly as the one above); specialising, not the
+            # tags the server's bank holds another head for: theirs comes back when they return
             mix_tags = {sp.tag for sp in heldout}
-            banked = self.server_head.banked_elsewhere(self.state["live_version"])
+            banked = self.server_head.banked_elsewhere(self.state["live_version"]) if self.cfg.specialise else set()
             for tag in (t for t in self.buffer.heldout_tags() if t not in banked):
                 per_tag[tag] = ((c, lv, anchors) if mix_tags == {tag} else
                                 self._gate_scores(self._gate_sample(tag), k_counts))
