@@ -30,8 +30,8 @@ def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, devic
 
     monkeypatch.setattr("bench.session.subprocess.Popen", FakePopen)
     monkeypatch.setenv("MASTER_PORT", "1234")
-    proc = _start_trainer(SessionConfig(device=device, trainer_device=trainer_device, trainer_args=["--eval-every-s", "5"]), tmp_path, tmp_path,
-                          "http://127.0.0.1:1", False)
+    proc = _start_trainer(SessionConfig(device=device, trainer_device=trainer_device,
+                                        trainer_args=["--eval-every-s", "5"]), tmp_path, tmp_path, "http://127.0.0.1:1")
     proc._logf.close()
     args = seen["args"]
     if want is None:  # on the server's CPU
@@ -39,6 +39,7 @@ def test_trainer_child_gets_the_device_only_off_cpu(tmp_path, monkeypatch, devic
     else:  # the server's GPU, or the trainer's own device (disaggregated)
         assert args[args.index("--device") + 1] == want
     assert args[-2:] == ["--eval-every-s", "5"]
+    assert args[args.index("--control-run-dir") + 1] == str(tmp_path)  # swaps through the server's own endpoint
     assert "MASTER_PORT" not in seen["env"]
 
 

@@ -19,6 +19,7 @@ from online_spec.head import new_head
 from online_spec.target import tiny_target
 from online_spec.wandb_run import init_wandb
 from serving.engine import EngineConfig
+from serving.head_bank import BankConfig
 from serving.server import ServerConfig, SpecServer
 from serving.server_app import HttpThread
 from serving.server_drift import CallbackAlertSink, ServerDrift
@@ -69,7 +70,11 @@ def test_collapse_alert_reaches_every_sink(smol, tmp_path, caplog):
 def test_drift_monitor_off_and_tokenizer_required(smol, tiny):
     target = tiny_target(vocab_size=smol.info.vocab_size, num_layers=8, tokenizer=smol.tokenizer)
     server = SpecServer(ServerConfig(drift_monitor=False, engine=EngineConfig(max_len=64)), target, None)
-    assert server.drift is None and server.round_observers == [] and server.info()["drift"] is None
+    assert server.drift is None and server.info()["drift"] is None
+    assert server.round_observers == [server.bank.observe]  # the head bank's alone
+    server = SpecServer(ServerConfig(drift_monitor=False, engine=EngineConfig(max_len=64),
+                                     bank=BankConfig(enabled=False)), target, None)
+    assert server.round_observers == [] and server.bank is None and server.info()["head_bank"] is None
     assert server.info()["speculative_algorithm"] is None
     with pytest.raises(ValueError, match="tokenizer"):
         SpecServer(ServerConfig(), tiny, None)
