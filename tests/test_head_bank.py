@@ -251,6 +251,10 @@ def test_the_daemon_adopts_the_servers_head_and_trains_on_from_it(tmp_path):
     assert daemon.summary()["adopted_server_heads"] == 1
     server.version = 0  # the random head it started from: not on disk
     assert daemon.watch_server_head(now=20.0) is None and daemon.state["live_version"] == 1
+    (daemon.run_dir / "ckpt" / "v2" / "model.safetensors").write_bytes(b"torn")  # unreadable now
+    server.version = 2
+    assert daemon.watch_server_head(now=30.0) is None and daemon.state["live_version"] == 1  # said, not fatal
+    assert daemon.watch_server_head(now=40.0) is None and daemon.summary()["adopted_server_heads"] == 1
 
 
 @pytest.mark.slow

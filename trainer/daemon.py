@@ -400,8 +400,15 @@ class TrainerDaemon:
                                      self._loadable)
         if v is None:
             return None
-        head, prev = self._load_version(v), self.state["live_version"]
-        self.distiller.set_weights(head)
+        prev = self.state["live_version"]
+        try:
+            head = self._load_version(v)
+            self.distiller.set_weights(head)
+        except Exception as e:  # noqa: BLE001 - an unreadable checkpoint: train on from our own line
+            self.server_head.refuse(v)
+            log.error("cannot adopt the server's v%d (%s: %s): training goes on from v%d's line", v,
+                      type(e).__name__, e, prev)
+            return None
         self.rollbacks.start_from(self.live, v, prev)
         self.state.update(previous_version=prev, live_version=v)
         self.live_head = self._live_head_from(head)

@@ -30,6 +30,10 @@ class ServerHeadWatch:
         self.adopted = 0
         self.banked: dict[str, int] = {}  # tag -> version the server's bank holds for it (last read)
 
+    def refuse(self, version: int) -> None:
+        """`version` could not be adopted (an unreadable checkpoint): never offered again."""
+        self._unknown.add(version)
+
     def banked_elsewhere(self, live_version: int) -> set[str]:
         """Tags for which the server's bank holds a head other than the live one."""
         return {t for t, v in self.banked.items() if v != live_version}
@@ -55,6 +59,8 @@ class ServerHeadWatch:
         self.banked = {str(t): e["version"] for t, e in banked.items()
                        if isinstance(e, dict) and isinstance(e.get("version"), int)} if isinstance(banked, dict) else {}
         if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v == live_version:
+            return None
+        if v in self._unknown:
             return None
         if not loadable(v):
             if v not in self._unknown:
