@@ -296,8 +296,7 @@ class HeadSwapper:
         old_previous = self.previous
         self.previous, self.live = self.live, new
         if not rollback and old_previous is not None and old_previous.head is not None \
-                and old_previous.head is not self.live.head and old_previous.head is not self.previous.head \
-                and not self.holds(old_previous.head):
+                and old_previous.head is not self.live.head and not self.holds(old_previous.head):
             self._spare = old_previous.head
         if rollback:
             self.rollbacks += 1

@@ -244,6 +244,7 @@ def test_gate_scores_generated_rows_and_counts_the_live_head_once_per_version(tm
     computed once while it stays live (the candidate's every time), the scores equal a fresh
     simulation of the same spans, and a new live head is counted afresh."""
     import trainer.daemon as daemon_mod
+    import trainer.evaluate as evaluate_mod
     from trainer.evaluate import simulate_acceptance
 
     target = tiny8()
@@ -261,14 +262,18 @@ def test_gate_scores_generated_rows_and_counts_the_live_head_once_per_version(tm
     assert [s.request_id for s in sample] == ["greedy-3", "greedy-2", "greedy-1"]
     assert all(s.num_rows == 8 + 20 and int(s.is_prefill.sum()) == 8 for s in sample)  # 20 anchors: rows 7..26
 
-    counted = []
-    real = daemon_mod.record_counts
-    monkeypatch.setattr(daemon_mod, "record_counts", lambda head, t, spans, *a, **k:
-                        counted.append((head is d.live_head, len(spans))) or real(head, t, spans, *a, **k))
-    c, lv, anchors = d._gate_scores(sample, {3: 1})
-    ks = [1, 2, 3]
+    ks = [1, 2, 3]  # a fresh simulation of the same spans, before counting starts
     fresh = {name: simulate_acceptance(head, target, sample, 3, ks=ks, generated_only=True)
              for name, head in (("cand", d.distiller.head), ("live", d.live_head))}
+    counted = []
+    real = daemon_mod.record_counts
+
+    def count(head, t, spans, *a, **k):
+        counted.append((head is d.live_head, len(spans)))
+        return real(head, t, spans, *a, **k)
+    monkeypatch.setattr(daemon_mod, "record_counts", count)  # the candidate's
+    monkeypatch.setattr(evaluate_mod, "record_counts", count)  # the live head's (`LiveCounts`)
+    c, lv, anchors = d._gate_scores(sample, {3: 1})
     assert anchors == fresh["cand"]["anchors"] == 3 * 20
     assert c == pytest.approx(fresh["cand"]["accept_length"]["3"]) and lv == pytest.approx(fresh["live"]["accept_length"]["3"])
     for r in recs[4:]:

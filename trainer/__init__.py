@@ -11,8 +11,8 @@
                  publishes); `launch`: `online-spec train --ranks N` starts and watches them
 - `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the
                  training-time-test unroll; `batch`: padded training batches)
-- `evaluate`     a head's simulated acceptance on held-out rows (the gate's evidence), and its
-                 real one in the engine
+- `evaluate`     a head's simulated acceptance on held-out rows (the gate's evidence; the live
+                 head's counted once per span, `LiveCounts`), and its real one in the engine
 - `gate`         `SwapGate`: publish a candidate only when it measurably beats the live head on
                  the mix and on every traffic tag; `RollbackMonitor`
 - `data`         teacher-forced capture: real conversations (ShareGPT, HumanEval) through the

@@ -54,16 +54,13 @@ from online_spec.starvation import KINDS as STARVATION_KINDS
 from online_spec.starvation import StarvationConfig
 from trainer.batch import collate
 from trainer.distill import DistillConfig, Distiller, init_from_target
-from trainer.evaluate import acceptance_from_counts, record_counts
+from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
 from trainer.server_head import ServerHeadWatch
 from trainer.starvation_watch import StarvationWatch
 
 log = logging.getLogger(__name__)
-
-LIVE_CACHE_SPANS = 4096  # live-head counts kept for the gate (one span's: 2 x eval_max_steps floats)
-
 
 class HeadPublisher(Protocol):
     """The server side of a swap: `serving.control.ControlClient`. Both raise on refusal."""
@@ -315,12 +312,12 @@ class TrainerDaemon:
     def _gate_scores(self, heldout: list, k_counts: dict) -> tuple[float, float, int]:
         """(candidate, live, anchors): simulated accept lengths over the generated rows of
         `heldout` at the live K mix. The live head's counts of a span are computed once per live
-        version (`_live_counts`), so an evaluation mostly costs the candidate's."""
+        version (`LiveCounts`), so an evaluation mostly costs the candidate's."""
         ks = list(range(1, self.cfg.eval_max_steps + 1))
         hits, eligible = record_counts(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps,
                                        generated_only=True)
         cand = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
-        hits, eligible = self._live_counts(heldout)
+        hits, eligible = self._live.counts(heldout)
         live = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
         return (k_mix_score(cand["accept_length"], k_counts), k_mix_score(live["accept_length"], k_counts),
                 cand["anchors"])
@@ -332,22 +329,7 @@ class TrainerDaemon:
     @live_head.setter
     def live_head(self, head: EagleHead) -> None:
         self._live_head = head
-        self._live_cache: dict = {}  # (request id, first position, rows) -> the live head's (hits, eligible)
-
-    def _live_counts(self, spans: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """The live head's per-span counts on `spans`, from the cache where it has them (spans
-        are immutable: a key names the same rows until the live head changes)."""
-        keys = [(s.request_id, s.first_pos, s.num_rows) for s in spans]
-        todo = [i for i, k in enumerate(keys) if k not in self._live_cache]
-        if todo:
-            hits, eligible = record_counts(self.live_head, self.target, [spans[i] for i in todo],
-                                           self.cfg.eval_max_steps, generated_only=True)
-            if len(self._live_cache) + len(todo) > LIVE_CACHE_SPANS:
-                self._live_cache.clear()
-            for j, i in enumerate(todo):
-                self._live_cache[keys[i]] = (hits[j], eligible[j])
-        return (torch.stack([self._live_cache[k][0] for k in keys]),
-                torch.stack([self._live_cache[k][1] for k in keys]))
+        self._live = LiveCounts(head, self.target, self.cfg.eval_max_steps)  # counted afresh per live head
 
     def publish(self) -> int | None:
         """Write the candidate as a new version and swap it into the server."""

@@ -85,6 +85,32 @@ def record_counts(head, target, records: Sequence, max_steps: int = 7, batch_siz
     return hits, eligible
 
 
+LIVE_CACHE_SPANS = 4096  # spans whose live-head counts are kept (one span's: 2 x max_steps floats)
+
+
+class LiveCounts:
+    """The live head's `record_counts` per span, each span counted once while that head stays
+    live (the gate compares every candidate with it on mostly the same held-out spans). Spans
+    are immutable: a (request id, first position, rows) key names the same rows."""
+
+    def __init__(self, head, target, max_steps: int):
+        self.head, self.target, self.max_steps = head, target, max_steps
+        self._cache: dict = {}  # key -> (hits, eligible)
+
+    def counts(self, spans: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hits, eligible) per span, [spans, max_steps] each, counting only spans not seen yet."""
+        keys = [(s.request_id, s.first_pos, s.num_rows) for s in spans]
+        todo = [i for i, k in enumerate(keys) if k not in self._cache]
+        if todo:
+            hits, eligible = record_counts(self.head, self.target, [spans[i] for i in todo], self.max_steps,
+                                           generated_only=True)
+            if len(self._cache) + len(todo) > LIVE_CACHE_SPANS:
+                self._cache.clear()
+            for j, i in enumerate(todo):
+                self._cache[keys[i]] = (hits[j], eligible[j])
+        return (torch.stack([self._cache[k][0] for k in keys]), torch.stack([self._cache[k][1] for k in keys]))
+
+
 def acceptance_from_counts(hits: torch.Tensor, eligible: torch.Tensor, ks: Sequence[int]) -> dict:
     """alpha per draft position and the expected accept length at each K from summed counts."""
     alpha = (hits / eligible.clamp_min(1)).tolist()
