@@ -46,6 +46,7 @@ from online_spec.jsonl import open_text
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.engine import Engine, EngineConfig
+from serving.policy_planner import plan_ahead
 from serving.requests import Request
 from serving.calibrate import (RoundTiming, calibrate_cost_model, cost_model_report,
                                               measure_round_timings, median_relative_error)
@@ -59,7 +60,9 @@ from bench.heads import HEAD_CHOICES, resolve_head
 
 log = logging.getLogger(__name__)
 
-ADAPTIVE = ("ema", "cost_model")  # the policies compared with the static K's
+# the policies compared with the static K's; cost_model_planned: the cost policy as `serve` runs it,
+# learning on a worker thread one round behind (serving/policy_planner.py)
+ADAPTIVE = ("ema", "cost_model", "cost_model_planned")
 
 NO_DEVICE_SYNC = (
     "The controller adds no device synchronization: steps_for/should_continue/verify_lengths/update "
@@ -177,12 +180,13 @@ PolicyFactory = Callable[[], object]
 
 
 def policy_factories(cfg: ControllerBenchConfig, cost_model: CostModel) -> dict[str, PolicyFactory]:
-    """Name -> a fresh policy: "K=k" for each static K, "ema", "cost_model"."""
+    """Name -> a fresh policy: "K=k" for each static K, "ema", "cost_model", "cost_model_planned"."""
     ema_cfg = load_ema_config(cfg.ema_config)
     cost_cfg = AdaptiveConfig.from_dict({"1": {"candidate_steps": list(cfg.cost_tiers)}})
     out: dict[str, PolicyFactory] = {f"K={k}": (lambda k=k: StaticSteps(k)) for k in cfg.static_steps}
     out["ema"] = lambda: EmaTierPolicy(ema_cfg, initial_steps=cfg.initial_steps)
     out["cost_model"] = lambda: CostModelPolicy(cost_cfg, cost_model=copy.deepcopy(cost_model))
+    out["cost_model_planned"] = lambda: plan_ahead(CostModelPolicy(cost_cfg, cost_model=copy.deepcopy(cost_model)))
     return out
 
 
@@ -266,7 +270,8 @@ def run_stationary(target, head, traffic: Traffic, cfg: ControllerBenchConfig,
         row = {"tokens_per_s": tps, "best_static": best, "best_static_tokens_per_s": static[best],
                "accept_length": {n: lg.accept_length() for n, lg in logs.items()},
                "k_histogram": {n: logs[n].k_histogram() for n in ADAPTIVE},
-               "decision_cost_in_engine_us": {n: policies[n].median_us() for n in ADAPTIVE}}
+               "decision_cost_in_engine_us": {n: policies[n].median_us() for n in ADAPTIVE},
+               "decision_cost_in_engine_mean_us": {n: policies[n].mean_us() for n in ADAPTIVE}}
         for name in ADAPTIVE:
             row[f"{name}_vs_best_static"] = tps[name] / static[best]
         out[str(b)] = row

@@ -142,6 +142,7 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
     cost` builds it (every K from 0 to max_steps; round-time model calibrated on this engine,
     stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
     from serving.calibrate import engine_cost_policy  # transformers: see run_session
+    from serving.policy_planner import plan_ahead
 
     if cfg.policy == "static":
         return None
@@ -149,9 +150,10 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
         adaptive = load_adaptive_config(adaptive_config_path("sglang_default"))
         tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
         return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
-    return engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
-                              store=run_dir / "cost_model.json", max_len=engine_cfg.max_len,
-                              trees=cfg.tree_candidates)[0]
+    policy = engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
+                                store=run_dir / "cost_model.json", max_len=engine_cfg.max_len,
+                                trees=cfg.tree_candidates)[0]
+    return plan_ahead(policy)  # as `serve` runs it (a policy choosing trees stays on the engine thread)
 
 
 def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionResult:

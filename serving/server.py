@@ -53,6 +53,7 @@ from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.api import ApiError
 from serving.calibrate import engine_cost_policy
+from serving.policy_planner import plan_ahead
 from serving.control import ControlConfig, ControlServer
 from serving.engine import Engine, EngineConfig
 from serving.head_bank import BankConfig, HeadBank
@@ -88,6 +89,9 @@ class ServerConfig:
                       "up to --max-steps; its round-time model is calibrated on this engine at start and stored "
                       "as RUN_DIR/cost_model.json, reused while target, dtype, device, CPU and threads match)",
                       "auto")
+    plan_ahead: bool = doc("the cost policy learns from each round on a worker thread and decides one round "
+                           "behind, the engine thread only reading its plan (serving/policy_planner.py); off: "
+                           "it learns and decides on the engine thread", True)
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     max_tags: int = doc("distinct traffic tags served under their own name (in /metrics, drift streams and capture "
@@ -372,8 +376,9 @@ def build_policy(cfg: ServerConfig, target=None, head=None):
     cost_policy, report = engine_cost_policy(target, head, cfg.engine.max_batch, cfg.engine.max_steps,
                                              store=Path(cfg.control.run_dir) / "cost_model.json", adaptive=adaptive,
                                              max_len=cfg.engine.max_len)
-    log.info("cost-model policy: tiers %s, round-time model from %s", cost_policy.candidate_steps, report["source"])
-    return cost_policy
+    log.info("cost-model policy: tiers %s, round-time model from %s%s", cost_policy.candidate_steps, report["source"],
+             ", learning on a worker thread" if cfg.plan_ahead else "")
+    return plan_ahead(cost_policy) if cfg.plan_ahead else cost_policy
 
 
 def build_server(cfg: ServerConfig) -> SpecServer:

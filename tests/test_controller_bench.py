@@ -55,16 +55,17 @@ def test_bench_runs_end_to_end_and_writes_every_key(tiny8, tmp_path):
     cal = out["calibration"]
     assert len(cal["draft_coef"]) == 5 and len(cal["verify_coef"]) == 5 and cal["calibration_points"] > 0
     assert cal["median_rel_error_on_calibration"] >= 0 and cal["median_rel_error_on_stationary_rounds"] >= 0
-    names = {"K=0", "K=1", "K=3", "ema", "cost_model"}
+    names = {"K=0", "K=1", "K=3", "ema", "cost_model", "cost_model_planned"}
     for b in ("1", "4"):
         row = out["stationary"][b]
         assert set(row["tokens_per_s"]) == names and all(v > 0 for v in row["tokens_per_s"].values())
         assert row["best_static"] in {"K=0", "K=1", "K=3"}
         assert row["best_static_tokens_per_s"] == max(row["tokens_per_s"][n] for n in ("K=0", "K=1", "K=3"))
-        for name in ("ema", "cost_model"):
+        for name in ("ema", "cost_model", "cost_model_planned"):
             assert row[f"{name}_vs_best_static"] == pytest.approx(row["tokens_per_s"][name] / row["best_static_tokens_per_s"])
             assert sum(row["k_histogram"][name].values()) == pytest.approx(1.0)
             assert row["decision_cost_in_engine_us"][name] > 0  # timed in the engine's rounds
+            assert row["decision_cost_in_engine_mean_us"][name] > 0
     # EMA at b=4 runs the sglang_default slot "1" tiers; the cost policy its own tiers
     assert set(out["stationary"]["4"]["k_histogram"]["ema"]) <= {"1", "3", "5", "7"}
     assert set(out["stationary"]["4"]["k_histogram"]["cost_model"]) <= {"0", "1", "3", "5", "7"}
@@ -80,12 +81,13 @@ def test_bench_runs_end_to_end_and_writes_every_key(tiny8, tmp_path):
     rep = out["trace_replay"]
     assert rep["matches_live"] is True and rep["rounds"] == len(trace.read_text().splitlines()) > 10
     assert set(out["decision_cost_us"]) == {"1", "16", "64"}
-    assert set(out["decision_cost_us"]["1"]) == {"ema", "cost_model", "static", "cost_model_at_k3"}
+    assert set(out["decision_cost_us"]["1"]) == {"ema", "cost_model", "cost_model_planned", "static",
+                                                 "cost_model_at_k3"}
     assert all(v > 0 for v in out["decision_cost_us"]["16"].values())
     assert any(n.startswith("decision cost") for n in out["notes"])
     assert "no device synchronization" in out["no_device_sync"]
     assert any(n.startswith("decision cost in the engine") for n in out["notes"])
-    assert len(out["notes"]) == 2 * 2 + 4 or len(out["notes"]) == 2 * 2 + 5
+    assert len(out["notes"]) == 2 * 3 + 5 or len(out["notes"]) == 2 * 3 + 6  # per b and policy, per policy, 2
 
 
 def test_calibrated_cost_model_predicts_engine_rounds(tiny8):

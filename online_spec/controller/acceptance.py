@@ -20,6 +20,7 @@ per-position acceptance into expected committed tokens. Pure arithmetic: no torc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -168,6 +169,43 @@ def confidence_array(confidences) -> tuple[np.ndarray, np.ndarray | None]:
     return out, np.array(lens)
 
 
+@dataclass(frozen=True)
+class CalibrationTable:
+    """Calibrated acceptance per confidence bin (`ConfidenceCalibrator.snapshot()`): a confidence
+    c falls in bin floor(c * bins) in float64 (1.0 and above: the top bin, below 0 or NaN: the
+    first). `lookup` repeats the top bin once more so `int(c * bins)` indexes it for 0 < c < 1
+    without a clamp (c * bins rounds up to bins for c just below 1)."""
+
+    lookup: list[float]
+    values: np.ndarray
+
+    @property
+    def bins(self) -> int:
+        return len(self.values)
+
+    def __call__(self, confidence: float) -> float:
+        c, n = float(confidence), len(self.values)
+        return self.lookup[(int(c * n) if c < 1.0 else n - 1) if c > 0.0 else 0]
+
+    def calibrated(self, confidences) -> np.ndarray:
+        """The calibrated value of every element of an array of confidences."""
+        # take(mode="clip") clamps the bin as it gathers (NaN casts to the smallest int64: bin 0)
+        idx = (np.asarray(confidences, dtype=np.float64) * len(self.values)).astype(np.int64)
+        return self.values.take(idx, mode="clip")
+
+    def mean(self, confidences) -> float:
+        """Mean calibrated value of a sequence or 1-D array of confidences (0 if empty). Small
+        ones on Python floats: inside an engine round each numpy call costs several microseconds."""
+        if len(confidences) <= SMALL_BATCH:
+            row = confidences.tolist() if isinstance(confidences, np.ndarray) else confidences
+            if not len(row):
+                return 0.0
+            tbl, n = self.lookup, len(self.values)
+            return sum([tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0] for c in row]) / len(row)
+        vals = self.calibrated(confidences)
+        return float(vals.sum()) / vals.size if vals.size else 0.0  # .sum() / size: np.mean costs more
+
+
 class ConfidenceCalibrator:
     """Draft confidence -> P(accepted | earlier drafts accepted), per confidence bin.
 
@@ -223,23 +261,22 @@ class ConfidenceCalibrator:
         # np.maximum were two (~0.5 us each; numpy's per-call cost is most of the policy's round)
         return self._bin_ids.take((np.asarray(confidences, dtype=np.float64) * self.bins).astype(np.int64), mode="clip")
 
+    def snapshot(self) -> CalibrationTable:
+        """The calibration as it stands, as an immutable table (kept until new observations)."""
+        if self._snap is None:
+            self._snap = CalibrationTable(self.lookup(), self._values())
+        return self._snap
+
     def __call__(self, confidence: float) -> float:
-        return self.table()[self.bin(float(confidence))]
+        return self.snapshot()(confidence)
 
     def mean(self, confidences) -> float:
         """Mean calibrated value of a sequence or 1-D array of confidences (0 if empty)."""
-        if len(confidences) <= SMALL_BATCH:
-            row = confidences.tolist() if isinstance(confidences, np.ndarray) else confidences
-            if not len(row):
-                return 0.0
-            tbl, n = self.lookup(), self.bins  # `bin` inline: c > 0 (not NaN) below 1 -> int(c * n)
-            return sum([tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0] for c in row]) / len(row)
-        vals = self.calibrated(confidences)
-        return float(vals.sum()) / vals.size if vals.size else 0.0  # .sum() / size: np.mean costs more
+        return self.snapshot().mean(confidences)
 
     def calibrated(self, confidences: np.ndarray) -> np.ndarray:
         """`self(c)` for every element of an array of confidences."""
-        return self._values().take(self.bin_of(confidences))
+        return self.snapshot().calibrated(confidences)
 
     def _verdicts(self, k: int) -> np.ndarray:
         """[k + 1, k]: row a holds, per draft position, 0 where a request that accepted a drafts
@@ -294,6 +331,7 @@ class ConfidenceCalibrator:
         self._list: list[float] | None = None
         self._ext: list[float] | None = None
         self._table: np.ndarray | None = None
+        self._snap: CalibrationTable | None = None
 
     def load(self, hits: Sequence[float] | None, trials: Sequence[float] | None) -> None:
         """Hits and trials per bin (floats; None: none)."""

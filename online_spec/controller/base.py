@@ -240,3 +240,7 @@ class TimedPolicy:
     def median_us(self) -> float | None:
         """Median microseconds of the policy's calls per round so far (None before any round)."""
         return statistics.median(self.round_ns) / 1000.0 if self.round_ns else None
+
+    def mean_us(self) -> float | None:
+        """Mean microseconds of the policy's calls per round so far (rare slow rounds count)."""
+        return statistics.fmean(self.round_ns) / 1000.0 if self.round_ns else None

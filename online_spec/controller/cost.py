@@ -24,13 +24,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from online_spec.config import ConfigError, check, doc
-from online_spec.controller.acceptance import (PRIOR_TRIALS, AcceptanceEstimate, ConfidenceCalibrator,
-                                               confidence_array, expected_accepted, small_rows)
+from online_spec.controller.acceptance import PRIOR_TRIALS, AcceptanceEstimate, ConfidenceCalibrator, expected_accepted
 from online_spec.controller.base import StepPolicyBase
 from online_spec.controller.config import AdaptiveConfig
+from online_spec.controller.plan import BatchPlan, continue_pays, verify_cut
 from online_spec.controller.round_time import CostModel
 from online_spec.controller.tree_choice import TreeChoiceConfig, TreeChooser
 from online_spec.tree import TreeShape
@@ -179,8 +177,12 @@ class CostModelPolicy(StepPolicyBase):
         same low estimate the probe is there to re-measure, and would cut every probe back to one
         draft (measured in an e2e run: a position-2 estimate that three misses after a swap had put
         at 0.35, true ~0.6, held K at 1 for the last 60 s; docs/controller.md)."""
+        return self.schedule(batch_size, self.choose_steps(batch_size, ctx_len))
+
+    def schedule(self, batch_size: int, k: int) -> int:
+        """The K a round runs when the estimates chose `k`: the probe schedule of `steps_for`,
+        which counts the slot's decisions (so call it once per round)."""
         i = self._slot(batch_size)
-        k = self.choose_steps(batch_size, ctx_len)
         tiers = self._slots[i].candidate_steps
         self._probing[i] = False
         if self.config.probe_interval and k < tiers[-1]:
@@ -194,6 +196,10 @@ class CostModelPolicy(StepPolicyBase):
         self._last[i] = k
         self._decisions[i] += 1
         return k
+
+    def probing(self, batch_size: int) -> bool:
+        """The slot's current round (the last `schedule`d) is a probe: drafted and verified whole."""
+        return self._probing[self._slot(batch_size)]
 
     # -- inside a round ----------------------------------------------------------------------
 
@@ -211,16 +217,9 @@ class CostModelPolicy(StepPolicyBase):
         terms = self._continue_terms(i, step_index, batch_size, ctx_len)
         if terms is None:
             return False
-        t_now, t_more, expected, surv, a_next = terms
-        if isinstance(draft_confidence, (int, float)):
-            p_last = self._calib(draft_confidence)
-        else:
-            p_last = self._calib.mean(draft_confidence)
-        surv *= p_last
-        expected += surv
-        gain = surv * a_next
-        # (E + gain) / t_next > E / t_now, cross-multiplied (both times are >= 0).
-        return gain * t_now > expected * t_more
+        calib = self._calib.snapshot()
+        p_last = calib(draft_confidence) if isinstance(draft_confidence, (int, float)) else calib.mean(draft_confidence)
+        return continue_pays(terms, p_last)
 
     def _continue_terms(self, i: int, step_index: int, batch_size: int, ctx_len: float) -> tuple | None:
         """What `should_continue` needs besides the draft's confidence, after `step_index` drafts:
@@ -255,85 +254,27 @@ class CostModelPolicy(StepPolicyBase):
 
     def verify_lengths(self, confidences: Sequence[Sequence[float]], ctx_len: float = 0, *,
                        padded: bool = False) -> list[int]:
-        """Drafts to verify per request (AdaSpec's confidence-prior verifier): keep draft m of
-        request r while its survival S_rm = prod_{j<=m} p(conf_rj) pays for its verify token
-        at the round's throughput, S_rm >= (expected tokens / round seconds) * (seconds per
-        verified token). Drafting is already spent; only verify tokens are saved.
+        """Drafts to verify per request (AdaSpec's confidence-prior verifier; `verify_cut`,
+        online_spec/controller/plan.py): a draft is verified while its survival pays for its
+        verify token at the round's throughput. padded: one common length for the batch (the
+        embedded engine's verify is rectangular). A probe round verifies every draft."""
+        b = len(confidences)
+        probing = b > 0 and self._probing[self._slot(b)]
+        return verify_cut(confidences, self._calib.snapshot(), self.cost.round_terms(b, ctx_len),
+                          self.cost.verify_token_s(), padded=padded, keep_all=probing)
 
-        padded: the verify forward runs every request at the longest kept length (the embedded
-        engine's batch is rectangular), so a request cut shorter than the longest saves nothing
-        and only loses drafts; then one common length is chosen for the whole batch (see
-        `_padded_cut`). Per-request lengths pay only where the verify packs ragged rows."""
-        rows = small_rows(confidences) if padded else None  # a small padded batch: Python floats
-        if rows is not None:
-            full = [len(r) for r in rows]
-            b, k = len(rows), max(full, default=0)
-        else:
-            conf, lens = confidence_array(confidences)
-            b, k = conf.shape
-            full = [k] * b if lens is None else lens.tolist()
-        if b == 0:
-            return []
-        if k == 0 or self.cost.verify_token_s() <= 0 or self._probing[self._slot(b)]:
-            return full
-        step_s, base, per_token, d_extra, v_extra = self.cost.round_terms(b, ctx_len)
-        draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
-        if rows is not None:
-            # gain[m] = sum_r S_rm, the survival S_rm = prod_{j<=m} p(conf_rj) (rows end at their length)
-            tbl, n, gain = self._calib.lookup(), self._calib.bins, [0.0] * k
-            for row in rows:
-                sv = 1.0
-                for m, c in enumerate(row):
-                    sv *= tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]  # the calibrator's bin, inline
-                    gain[m] += sv
-            return self._padded_cut(gain, full, draft_s, base, per_token, v_extra)
-        # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
-        surv = self._calib.calibrated(conf).cumprod(axis=1)  # the method: np.cumprod's dispatch costs ~1 us more
-        if lens is not None:
-            surv[np.arange(k) >= lens[:, None]] = 0.0
-        if padded:
-            return self._padded_cut(surv.sum(axis=0).tolist(), full, draft_s, base, per_token, v_extra)
-        # S_rm never rises along a row, so every throughput threshold keeps a prefix of each
-        # row, and the rows' kept drafts together are the largest survivals of the batch: sort
-        # them once and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie
-        # it keeps the equal drafts too).
-        flat = np.sort(surv[surv > 0.0] if lens is not None else surv.ravel())[::-1].tolist()
-        tok_s = self.cost.verify_token_s()
-        v0 = base + per_token  # verify with no draft kept: one token per request
-        best_m, best_rate, tokens = 0, b / max(draft_s + max(0.0, v0), 1e-12), float(b)
-        for m, sv in enumerate(flat, 1):
-            tokens += sv
-            if m < len(flat) and flat[m] == sv:
-                continue  # a cut between equal survivals keeps them all
-            rate = tokens / max(draft_s + max(0.0, v0 + v_extra + tok_s * m), 1e-12)
-            if rate >= best_rate:
-                best_m, best_rate = m, rate
-        if best_m == len(flat):
-            return full
-        if best_m == 0:
-            return [0] * b
-        return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
-
-    @staticmethod
-    def _padded_cut(gain: list[float], full: list[int], draft_s: float, base: float, per_token: float,
-                    v_extra: float = 0.0) -> list[int]:
-        """One verify length L for every request (fewer where a row has fewer drafts): the L
-        maximizing (b + sum_{m<=L} gain[m]) / (draft seconds + verify(b, L)); a tie keeps the
-        longer L. gain[m]: the expected tokens the batch gains from verifying draft m + 1 (the
-        sum over requests of the survivals S_rm, 0 past a row's last draft); full: each row's
-        drafts; base, per_token: the verify line of `CostModel.verify_terms`; v_extra: a verify
-        of drafts (L > 0) costs that much more than the line."""
-        best_n, best_rate, tokens = 0, -1.0, float(len(full))
-        for n in range(len(gain) + 1):
-            if n:
-                tokens += gain[n - 1]
-            v = base + per_token * (n + 1) + (v_extra if n else 0.0)
-            rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
-            if rate >= best_rate:
-                best_n, best_rate = n, rate
-        if best_n <= min(full):  # the usual case: every row drafted at least L
-            return [best_n] * len(full)
-        return [min(best_n, m) for m in full]
+    def plan(self, batch_size: int, ctx_len: float = 0) -> BatchPlan:
+        """This batch size's decisions from what the policy knows now, as an immutable snapshot:
+        K (`choose_steps`, before the probe schedule), the early-stop terms of every draft step,
+        the calibration and the round terms of the verify cut (serving/policy_planner.py builds
+        one per batch size after each round, off the engine's thread)."""
+        i = self._slot(batch_size)
+        steps = self.choose_steps(batch_size, ctx_len)
+        depth = len(self._accept[i].estimates())
+        stops = tuple(self._continue_terms(i, s, batch_size, ctx_len) for s in range(1, depth))
+        return BatchPlan(batch_size, ctx_len, steps, stops, self._calib.snapshot(),
+                         self.cost.round_terms(batch_size, ctx_len), self.cost.verify_token_s(),
+                         self.cost.predict_round_s(batch_size, 0, ctx_len))
 
     # -- after verify ------------------------------------------------------------------------
 

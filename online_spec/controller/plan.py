@@ -1,0 +1,152 @@
+"""The cost policy's decisions for one batch size, as a snapshot a round reads.
+
+In: what `CostModelPolicy.plan(batch_size, ctx_len)` knows after the rounds it has learnt from.
+Out: a `BatchPlan` — K for the next round, the terms of the in-round early-stop test per draft
+step, the confidence calibration (`CalibrationTable`), the round-time terms of the verify-length
+cut — and the two in-round rules run on it: `continue_pays` (does one more draft step raise
+tokens per second?) and `verify_cut` (how many drafts to verify). The policy itself runs the
+same two rules on its live state, so there is one implementation of each.
+
+A plan and its table never change once built (tuples, and a list and an array nothing writes
+to), so one thread may build the next plan while another reads the current one: this is what
+lets the policy's learning leave the engine's thread (serving/policy_planner.py). Pure
+arithmetic: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from online_spec.controller.acceptance import CalibrationTable, confidence_array, small_rows
+
+
+def continue_pays(terms: tuple, p_last: float) -> bool:
+    """After s drafts, the last accepted with calibrated probability `p_last`: is one more draft
+    predicted to raise tokens per second? terms: (t_now, t_next - t_now, E and survival through
+    the first s - 1 drafts, a_{s+1}) (`CostModelPolicy._continue_terms`). The next draft adds
+    P(drafts 1..s accepted) * a_{s+1} tokens per request and costs t_next - t_now."""
+    t_now, t_more, expected, surv, a_next = terms
+    surv *= p_last
+    expected += surv
+    gain = surv * a_next
+    # (E + gain) / t_next > E / t_now, cross-multiplied (both times are >= 0)
+    return gain * t_now > expected * t_more
+
+
+def padded_cut(gain: list[float], full: list[int], draft_s: float, base: float, per_token: float,
+               v_extra: float = 0.0) -> list[int]:
+    """One verify length L for every request (fewer where a row has fewer drafts): the L
+    maximizing (b + sum_{m<=L} gain[m]) / (draft seconds + verify(b, L)); a tie keeps the
+    longer L. gain[m]: the expected tokens the batch gains from verifying draft m + 1 (the
+    sum over requests of the survivals S_rm, 0 past a row's last draft); full: each row's
+    drafts; base, per_token: the verify line of `CostModel.verify_terms`; v_extra: a verify
+    of drafts (L > 0) costs that much more than the line."""
+    best_n, best_rate, tokens = 0, -1.0, float(len(full))
+    for n in range(len(gain) + 1):
+        if n:
+            tokens += gain[n - 1]
+        v = base + per_token * (n + 1) + (v_extra if n else 0.0)
+        rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
+        if rate >= best_rate:
+            best_n, best_rate = n, rate
+    if best_n <= min(full):  # the usual case: every row drafted at least L
+        return [best_n] * len(full)
+    return [min(best_n, m) for m in full]
+
+
+def verify_cut(confidences, calib: CalibrationTable, terms: tuple, verify_token_s: float, *,
+               padded: bool = False, keep_all: bool = False) -> list[int]:
+    """Drafts to verify per request (AdaSpec's confidence-prior verifier): keep draft m of
+    request r while its survival S_rm = prod_{j<=m} p(conf_rj) pays for its verify token at the
+    round's throughput, S_rm >= (expected tokens / round seconds) * (seconds per verified
+    token). Drafting is already spent; only verify tokens are saved. terms: the round's
+    `CostModel.round_terms`; keep_all: verify every draft (a probe round).
+
+    padded: the verify forward runs every request at the longest kept length (the embedded
+    engine's batch is rectangular), so a request cut shorter than the longest saves nothing
+    and only loses drafts; then one common length is chosen for the whole batch
+    (`padded_cut`). Per-request lengths pay only where the verify packs ragged rows."""
+    rows = small_rows(confidences) if padded else None  # a small padded batch: Python floats
+    if rows is not None:
+        full = [len(r) for r in rows]
+        b, k = len(rows), max(full, default=0)
+    else:
+        conf, lens = confidence_array(confidences)
+        b, k = conf.shape
+        full = [k] * b if lens is None else lens.tolist()
+    if b == 0:
+        return []
+    if k == 0 or verify_token_s <= 0 or keep_all:
+        return full
+    step_s, base, per_token, d_extra, v_extra = terms
+    draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
+    if rows is not None:
+        # gain[m] = sum_r S_rm, the survival S_rm = prod_{j<=m} p(conf_rj) (rows end at their length)
+        tbl, n, gain = calib.lookup, calib.bins, [0.0] * k
+        for row in rows:
+            sv = 1.0
+            for m, c in enumerate(row):
+                sv *= tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]  # the bin, inline
+                gain[m] += sv
+        return padded_cut(gain, full, draft_s, base, per_token, v_extra)
+    # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
+    surv = calib.calibrated(conf).cumprod(axis=1)  # the method: np.cumprod's dispatch costs ~1 us more
+    if lens is not None:
+        surv[np.arange(k) >= lens[:, None]] = 0.0
+    if padded:
+        return padded_cut(surv.sum(axis=0).tolist(), full, draft_s, base, per_token, v_extra)
+    # S_rm never rises along a row, so every throughput threshold keeps a prefix of each row,
+    # and the rows' kept drafts together are the largest survivals of the batch: sort them once
+    # and scan the cut (the Dinkelbach fixed point is the best cut, and on a tie it keeps the
+    # equal drafts too).
+    flat = np.sort(surv[surv > 0.0] if lens is not None else surv.ravel())[::-1].tolist()
+    v0 = base + per_token  # verify with no draft kept: one token per request
+    best_m, best_rate, tokens = 0, b / max(draft_s + max(0.0, v0), 1e-12), float(b)
+    for m, sv in enumerate(flat, 1):
+        tokens += sv
+        if m < len(flat) and flat[m] == sv:
+            continue  # a cut between equal survivals keeps them all
+        rate = tokens / max(draft_s + max(0.0, v0 + v_extra + verify_token_s * m), 1e-12)
+        if rate >= best_rate:
+            best_m, best_rate = m, rate
+    if best_m == len(flat):
+        return full
+    if best_m == 0:
+        return [0] * b
+    return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The cost policy's decisions for one batch size, from the rounds it had learnt from when
+    `CostModelPolicy.plan` built it."""
+
+    batch_size: int
+    ctx_len: float
+    steps: int
+    """K for the round (`choose_steps`), before the probe schedule."""
+    stops: tuple
+    """stops[s - 1]: the `continue_pays` terms after s drafts, or None where one more never pays."""
+    calib: CalibrationTable
+    terms: tuple
+    """`CostModel.round_terms` of this batch size and context."""
+    verify_token_s: float
+    plain_round_s: float
+    """Predicted seconds of a round at K = 0 (what the drift monitor compares drafting with)."""
+
+    def should_continue(self, step_index: int, draft_confidence: float | Sequence[float]) -> bool:
+        """`CostModelPolicy.should_continue` on this plan (outside a probe round)."""
+        terms = self.stops[step_index - 1] if step_index <= len(self.stops) else None
+        if terms is None:
+            return False
+        p_last = self.calib(draft_confidence) if isinstance(draft_confidence, (int, float)) \
+            else self.calib.mean(draft_confidence)
+        return continue_pays(terms, p_last)
+
+    def verify_lengths(self, confidences, *, padded: bool = False, keep_all: bool = False) -> list[int]:
+        """`CostModelPolicy.verify_lengths` on this plan."""
+        return verify_cut(confidences, self.calib, self.terms, self.verify_token_s, padded=padded,
+                          keep_all=keep_all)

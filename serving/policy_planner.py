@@ -1,0 +1,231 @@
+"""The cost policy's learning off the engine's thread: `PlannedPolicy`.
+
+In a round the engine asks its policy for K before drafting, whether to draft once more after
+each draft step, and how many drafts to verify; after the verify it hands the policy the round
+(`update`). The cost policy's learning (acceptance estimates, confidence calibration, the
+round-time fit) and its choice of K are most of its cost, and inside the engine each of those
+Python calls runs on caches the target's forward has just swept: ~4x their cost in a hot loop,
+~300 us a round at batch 1 on a 2-core CPU (docs/controller.md). `PlannedPolicy` leaves the
+engine thread only reading a plan:
+
+- `update` (round n) queues the round and returns; a worker thread learns from it and builds a
+  `BatchPlan` (online_spec/controller/plan.py) for every batch size served in the last
+  `keep_rounds` rounds.
+- `steps_for` of round n + 1 takes the plans built through round n - 1, learnt while round n
+  ran (on a GPU the host waits on the device then; on a CPU the worker's Python runs while the
+  target's kernels hold no Python lock). The lag is exactly one round whichever thread is
+  faster, so the decisions do not depend on timing: `threaded=False` learns on the engine
+  thread at the same points and decides the same (the tests hold it to that). A batch size
+  without a plan (its first round) waits until every queued round is learnt and plans on the
+  engine thread.
+- `should_continue` / `verify_lengths` run the plan's rules (`continue_pays`, `verify_cut`);
+  the probe schedule stays the policy's own (`CostModelPolicy.schedule`, engine thread).
+
+`rewarm` and `load_state_dict` reach the policy in order with the rounds. A failure while
+learning is logged and counted (`info()["planner"]`); the last plans stay in use, the engine
+never waits on a dead worker.
+
+    policy = plan_ahead(CostModelPolicy(adaptive, cost_model=model))   # what `serve` runs
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+import weakref
+from typing import Sequence
+
+from online_spec.config import ConfigError
+from online_spec.controller.base import StepPolicyBase, check_policy
+from online_spec.controller.cost import CostModelPolicy
+from online_spec.controller.plan import BatchPlan
+
+log = logging.getLogger(__name__)
+
+_STOP = ("stop",)
+
+
+class _Learner:
+    """The worker's side: applies queued rounds to the policy in order and publishes the plans
+    learnt through each round. Holds no reference to its `PlannedPolicy`, so a policy nobody
+    uses any more is collected and its worker told to stop."""
+
+    def __init__(self, policy, keep_rounds: int):
+        self.policy, self.keep_rounds = policy, keep_rounds
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.learnt = 0  # rounds learnt from
+        self.plans: dict[int, dict[int, BatchPlan]] = {0: {}}  # rounds learnt -> batch size -> plan
+        self.seen: dict[int, tuple[float, int]] = {}  # batch size -> (its last context, the round it was seen)
+        self.failures = 0
+        self.last_error = ""
+
+    def run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            self.apply(item)
+
+    def apply(self, item: tuple) -> None:
+        """One queued item: ("round", batch size, accepted, kwargs) or ("call", fn)."""
+        if item[0] == "call":
+            self._guarded(item[1])
+            return
+        _, b, accepted, kw = item
+        self._guarded(lambda: self.policy.update(b, accepted, **kw))
+        n = self.learnt + 1
+        self.seen[b] = (kw.get("ctx_len", 0), n)
+        for old in [s for s, (_, seen_at) in self.seen.items() if seen_at <= n - self.keep_rounds]:
+            del self.seen[old]
+        plans: dict[int, BatchPlan] = {}
+        previous = self.plans[n - 1]
+        for size, (ctx, _) in self.seen.items():
+            plan = self._guarded(lambda: self.policy.plan(size, ctx))
+            plan = plan if plan is not None else previous.get(size)
+            if plan is not None:
+                plans[size] = plan
+        with self.cond:
+            self.plans[n] = plans
+            self.plans.pop(n - 3, None)  # the engine asks for n - 1 at the latest; n - 2 is a spare
+            self.learnt = n
+            self.cond.notify_all()
+
+    def _guarded(self, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - a failed update must not stop the rounds
+            self.failures += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            if self.failures <= 3 or self.failures % 1000 == 0:
+                log.exception("policy planner: learning failed (%d so far); the last plans stay in use", self.failures)
+            return None
+
+    def wait_for(self, rounds: int, thread: threading.Thread | None) -> dict[int, BatchPlan]:
+        """The plans learnt through `rounds` rounds, waiting for the worker (or, without one,
+        learning the queued rounds here up to that point)."""
+        if thread is None:
+            while self.learnt < rounds:
+                self.apply(self.queue.get_nowait())
+            return self.plans[rounds]
+        with self.cond:
+            while self.learnt < rounds:
+                if not thread.is_alive():
+                    raise RuntimeError("policy planner: its worker thread is gone")
+                self.cond.wait(0.5)
+            return self.plans[rounds]
+
+    def stop(self) -> None:
+        self.queue.put(_STOP)
+
+
+class PlannedPolicy(StepPolicyBase):
+    """A `CostModelPolicy` whose learning runs on a worker thread, one round behind; a `StepPolicy`."""
+
+    def __init__(self, policy, *, threaded: bool = True, keep_rounds: int = 64):
+        check_policy(policy)
+        if policy.chooses_trees:
+            raise ConfigError(f"policy: {policy.name} chooses trees round by round; plan its tree "
+                              "choice on the engine thread (use the policy unwrapped)")
+        if not (isinstance(keep_rounds, int) and keep_rounds >= 1):
+            raise ConfigError(f"keep_rounds: must be an int >= 1, got {keep_rounds!r}")
+        self.policy = policy
+        self.name, self.early_stop, self.truncates = policy.name, policy.early_stop, policy.truncates
+        self.tree_rounds = policy.tree_rounds
+        self.threaded, self.keep_rounds = threaded, keep_rounds
+        self._learner = _Learner(policy, keep_rounds)
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._learner.run, name="policy-planner", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._learner.stop)
+        self._submitted = 0  # rounds queued (engine thread)
+        self._plan: BatchPlan | None = None  # the current round's
+        self._k = 0
+        self._probing = False
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return self.policy.candidate_steps
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
+        """K from the plan learnt through the round before the last (the probe schedule applied)."""
+        plan = self._learner.wait_for(max(0, self._submitted - 1), self._thread).get(batch_size)
+        if plan is None:  # this batch size's first round: learn everything queued, plan here
+            self._learner.wait_for(self._submitted, self._thread)
+            plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
+        self._plan = plan
+        self._k = self.policy.schedule(batch_size, plan.steps)
+        self._probing = self.policy.probing(batch_size)
+        return self._k
+
+    def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
+        if not (isinstance(step_index, int) and step_index >= 1):
+            raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
+        if self._probing:  # a probe measures the positions the estimates doubt: no early stop
+            return step_index < self._k
+        return self._plan.should_continue(step_index, draft_confidence)
+
+    def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
+        return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)
+
+    def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:
+        """Queue the round for the worker (the engine hands over its lists and arrays and never
+        writes to them again); returns the K the round ran."""
+        self._learner.queue.put(("round", batch_size, accepted, round_))
+        self._submitted += 1
+        return self._k
+
+    def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
+        """The current plan's predicted seconds of a plain round (K = 0) at its batch size; None
+        otherwise (the live round-time model belongs to the worker)."""
+        plan = self._plan
+        return plan.plain_round_s if k == 0 and plan is not None and plan.batch_size == batch_size else None
+
+    def rewarm(self) -> None:
+        self._learner.queue.put(("call", self.policy.rewarm))
+
+    # -- any thread -----------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        out = self.policy.info()
+        out["planner"] = {"threaded": self.threaded, "rounds_queued": self._submitted,
+                          "rounds_learnt": self._learner.learnt, "failures": self._learner.failures,
+                          "last_error": self._learner.last_error}
+        return out
+
+    def state_dict(self) -> dict:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the policy once every queued round is learnt (engine thread, between rounds)."""
+        self._learner.wait_for(self._submitted, self._thread)
+        self.policy.load_state_dict(state)
+        with self._learner.cond:  # plans built from the state before are void
+            self._learner.plans = {0: {}}
+            self._learner.learnt = 0
+            self._learner.seen = {}
+        self._submitted = 0
+
+    def close(self) -> None:
+        """Stop the worker (also done when the policy is collected)."""
+        if self._thread is not None:
+            self._learner.stop()
+            self._thread.join(timeout=5)
+
+    def __deepcopy__(self, memo):
+        """A copy with its own worker, from the policy as learnt through every queued round."""
+        self._learner.wait_for(self._submitted, self._thread)
+        return PlannedPolicy(copy.deepcopy(self.policy, memo), threaded=self.threaded, keep_rounds=self.keep_rounds)
+
+
+def plan_ahead(policy, *, threaded: bool = True):
+    """`policy` behind a `PlannedPolicy` where it can plan (the cost policy without round-by-round
+    tree choice); any other policy (EMA tiers, static K, None) as it is."""
+    if not isinstance(policy, CostModelPolicy) or policy.chooses_trees:
+        return policy
+    return PlannedPolicy(policy, threaded=threaded)

@@ -1,0 +1,200 @@
+"""The cost policy learning on a worker thread (serving/policy_planner.py).
+
+Its contract, checked against a naive reference: round n + 1 decides (K, early stops, verify
+lengths) exactly as the bare policy decides after learning rounds 1..n - 1, or every round so
+far when the batch size had no plan; the worker thread decides the same as learning on the
+engine thread; rewarm reaches the policy in order; a failing update is counted and never stops
+the rounds; the engine's greedy output stays the target's own (a tiny random Llama: the model
+does not matter to the decisions' plumbing).
+"""
+
+import copy
+import gc
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from online_spec.controller import (AdaptiveConfig, CostModel, CostModelPolicy, CostPolicyConfig, TimedPolicy,
+                                    measure_decision_cost_us)
+from online_spec.head import new_head
+from online_spec.sampling import SamplingParams
+from online_spec.target import tiny_target
+from serving.engine import Engine, EngineConfig
+from serving.policy_planner import PlannedPolicy, plan_ahead
+
+
+def bare_policy() -> CostModelPolicy:
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]},
+                                         "4": {"candidate_steps": [0, 1, 3]}})
+    # a short acceptance window: K answers within a round or two, so a decision one round late shows
+    return CostModelPolicy(adaptive, CostPolicyConfig(accept_window=3.0, probe_interval=8),
+                           CostModel.with_coefficients((0.01, 0.001, 0, 0.002, 0), (0.1, 0.004, 0.02, 0, 0.001)))
+
+
+def traffic(seed: int, rounds: int = 160):
+    """Rounds of a fixed random stream: batch size, per-draft confidences, a rewarm now and then.
+    Acceptance follows the confidences, which swing between high and low every few rounds, so the
+    estimates move and K changes often."""
+    rng = random.Random(seed)
+    out = []
+    for n in range(rounds):
+        b = rng.choice([1, 1, 2, 4, 6])
+        conf = np.array([[rng.random() ** (0.2 if (n // 3) % 2 else 3.0) for _ in range(5)] for _ in range(b)],
+                        dtype=np.float32)
+        out.append((b, conf, n % 53 == 52))
+    return out
+
+
+def leading(row, n):
+    """Drafts accepted: the leading confidences above 0.5, of the n verified."""
+    a = 0
+    while a < n and row[a] > 0.5:
+        a += 1
+    return a
+
+
+def drive(policy, stream):
+    """Run the stream through `policy` as the engine does; returns each round's decisions."""
+    decisions = []
+    for b, drafts, rewarm in stream:
+        ctx = 100 * b  # one context per batch size: a plan is built at its batch size's last context
+        k = policy.steps_for(b, ctx)
+        stops, kept = [], k
+        for i in range(1, k):
+            go = policy.should_continue(i, drafts[:, i - 1], b, ctx)
+            stops.append(go)
+            if not go:
+                kept = i
+                break
+        conf = drafts[:, :kept]
+        lens = policy.verify_lengths(conf, ctx, padded=True) if kept else [0] * b
+        accepted = [leading(row, n) for row, n in zip(conf.tolist(), lens)]
+        policy.update(b, accepted, num_steps=lens, ctx_len=ctx, draft_s=0.01 * kept + 0.002,
+                      verify_s=0.1 + 0.02 * b * (max(lens, default=0) + 1), confidences=conf[:, :max(lens, default=0)])
+        if rewarm:
+            policy.rewarm()
+        decisions.append((k, stops, list(lens)))
+    return decisions
+
+
+class LaggedReference:
+    """The planner's contract written out naively over the bare policy: before round m (1-based)
+    the rounds 1..m-2 are learnt if the batch size was served in the `keep` rounds up to m-2
+    (its plan exists), else every round so far; rewarms are learnt after their round."""
+
+    def __init__(self, policy, keep: int):
+        self.policy, self.keep, self.queue, self.learnt, self.sizes = policy, keep, [], 0, []
+
+    def steps_for(self, b, ctx):
+        want = max(0, len(self.sizes) - 1)
+        if b not in self.sizes[max(0, want - self.keep):want]:
+            want = len(self.sizes)
+        while self.learnt < want:
+            for fn in self.queue[self.learnt]:
+                fn()
+            self.learnt += 1
+        return self.policy.steps_for(b, ctx)
+
+    def should_continue(self, *a):
+        return self.policy.should_continue(*a)
+
+    def verify_lengths(self, *a, **k):
+        return self.policy.verify_lengths(*a, **k)
+
+    def update(self, b, accepted, **kw):
+        self.sizes.append(b)
+        self.queue.append([lambda: self.policy.update(b, accepted, **kw)])
+
+    def rewarm(self):
+        self.queue[-1].append(self.policy.rewarm)
+
+
+@pytest.mark.parametrize("keep", [64, 3])
+def test_decisions_are_the_bare_policy_one_round_behind(keep):
+    stream = traffic(seed=keep)
+    planned = drive(PlannedPolicy(bare_policy(), threaded=False, keep_rounds=keep), stream)
+    reference = drive(LaggedReference(bare_policy(), keep), stream)
+    assert planned == reference
+    ks = {d[0] for d in planned}
+    assert len(ks) >= 3 and any(False in d[1] for d in planned)  # K moves and the early stop fires
+    # without the lag the bare policy decides otherwise somewhere: the reference is not the bare policy
+    assert drive(bare_policy(), stream) != reference
+
+
+def test_the_worker_thread_decides_as_the_engine_thread_does():
+    stream = traffic(seed=7, rounds=240)
+    threaded = PlannedPolicy(bare_policy(), threaded=True)
+    assert drive(threaded, stream) == drive(PlannedPolicy(bare_policy(), threaded=False), stream)
+    info = threaded.info()
+    assert info["planner"]["threaded"] and info["planner"]["failures"] == 0
+    assert info["planner"]["rounds_queued"] == 240 and info["planner"]["rounds_learnt"] >= 239
+    # state after every queued round is learnt equals the bare policy's after the same rounds
+    copy_ = copy.deepcopy(threaded)
+    assert copy_.state_dict() == threaded.state_dict()
+    threaded.close()
+
+
+class FailingOnce(CostModelPolicy):
+    def update(self, batch_size, accepted, **kw):
+        if getattr(self, "fail_next", False):
+            self.fail_next = False
+            raise ValueError("broken round")
+        return super().update(batch_size, accepted, **kw)
+
+
+def test_a_failed_update_is_counted_and_the_rounds_go_on():
+    inner = FailingOnce(bare_policy().adaptive, cost_model=bare_policy().cost)
+    planned = PlannedPolicy(inner, threaded=True)
+    stream = traffic(seed=3, rounds=30)
+    drive(planned, stream[:10])
+    inner.fail_next = True
+    drive(planned, stream[10:])  # would hang or raise if the worker died
+    planned._learner.wait_for(planned._submitted, planned._thread)
+    info = planned.info()["planner"]
+    assert info["failures"] == 1 and "broken round" in info["last_error"] and info["rounds_learnt"] == 30
+
+
+def test_load_state_restores_and_copies_and_probes_work():
+    stream = traffic(seed=5, rounds=60)
+    planned = PlannedPolicy(bare_policy())
+    drive(planned, stream)
+    fresh = PlannedPolicy(bare_policy())
+    fresh.load_state_dict(planned.state_dict())
+    planned._learner.wait_for(planned._submitted, planned._thread)
+    assert fresh.state_dict() == planned.state_dict()
+    assert measure_decision_cost_us(planned, n=50, batch_size=4) > 0  # a deep copy with its own worker
+    timed = TimedPolicy(PlannedPolicy(bare_policy()))
+    drive(timed, stream[:20])
+    assert len(timed.round_ns) == 20 and timed.early_stop and timed.truncates
+
+
+def test_an_unused_policy_stops_its_worker():
+    before = {t for t in threading.enumerate() if t.name == "policy-planner"}
+    planned = PlannedPolicy(bare_policy())
+    (thread,) = {t for t in threading.enumerate() if t.name == "policy-planner"} - before
+    drive(planned, traffic(seed=1, rounds=5))
+    del planned
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_plan_ahead_wraps_only_the_cost_policy_without_trees():
+    from online_spec.controller import StaticSteps
+    assert isinstance(plan_ahead(bare_policy()), PlannedPolicy)
+    static = StaticSteps(3)
+    assert plan_ahead(static) is static and plan_ahead(None) is None
+
+
+def test_engine_output_stays_the_targets_with_the_planner():
+    target = tiny_target(num_layers=4)
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(5)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=3, max_len=256, num_steps=0)).generate(prompts, params)
+    planned = PlannedPolicy(bare_policy())
+    eng = Engine(target, new_head(target, seed=4), EngineConfig(max_batch=3, max_len=256, max_steps=5),
+                 policy=planned)
+    assert eng.generate(prompts, params) == plain
+    assert planned.info()["planner"]["rounds_queued"] > 10 and planned.info()["planner"]["failures"] == 0
