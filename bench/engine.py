@@ -14,6 +14,7 @@ is a random day-0 head: its drafts are rejected, so speculative tokens/s there m
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import statistics
@@ -36,6 +37,7 @@ from online_spec.target import load_target
 from online_spec.tree import TreeShape
 from serving.cuda_graphs import CudaGraphs
 from serving.engine import Engine, EngineConfig
+from serving.timeline import RoundTimeline
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,9 @@ class EngineBenchConfig:
     grid_data: list[str] = doc("traffic of the shape grid: chat (held-out ShareGPT chat) and/or code "
                                "(HumanEval tasks the shipped heads did not train on)", lambda: ["chat", "code"])
     only: str = doc("run one part: all | grid (the shape grid and the tree lossless check) | classic "
-                    "(everything but the grid)", "all")
+                    "(everything but the grid) | timeline (where a round's time goes, per stage, per policy)", "all")
+    timeline_batch_sizes: list[int] = doc("batch sizes of the timeline part", lambda: [1, 4])
+    timeline_k: int = doc("the static K the timeline part compares the cost policy with", 3)
     prompts_file: str = doc("read the prompts (token ids per traffic) from this JSON file written by "
                             "--save-prompts, instead of the datasets: for a machine without them (a lent GPU)", "")
     save_prompts: str = doc("write the prompts this configuration uses (token ids per traffic) to this JSON file "
@@ -76,7 +80,8 @@ class EngineBenchConfig:
         check(all(b >= 1 for b in self.batch_sizes), "batch_sizes", "must be >= 1")
         check(all(b >= 1 for b in self.grid_batch_sizes), "grid_batch_sizes", "must be >= 1")
         check(set(self.grid_data) <= {"chat", "code"}, "grid_data", f"must be chat and/or code, got {self.grid_data}")
-        check(self.only in ("all", "grid", "classic"), "only", f"must be all, grid or classic, got {self.only!r}")
+        check(self.only in ("all", "grid", "classic", "timeline"), "only",
+              f"must be all, grid, classic or timeline, got {self.only!r}")
         self.tree_shapes()  # raises naming the field
 
     def tree_shapes(self) -> list[TreeShape]:
@@ -167,6 +172,59 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
     dt = time.perf_counter() - t0
     acc = sum(c for c, _ in rounds) / max(1, sum(b for _, b in rounds)) if rounds else 1.0
     return sum(len(o) for o in outs) / dt, acc
+
+
+def timed_rounds(target, head, policy, prompts, batch: int, new_tokens: int, profile: bool) -> tuple[dict, list]:
+    """One run of `prompts` with a `RoundTimeline` on the engine (after an untimed run that captures
+    the CUDA graphs and lets the policy learn); with `profile` (CUDA), the timed run is profiled and
+    the GPU's kernel ms per round go into the report. Returns (timeline report, outputs)."""
+    eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, max_steps=7), policy=policy)
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    eng.generate(list(prompts), sp)
+    eng.timeline = tl = RoundTimeline(target.device)
+    if not profile:
+        t0 = time.perf_counter()
+        outs = eng.generate(list(prompts), sp)
+        report = tl.report()
+        report["tokens_per_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
+        return report, outs
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        outs = eng.generate(list(prompts), sp)
+    torch.cuda.synchronize()
+    # kernels and copies only: their own device time (a range's total would count its kernels again)
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    return tl.report(busy_us / 1e3 / max(1, len(tl.rounds))), outs
+
+
+def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
+    """Per batch size: a static K, the cost policy on the engine thread, and the cost policy
+    learning on its worker thread (as `serve` runs it), each one timed run of the same prompts:
+    the stage timeline of its rounds (and on CUDA the GPU's idle share from a profile), its
+    tokens/s, and whether its output equals the static K's (greedy: it must)."""
+    from online_spec.controller import StaticSteps
+    from serving.calibrate import engine_cost_policy
+    from serving.policy_planner import PlannedPolicy
+
+    gpu = target.device.type == "cuda"
+    base, _ = engine_cost_policy(target, head, max(cfg.timeline_batch_sizes), 7, max_len=1024)
+    out = {}
+    for b in cfg.timeline_batch_sizes:
+        ps = run_prompts(prompts, 0, b, cfg.requests_per_run)
+        row, ref = {}, None
+        for name, make in ((f"static_k{cfg.timeline_k}", lambda: StaticSteps(cfg.timeline_k)),
+                           ("cost", lambda: copy.deepcopy(base)),
+                           ("cost_planned", lambda: PlannedPolicy(copy.deepcopy(base)))):
+            report, outs = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=False)
+            if gpu:
+                report["profiled"] = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=True)[0]
+            ref = outs if ref is None else ref
+            report["identical_to_static"] = outs == ref
+            row[name] = report
+            log.info("timeline b=%d %s: wall %.2f ms a round, host %s", b, name, report["wall_ms"],
+                     {k: round(v, 3) for k, v in report["host_ms"].items() if v is not None})
+        out[str(b)] = row
+    return out
 
 
 def shape_name(K: int, tree: TreeShape | None) -> str:
@@ -315,6 +373,10 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
     gpu = target.device.type == "cuda"
     out: dict = {"config": config_to_dict(cfg), "head": cfg.draft or "random day-0 head", "dtype": str(target.dtype).removeprefix("torch."),
                  "cuda_graphs": gpu, "distinct_prompts": len({tuple(p) for p in prompts})}
+    if cfg.only == "timeline":
+        out["timeline"] = round_timelines(cfg, target, head, prompts)
+        out["lossless"] = all(row["identical_to_static"] for b in out["timeline"].values() for row in b.values())
+        return out
     if cfg.only in ("all", "grid"):
         log.info("shape grid: plain, chains %s, trees %s", cfg.grid_chains, cfg.trees)
         out["shape_grid"] = shape_grid(cfg, target, head, sets)

@@ -15,20 +15,30 @@
 #      scripts/profile_train_step.py on its buffer, profile.txt), then, given
 #      bench e2e flags after .gpu/c, starts bench e2e in its own session and follows it
 #   4. bash scripts/gpu_ranks_device.sh follow               (until the e2e ends; JSON + logs to $OUT)
+#   5. bash scripts/gpu_ranks_device.sh e2e NAME FLAGS       (another e2e on the same machine, then follow)
+# On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
 export PYTHONPATH=$CODE:/tmp/site ONLINE_SPEC_CACHE=/tmp/osc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
     DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK
 stage=$1; shift
-follow() {  # wait for the e2e (at most $1 s), then copy what it wrote to $OUT
-    local until=$(( $(date +%s) + ${1:-480} ))
-    while [ ! -e $W/e2e_done ] && [ $(date +%s) -lt $until ]; do sleep 5; done
-    grep -v "Loading weights" $W/e2e.log | tail -n 30
+follow() {  # wait for the running e2e (at most $1 s), then copy what it wrote to $OUT
+    local until=$(( $(date +%s) + ${1:-480} )) name=$(cat $W/e2e_name 2>/dev/null || echo e2e)
+    while [ ! -e $W/${name}_done ] && [ $(date +%s) -lt $until ]; do sleep 5; done
+    grep -v "Loading weights" $W/$name.log | tail -n 30
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
-    cp $W/*.json $W/e2e.log $W/ranks.log $OUT/ 2>/dev/null
-    for f in $W/run/online_spec/trainer.log; do [ -e $f ] && cp $f $OUT/trainer_online_spec.log; done
-    [ -e $W/e2e_done ] && echo "e2e finished: rc $(cat $W/e2e_done)" || echo "e2e still running"
+    cp $W/*.json $W/*.log $W/*_cmd.txt $OUT/ 2>/dev/null
+    for f in $W/run_*/online_spec/trainer.log; do [ -e $f ] && cp $f $OUT/trainer_$(basename $(dirname $(dirname $f))).log; done
+    [ -e $W/${name}_done ] && echo "$name finished: rc $(cat $W/${name}_done)" || echo "$name still running"
+}
+start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the call), JSON $W/gpu_NAME.json
+    local name=$1; shift
+    cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device ${TRAINER_DEVICE:-cuda:1} --trace $W/trace.jsonl $(printf '%q ' "$@")"
+    cmd="$cmd --json $W/gpu_$name.json --out $W/run_$name"
+    echo "$cmd" > $W/${name}_cmd.txt; echo "$cmd"; echo $name > $W/e2e_name
+    (cd $CODE && setsid bash -c "$cmd > $W/$name.log 2>&1; echo \$? > $W/${name}_done" < /dev/null > /dev/null 2>&1 &)
+    follow ${FOLLOW_S:-200}
 }
 case $stage in
 part)
@@ -47,7 +57,7 @@ run)
     python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
 print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "  # a trainer on GPU 1 trains there (DeepSpeed places the head by LOCAL_RANK unless told)
+    [ -n "$SKIP_RANKS" ] || python3 -c "  # a trainer on GPU 1 trains there (DeepSpeed places the head by LOCAL_RANK unless told)
 from tests.distill_helpers import greedy_records, tiny8
 from online_spec.head import new_head
 from trainer.batch import collate
@@ -58,7 +68,9 @@ d = Distiller(t, new_head(t, 128, seed=0).float(), DistillConfig(warmup_steps=1,
 m = [d.train_step(collate(recs)) for _ in range(3)]
 print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss'], 3), '->', round(m[-1]['loss'], 3))
 " 2>&1 | grep -v "Loading weights" | tail -n 5
+    [ -n "$SKIP_RANKS" ] && DSCONFIGS=none  # SKIP_RANKS=1: no bench ranks (one GPU: e2e only, TRAINER_DEVICE=cuda)
     for ds in ${DSCONFIGS:-zero1}; do  # DSCONFIGS="zero0 zero1": one bench per DeepSpeed config
+        [ $ds = none ] && continue
         python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
             --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
             --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
@@ -71,11 +83,11 @@ print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss
     for f in $W/ranks/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 4; done
     cp $W/gpu_ranks*.json $W/ranks.log $OUT/ 2>/dev/null
     [ $# -eq 0 ] && exit 0  # no e2e flags: bench ranks only
-    cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device cuda:1 --trace $W/trace.jsonl $(printf '%q ' "$@")"
-    cmd="$cmd --json $W/gpu_e2e.json --out $W/run"
-    echo "$cmd" > $W/e2e_cmd.txt; echo "$cmd"
-    setsid bash -c "$cmd > $W/e2e.log 2>&1; echo \$? > $W/e2e_done" < /dev/null > /dev/null 2>&1 &
-    follow ${FOLLOW_S:-200}
+    start_e2e e2e "$@"
+    ;;
+e2e)  # NAME FLAGS...: another bench e2e on the machine a `run` call set up
+    cd $CODE || exit 4
+    start_e2e "$@"
     ;;
 follow)
     follow ${1:-540}

@@ -46,6 +46,7 @@ from serving.chain_round import ChainRounds
 from serving.cuda_graphs import CudaGraphs
 from serving.head_swap import HeadSwapping, StagedHead
 from serving.requests import CaptureSink, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
+from serving.timeline import NO_TIMELINE, NoTimeline, RoundTimeline
 from serving.tree_round import TreeRounds
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self._ids = itertools.count()
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
         self._swap_unreported = False
+        self.timeline: RoundTimeline | NoTimeline = NO_TIMELINE  # a bench's RoundTimeline marks round stages
 
     # -- public API -----------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -212,6 +214,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         if not self.running:
             self._swap_unreported = swapped
             return outs
+        tl = self.timeline  # stage marks (serving/timeline.py): no-ops unless a bench set one
+        tl.start()
         reqs = self.running
         B = len(reqs)
         tlen = [self.tcache.lengths[b] for b in range(B)]
@@ -228,6 +232,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 K -= 1
             shape = self.cfg.tree_shape(K) if K > 0 else None
         t1 = time.perf_counter()
+        tl.mark("decide")
         captures = [self._captures()]
         self._catchup_s = 0.0
         if shape is not None:
@@ -236,6 +241,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             K = shape.num_steps
             tree = self._draft_tree(reqs, tlen, shape)
             t2 = time.perf_counter()
+            tl.mark("draft")
             captures.append(self._captures())
             accepted, records, round_outs = self._verify_tree(reqs, tlen, tree, shape)
             lens, drafted, confidences, verified = [K] * B, K, None, shape.num_draft_tokens
@@ -260,6 +266,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
                 confidences = confidences[:, :K]
             t2 = time.perf_counter()
+            tl.mark("draft")
             captures.append(self._captures())
 
             # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
@@ -270,12 +277,14 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             else:
                 batch = AttentionBatch(tlen, K + 1, self.target.device)
                 logits, feats, final = self.target.forward(tokens.to(self.target.device), batch, self.tcache)
+            tl.mark("verify")
 
             # 3) accept, 4) commit, 5) capture
             accepted, records, round_outs = self._accept_chain(reqs, tlen, lens, drafts, draft_probs, q_full,
                                                                logits, feats, final)
             verified = K + 1
         t3 = time.perf_counter()
+        tl.mark("accept")
         captures.append(self._captures())
         stats = RoundStats(batch_size=B, num_steps=K, accepted=accepted,
                            committed=sum(len(o.new_token_ids) for o in round_outs),
@@ -296,6 +305,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         for hook in self.on_round:
             hook(stats, round_outs)
         self.last_round = stats
+        tl.mark("learn")
+        tl.end(K, B)
         return outs + round_outs
 
     # -- pieces of a round ------------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""The round timeline (serving/timeline.py) and `bench engine --only timeline`, on a tiny random
+Llama (CPU: host clocks only; the CUDA events and the profile run on a GPU, docs/results.md)."""
+
+import pytest
+
+from online_spec.head import new_head
+from online_spec.sampling import SamplingParams
+from online_spec.target import tiny_target
+from serving.engine import Engine, EngineConfig
+from serving.timeline import NO_TIMELINE, STAGES, RoundTimeline
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target(num_layers=4)
+    return target, new_head(target, seed=3)
+
+
+def test_every_round_is_marked_stage_by_stage(tiny):
+    target, head = tiny
+    eng = Engine(target, head, EngineConfig(max_batch=2, max_len=256, num_steps=3))
+    assert eng.timeline is NO_TIMELINE
+    prompts = [list(range(5, 30)), list(range(9, 41)), list(range(3, 20))]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    rounds = []
+    eng.on_round.append(lambda stats, outs: rounds.append(stats))
+    eng.timeline = tl = RoundTimeline("cpu")
+    eng.generate(prompts, sp)
+    rows = tl.per_round()
+    assert len(rows) == len(rounds) > 5
+    for row, stats in zip(rows, rounds):
+        assert list(row["host_ms"]) == list(STAGES) and all(v >= 0 for v in row["host_ms"].values())
+        assert row["k"] == stats.num_steps and row["batch_size"] == stats.batch_size
+        # the stages tile the round: their sum is the round's wall time
+        assert sum(row["host_ms"].values()) == pytest.approx(row["wall_ms"])
+        assert row["host_ms"]["verify"] > 0 and not row["device_ms"]  # no CUDA events on a CPU
+    rep = tl.report(busy_ms_per_round=0.5 * tl.report()["mean_wall_ms"])
+    assert rep["rounds"] == len(rounds) and rep["k_histogram"] == {"3": len(rounds)}
+    assert rep["gpu_idle_share"] == pytest.approx(0.5)
+
+
+def test_bench_timeline_part_compares_static_cost_and_planned(tiny):
+    from bench.engine import EngineBenchConfig, round_timelines
+
+    target, head = tiny
+    cfg = EngineBenchConfig(only="timeline", timeline_batch_sizes=[1, 2], timeline_k=2, new_tokens=8,
+                            requests_per_run=3)
+    prompts = [list(range(4 + i, 30 + 3 * i)) for i in range(4)]
+    out = round_timelines(cfg, target, head, prompts)
+    assert set(out) == {"1", "2"}
+    for row in out.values():
+        assert set(row) == {"static_k2", "cost", "cost_planned"}
+        for rep in row.values():
+            assert rep["identical_to_static"] and rep["tokens_per_s"] > 0 and rep["rounds"] > 0
+            assert rep["host_ms"]["decide"] is not None and rep["host_ms"]["learn"] is not None
