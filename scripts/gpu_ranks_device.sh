@@ -16,6 +16,7 @@
 #      bench e2e flags after .gpu/c, starts bench e2e in its own session and follows it
 #   4. bash scripts/gpu_ranks_device.sh follow               (until the e2e ends; JSON + logs to $OUT)
 #   5. bash scripts/gpu_ranks_device.sh e2e NAME FLAGS       (another e2e on the same machine, then follow)
+#   6. bash scripts/gpu_ranks_device.sh engine FLAGS         (bench engine there, e.g. --only timeline)
 # On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
@@ -52,7 +53,7 @@ run)
         $P/whl/*.whl || exit 5
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
     mkdir -p $CODE/online_spec/pretrained && cp -r $P/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
-    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/trace.jsonl $W/
+    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/trace.jsonl $W/ && cp $P/engine_prompts.json $W/ 2>/dev/null
     cd $CODE || exit 4
     python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
 print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
@@ -88,6 +89,12 @@ print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss
 e2e)  # NAME FLAGS...: another bench e2e on the machine a `run` call set up
     cd $CODE || exit 4
     start_e2e "$@"
+    ;;
+engine)  # FLAGS...: bench engine on the machine a `run` call set up (the prompts built here: engine_prompts.json)
+    cd $CODE || exit 4
+    python3 -m online_spec.cli bench engine --device cuda --draft shipped --prompts-file $W/engine_prompts.json \
+        --json $W/gpu_engine.json "$@" 2>&1 | grep -v "Loading weights" | tail -n 30
+    cp $W/gpu_engine.json $OUT/ 2>/dev/null
     ;;
 follow)
     follow ${1:-540}
