@@ -192,8 +192,10 @@ def timed_rounds(target, head, policy, prompts, batch: int, new_tokens: int, pro
     with torch.profiler.profile(activities=acts) as prof:
         outs = eng.generate(list(prompts), sp)
     torch.cuda.synchronize()
-    # kernels and copies only: their own device time (a range's total would count its kernels again)
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    # the GPU's own events (kernels, copies), not the stage ranges mirrored on its timeline: a
+    # range's device time would count its kernels again (a first version summed both: busy > wall)
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("round."))
     return tl.report(busy_us / 1e3 / max(1, len(tl.rounds))), outs
 
 
@@ -201,7 +203,7 @@ def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
     """Per batch size: a static K, the cost policy on the engine thread, and the cost policy
     learning on its worker thread (as `serve` runs it), each one timed run of the same prompts:
     the stage timeline of its rounds (and on CUDA the GPU's idle share from a profile), its
-    tokens/s, and whether its output equals the static K's (greedy: it must)."""
+    tokens/s, and whether its output equals the static K's (greedy fp32: it must)."""
     from online_spec.controller import StaticSteps
     from serving.calibrate import engine_cost_policy
     from serving.policy_planner import PlannedPolicy
@@ -219,7 +221,7 @@ def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
             if gpu:
                 report["profiled"] = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=True)[0]
             ref = outs if ref is None else ref
-            report["identical_to_static"] = outs == ref
+            report["same_tokens_as_static"] = outs == ref  # greedy: fp32 must; bf16 may part at near-ties
             row[name] = report
             log.info("timeline b=%d %s: wall %.2f ms a round, host %s", b, name, report["wall_ms"],
                      {k: round(v, 3) for k, v in report["host_ms"].items() if v is not None})
@@ -375,7 +377,9 @@ def run_bench(cfg: EngineBenchConfig, prompts: list[list[int]] | None = None) ->
                  "cuda_graphs": gpu, "distinct_prompts": len({tuple(p) for p in prompts})}
     if cfg.only == "timeline":
         out["timeline"] = round_timelines(cfg, target, head, prompts)
-        out["lossless"] = all(row["identical_to_static"] for b in out["timeline"].values() for row in b.values())
+        same = all(rep["same_tokens_as_static"] for row in out["timeline"].values() for rep in row.values())
+        # the lossless contract is fp32 token identity; bf16 outputs may part at near-ties (docs/engine.md)
+        out["lossless"] = same if target.dtype == torch.float32 else None
         return out
     if cfg.only in ("all", "grid"):
         log.info("shape grid: plain, chains %s, trees %s", cfg.grid_chains, cfg.trees)
@@ -431,4 +435,4 @@ def run(args: argparse.Namespace) -> int:
         log.info("wrote %s: %s", cfg.save_prompts, {k: len(v) for k, v in sets.items()})
         return 0
     report = write_report(args.json, run_bench(cfg))
-    return 0 if report["lossless"] else 1
+    return 1 if report["lossless"] is False else 0  # None: not checked (bf16)

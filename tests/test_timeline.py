@@ -51,5 +51,5 @@ def test_bench_timeline_part_compares_static_cost_and_planned(tiny):
     for row in out.values():
         assert set(row) == {"static_k2", "cost", "cost_planned"}
         for rep in row.values():
-            assert rep["identical_to_static"] and rep["tokens_per_s"] > 0 and rep["rounds"] > 0
+            assert rep["same_tokens_as_static"] and rep["tokens_per_s"] > 0 and rep["rounds"] > 0
             assert rep["host_ms"]["decide"] is not None and rep["host_ms"]["learn"] is not None
