@@ -52,7 +52,7 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         $P/whl/*.whl || exit 5
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
-    mkdir -p $CODE/online_spec/pretrained && cp -r $P/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
+    [ -d $P/head ] && mkdir -p $CODE/online_spec/pretrained && cp -r $P/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
     rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/trace.jsonl $W/ && cp $P/engine_prompts.json $W/ 2>/dev/null
     cd $CODE || exit 4
     python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
