@@ -18,7 +18,9 @@ then two batch-1 measurements on the last phase's first `--bs1-requests` request
 the online-spec head the trainer left live with the controller): `speedup_vs_plain_bs1_adapted`;
 and online-spec from a random day-0 head: `tokens_to_beat_plain_from_day0`, the tokens the
 server committed up to the end of the first 10 s window whose tokens/s beat plain decoding's
-overall tokens/s (None if none did).
+overall tokens/s (None if none did). Every cost-policy configuration, repeats included, starts
+from one round-time calibration, `--out`/cost_model.json: measured by the first, reused while
+the machine matches (`serving.calibrate.engine_cost_model`).
 
 Per phase, online-spec's ratios to static + SGLang adaptive, static and plain (`per_phase_ratios`,
 beside the overall ones). Per configuration and per phase: tokens/s, accept_len (bonus excluded) and accept_length
@@ -192,13 +194,16 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     targs = (DEMO_TRAINER_ARGS if trainer_args is None else trainer_args) + cfg.trainer_args.split()
 
     deadline_s = cfg.deadline_s  # after the first configuration: the safety stop of the others
+    # one round-time calibration for every cost-policy session: it measures the machine, not the
+    # configuration, so each configuration starts from the same model (and ~30 s on 2 cores once)
+    cost_store = str((out / "cost_model.json").resolve())
 
     def session(name, items_, what: str = "", **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     tree_candidates=cfg.policy_tree_list(),
                     max_tokens=cfg.max_tokens, deadline_s=deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
-                    trainer_device=cfg.trainer_device)
+                    trainer_device=cfg.trainer_device, cost_model_store=cost_store)
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))

@@ -80,6 +80,8 @@ class SessionConfig:
     progress_every_s: float = doc("console progress line period; 0 = quiet", 5.0)
     phase_budget_s: float = doc("skip a phase's remaining lines once it has run this long; 0 = serve all", 0.0)
     wait_trainer_s: float = doc("wait this long for the trainer to subscribe before sending traffic; 0 = don't", 300.0)
+    cost_model_store: str = doc("the cost policy's round-time calibration (serving/calibrate.py), reused while "
+                                "target, dtype, device, CPU and threads match; empty = RUN_DIR/cost_model.json", "")
 
     def __post_init__(self):
         check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
@@ -140,7 +142,7 @@ class RoundLog:
 def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
     """The session's K policy: SGLang's EMA tiers, or the cost-model policy as `serve --policy
     cost` builds it (every K from 0 to max_steps; round-time model calibrated on this engine,
-    stored as RUN_DIR/cost_model.json and reused while the machine matches)."""
+    stored as `cost_model_store` or RUN_DIR/cost_model.json and reused while the machine matches)."""
     from serving.calibrate import engine_cost_policy  # transformers: see run_session
     from serving.policy_planner import plan_ahead
 
@@ -151,7 +153,7 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
         tiers = {k for slot in adaptive.slots for k in slot.candidate_steps}
         return EmaTierPolicy(adaptive, initial_steps=cfg.num_steps if cfg.num_steps in tiers else None)
     policy = engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
-                                store=run_dir / "cost_model.json", max_len=engine_cfg.max_len,
+                                store=cfg.cost_model_store or run_dir / "cost_model.json", max_len=engine_cfg.max_len,
                                 trees=cfg.tree_candidates)[0]
     return plan_ahead(policy)  # as `serve` runs it (a policy choosing trees stays on the engine thread)
 

@@ -19,6 +19,15 @@ import torch  # noqa: E402
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """Benches run in-process set their own torch thread count (a bench session's server: 1) and
+    leave it: without this, every test after the first such bench would run on one core."""
+    yield
+    if torch.get_num_threads() != 2:
+        torch.set_num_threads(2)
+
+
 @pytest.fixture(scope="session")
 def smol_fp32():
     from online_spec.target import load_target

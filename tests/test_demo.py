@@ -166,6 +166,8 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
                  "--calib-steps", "2", "--bs1-requests", "1", "--no-day0", "--overhead-split",
                  "--ceiling-heads", "code", "--out", str(tmp_path / "runs"), "--json", str(path)]) == 0
     rep = json.loads(path.read_text())
+    # the six cost-policy sessions share one round-time calibration, beside their run directories
+    assert (tmp_path / "runs" / "cost_model.json").exists() and not list((tmp_path / "runs").glob("*/cost_model.json"))
     for key in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted", "tokens_to_beat_plain_from_day0",
                 "speedup_vs_static", "speedup_vs_plain", "static_k", "per_phase", "overall", "adaptation_online_spec",
                 "bs1", "machine", "targets", "met"):
