@@ -170,6 +170,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
     from serving.server_app import HttpThread
     from trainer.distill import init_from_target
 
+    caller_threads = torch.get_num_threads()  # given back at the end: the caller's own work keeps its threads
     torch.set_num_threads(cfg.server_threads)
     run_dir = Path(cfg.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -229,6 +230,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
     finally:
         stop_progress.set()
         result.t1 = time.time()
+        torch.set_num_threads(caller_threads)
         if trainer is not None:
             result.trainer = _stop_trainer(trainer, run_dir)
         if watch is not None:

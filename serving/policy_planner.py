@@ -30,6 +30,7 @@ never waits on a dead worker.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import queue
@@ -45,6 +46,18 @@ from online_spec.controller.plan import BatchPlan
 log = logging.getLogger(__name__)
 
 _STOP = ("stop",)
+_WORKERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_LEARNERS: "weakref.WeakSet[_Learner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """Stop every worker before the interpreter ends: a daemon thread still running then is
+    ended by a forced unwind, which a C++ frame under it turns into `terminate` (rc 134)."""
+    for learner in list(_LEARNERS):
+        learner.stop()
+    for thread in list(_WORKERS):
+        thread.join(timeout=2)
 
 
 class _Learner:
@@ -57,6 +70,7 @@ class _Learner:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.cond = threading.Condition()
         self.learnt = 0  # rounds learnt from
+        self.done = 0  # queued items (rounds and calls) applied
         self.plans: dict[int, dict[int, BatchPlan]] = {0: {}}  # rounds learnt -> batch size -> plan
         self.seen: dict[int, tuple[float, int]] = {}  # batch size -> (its last context, the round it was seen)
         self.failures = 0
@@ -73,6 +87,9 @@ class _Learner:
         """One queued item: ("round", batch size, accepted, kwargs) or ("call", fn)."""
         if item[0] == "call":
             self._guarded(item[1])
+            with self.cond:
+                self.done += 1
+                self.cond.notify_all()
             return
         _, b, accepted, kw = item
         self._guarded(lambda: self.policy.update(b, accepted, **kw))
@@ -91,6 +108,7 @@ class _Learner:
             self.plans[n] = plans
             self.plans.pop(n - 3, None)  # the engine asks for n - 1 at the latest; n - 2 is a spare
             self.learnt = n
+            self.done += 1
             self.cond.notify_all()
 
     def _guarded(self, fn):
@@ -105,17 +123,27 @@ class _Learner:
 
     def wait_for(self, rounds: int, thread: threading.Thread | None) -> dict[int, BatchPlan]:
         """The plans learnt through `rounds` rounds, waiting for the worker (or, without one,
-        learning the queued rounds here up to that point)."""
+        learning the queued items here up to that point)."""
+        if self.learnt >= rounds:  # the usual case, without the lock: plans[n] is stored before learnt = n,
+            return self.plans[rounds]  # and the caller asks for n >= learnt - 1, which stays stored
+        self._wait(lambda: self.learnt >= rounds, thread)
+        return self.plans[rounds]
+
+    def wait_idle(self, items: int, thread: threading.Thread | None) -> None:
+        """Every one of the first `items` queued items (rounds, rewarms, ...) applied."""
+        if self.done < items:
+            self._wait(lambda: self.done >= items, thread)
+
+    def _wait(self, ready, thread: threading.Thread | None) -> None:
         if thread is None:
-            while self.learnt < rounds:
+            while not ready():
                 self.apply(self.queue.get_nowait())
-            return self.plans[rounds]
+            return
         with self.cond:
-            while self.learnt < rounds:
+            while not ready():
                 if not thread.is_alive():
                     raise RuntimeError("policy planner: its worker thread is gone")
                 self.cond.wait(0.5)
-            return self.plans[rounds]
 
     def stop(self) -> None:
         self.queue.put(_STOP)
@@ -140,8 +168,11 @@ class PlannedPolicy(StepPolicyBase):
         if threaded:
             self._thread = threading.Thread(target=self._learner.run, name="policy-planner", daemon=True)
             self._thread.start()
+            _WORKERS.add(self._thread)
+            _LEARNERS.add(self._learner)
             weakref.finalize(self, self._learner.stop)
         self._submitted = 0  # rounds queued (engine thread)
+        self._queued = 0  # items queued: rounds and calls
         self._plan: BatchPlan | None = None  # the current round's
         self._k = 0
         self._probing = False
@@ -156,7 +187,7 @@ class PlannedPolicy(StepPolicyBase):
         """K from the plan learnt through the round before the last (the probe schedule applied)."""
         plan = self._learner.wait_for(max(0, self._submitted - 1), self._thread).get(batch_size)
         if plan is None:  # this batch size's first round: learn everything queued, plan here
-            self._learner.wait_for(self._submitted, self._thread)
+            self._learner.wait_idle(self._queued, self._thread)
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
         self._k = self.policy.schedule(batch_size, plan.steps)
@@ -178,6 +209,7 @@ class PlannedPolicy(StepPolicyBase):
         writes to them again); returns the K the round ran."""
         self._learner.queue.put(("round", batch_size, accepted, round_))
         self._submitted += 1
+        self._queued += 1
         return self._k
 
     def predict_round_s(self, batch_size: int, k: int, ctx_len: float = 0) -> float | None:
@@ -188,6 +220,7 @@ class PlannedPolicy(StepPolicyBase):
 
     def rewarm(self) -> None:
         self._learner.queue.put(("call", self.policy.rewarm))
+        self._queued += 1
 
     # -- any thread -----------------------------------------------------------------------------
 
@@ -199,17 +232,18 @@ class PlannedPolicy(StepPolicyBase):
         return out
 
     def state_dict(self) -> dict:
+        """The policy's state as learnt so far (rounds still queued are not in it)."""
         return self.policy.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the policy once every queued round is learnt (engine thread, between rounds)."""
-        self._learner.wait_for(self._submitted, self._thread)
+        self._learner.wait_idle(self._queued, self._thread)
         self.policy.load_state_dict(state)
         with self._learner.cond:  # plans built from the state before are void
             self._learner.plans = {0: {}}
-            self._learner.learnt = 0
+            self._learner.learnt = self._learner.done = 0
             self._learner.seen = {}
-        self._submitted = 0
+        self._submitted = self._queued = 0
 
     def close(self) -> None:
         """Stop the worker (also done when the policy is collected)."""
@@ -219,7 +253,7 @@ class PlannedPolicy(StepPolicyBase):
 
     def __deepcopy__(self, memo):
         """A copy with its own worker, from the policy as learnt through every queued round."""
-        self._learner.wait_for(self._submitted, self._thread)
+        self._learner.wait_idle(self._queued, self._thread)
         return PlannedPolicy(copy.deepcopy(self.policy, memo), threaded=self.threaded, keep_rounds=self.keep_rounds)
 
 

@@ -1,0 +1,59 @@
+"""Probe: the cost policy's calls timed inside the engine, bare and learning on its worker thread.
+
+Runs SmolLM2 (fp32, 2 threads) with the shipped head at batch B (env B, default 1), 48 tokens of
+held-out ShareGPT prompts, with the cost policy (fixed round-time coefficients of this CPU's order;
+the decisions matter less than their cost) bare and behind `PlannedPolicy`, twice each,
+alternating; prints per call the median microseconds and per round the mean. Nothing is written.
+
+    python scripts/policy_call_costs.py          # batch 1
+    B=4 python scripts/policy_call_costs.py
+"""
+import collections, statistics, sys, time, os
+import torch
+sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
+torch.set_num_threads(2)
+from online_spec.target import load_target
+from online_spec.checkpoint import load_head
+from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
+from online_spec.data import sharegpt_conversations
+from online_spec.sampling import SamplingParams
+from bench.heads import resolve_head
+from serving.engine import Engine, EngineConfig
+from serving.policy_planner import PlannedPolicy
+
+B = int(os.environ.get("B", "1"))
+target = load_target(dtype=torch.float32)
+head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
+convs = sharegpt_conversations(limit=40, seed=3, split="heldout", max_prompt_tokens=160, tokenizer=target.tokenizer)
+prompts = [target.encode_chat(c[:1]) for c in convs][:max(4, B)]
+
+class Rec:
+    def __init__(self, p):
+        self.p = p; self.ns = collections.defaultdict(list)
+        for a in ("name", "early_stop", "truncates", "tree_rounds", "chooses_trees"):
+            setattr(self, a, getattr(p, a))
+    def _t(self, n, *a, **k):
+        t = time.perf_counter_ns(); out = getattr(self.p, n)(*a, **k); self.ns[n].append(time.perf_counter_ns() - t); return out
+    def steps_for(self, *a): return self._t("steps_for", *a)
+    def should_continue(self, *a): return self._t("should_continue", *a)
+    def verify_lengths(self, *a, **k): return self._t("verify_lengths", *a, **k)
+    def update(self, *a, **k): return self._t("update", *a, **k)
+    def predict_round_s(self, *a): return self.p.predict_round_s(*a)
+    def tree_for(self, *a): return None
+    def rewarm(self): self.p.rewarm()
+    def info(self): return self.p.info()
+    def state_dict(self): return self.p.state_dict()
+    def load_state_dict(self, s): self.p.load_state_dict(s)
+
+def make():
+    ad = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]}})
+    return CostModelPolicy(ad, cost_model=CostModel.with_coefficients((0.006, 0.0005, 0, 0.004, 0), (0.05, 0.002, 0.0006, 0, 0.002)))
+
+for label, pol in (("bare", make()), ("planned", PlannedPolicy(make())), ("bare", make()), ("planned", PlannedPolicy(make()))):
+    rec = Rec(pol)
+    eng = Engine(target, head, EngineConfig(max_batch=B, max_len=512, max_steps=5), policy=rec)
+    eng.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+    n = len(rec.ns["update"])
+    per = {k: round(statistics.median(v) / 1000, 1) for k, v in rec.ns.items()}
+    tot = {k: round(sum(v) / 1000 / n, 1) for k, v in rec.ns.items()}
+    print(label, "B", B, "rounds", n, "median us per call", per, "per round (mean)", tot, "sum", round(sum(tot.values()), 1), flush=True)
