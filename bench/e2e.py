@@ -135,6 +135,8 @@ class E2EConfig:
                             "only", "3,4,10 5,4,8")
     bank: bool = doc("online-spec's server keeps a head bank (a returning tag's best head swapped back in; "
                      "serving/head_bank.py)", True)
+    plan_ahead: bool = doc("the cost-policy configurations learn on a worker thread, one round behind "
+                           "(serve --plan-ahead)", False)
     ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
                              "controller and no trainer, for the per-phase ceiling (see the module doc); "
                              "empty = none", "")
@@ -203,7 +205,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                     tree_candidates=cfg.policy_tree_list(),
                     max_tokens=cfg.max_tokens, deadline_s=deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
-                    trainer_device=cfg.trainer_device, cost_model_store=cost_store)
+                    trainer_device=cfg.trainer_device, cost_model_store=cost_store, plan_ahead=cfg.plan_ahead)
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))

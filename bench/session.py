@@ -59,6 +59,7 @@ class SessionConfig:
                       "cost (the project's cost-model controller, every K from 0 to the engine's max_steps)",
                       "static")
     num_steps: int = doc("K of the static policy (0 = plain decoding); with eagle_topk > 1 the tree's depth", 3)
+    plan_ahead: bool = doc("the cost policy learns on a worker thread, one round behind (serve --plan-ahead)", False)
     eagle_topk: int = doc("draft tree branching (SGLang's --speculative-eagle-topk; 1 = chains)", 1)
     num_draft_tokens: int = doc("tokens a tree round verifies, root included (0 = num_steps + 1)", 0)
     tree_candidates: list = doc("trees [num_steps, topk, num_draft_tokens] the cost policy may run instead of "
@@ -155,7 +156,7 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
     policy = engine_cost_policy(target, head, engine_cfg.max_batch, engine_cfg.max_steps,
                                 store=cfg.cost_model_store or run_dir / "cost_model.json", max_len=engine_cfg.max_len,
                                 trees=cfg.tree_candidates)[0]
-    return plan_ahead(policy)  # as `serve` runs it (a policy choosing trees stays on the engine thread)
+    return plan_ahead(policy) if cfg.plan_ahead else policy  # a policy choosing trees stays on the engine thread
 
 
 def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionResult:

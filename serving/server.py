@@ -90,8 +90,10 @@ class ServerConfig:
                       "as RUN_DIR/cost_model.json, reused while target, dtype, device, CPU and threads match)",
                       "auto")
     plan_ahead: bool = doc("the cost policy learns from each round on a worker thread and decides one round "
-                           "behind, the engine thread only reading its plan (serving/policy_planner.py); off: "
-                           "it learns and decides on the engine thread", True)
+                           "behind, the engine thread only reading its plan (serving/policy_planner.py). Off by "
+                           "default: it cuts the policy's time on the engine thread 2-3x on a CPU without a "
+                           "measured gain in tokens/s, and on an H100 the worker's Python, under the same "
+                           "interpreter lock, slowed batch-1 rounds (docs/controller.md)", False)
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     max_tags: int = doc("distinct traffic tags served under their own name (in /metrics, drift streams and capture "
