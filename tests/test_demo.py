@@ -187,6 +187,7 @@ def test_bench_e2e_quick_writes_every_key(tmp_path):
     assert rep["configs"]["online_no_training"]["trainer"]["step"] == 0
     assert rep["configs"]["online_no_training"]["trainer"]["returncode"] == 0
     assert rep["static_k"]["best"] == 2 and rep["configs"]["static"]["timeline"]["num_steps_per_slot"]
+    assert rep["static_k"]["warmup_session"] is False  # an untimed first session on CUDA devices only
     assert rep["tokens_to_beat_plain_from_day0"] is None  # --no-day0: reported, not invented
     assert set(rep["per_phase"]) == {"chat", "code", "mix"}
     # no deadline reached: every configuration served the whole trace
