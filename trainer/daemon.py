@@ -57,7 +57,7 @@ from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
-from trainer.server_head import ServerHeadWatch
+from trainer.server_head import ServerHeadWatch, server_live_version
 from trainer.starvation_watch import StarvationWatch
 
 log = logging.getLogger(__name__)
@@ -334,7 +334,7 @@ class TrainerDaemon:
     def publish(self) -> int | None:
         """Write the candidate as a new version and swap it into the server."""
         # above anything the server has had live (an operator may have swapped in a head meanwhile)
-        version = max(self.state["next_version"], self._server_version() + 1)
+        version = max(self.state["next_version"], server_live_version(getattr(self.publisher, "info", None)) + 1)
         out = self.run_dir / "ckpt" / f"v{version}"
         digest = self.distiller.save(out, version)
         self.state["next_version"] = version + 1
@@ -429,18 +429,6 @@ class TrainerDaemon:
         self.state.update(saved)
         return True
 
-    def _server_version(self) -> int:
-        """The server's live head version (control endpoint `info`); -1 when it cannot say."""
-        info = getattr(self.publisher, "info", None)
-        if info is None:
-            return -1
-        try:
-            v = info().get("head_version")
-        except Exception as e:  # noqa: BLE001 - unreachable now; the starting head's metadata decides
-            log.warning("server info unavailable: %s", e)
-            return -1
-        return v if isinstance(v, int) and not isinstance(v, bool) else -1
-
     def _starting_version(self) -> int:
         """Version of the head the daemon starts from: the server's live version, else the
         starting checkpoint's metadata (`online_spec.json`), else 0; never below either."""
@@ -448,7 +436,8 @@ class TrainerDaemon:
         if not meta and self.cfg.init_head and (Path(self.cfg.init_head) / META).exists():
             meta = json.loads((Path(self.cfg.init_head) / META).read_text())
         v = meta.get("version", 0)
-        return max(self._server_version(), v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0)
+        v = v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+        return max(server_live_version(getattr(self.publisher, "info", None)), v)
 
     def _load_version(self, version: int) -> EagleHead:
         if version == self.state.get("initial_version", 0):

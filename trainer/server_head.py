@@ -22,6 +22,24 @@ log = logging.getLogger(__name__)
 SERVER_HEAD_POLL_S = 2.0  # seconds between the daemon's reads of the server's live version
 
 
+def head_version_of(info) -> int | None:
+    """The live head version a control `info` answer gives; None where it gives none or an odd one."""
+    v = info.get("head_version") if isinstance(info, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def server_live_version(server_info: Callable[[], dict] | None) -> int:
+    """The server's live head version (control `info`); -1 with no server to ask or when it cannot say."""
+    if server_info is None:
+        return -1
+    try:
+        v = head_version_of(server_info())
+    except Exception as e:  # noqa: BLE001 - unreachable now; the caller's other sources decide
+        log.warning("server info unavailable: %s", e)
+        return -1
+    return -1 if v is None else v
+
+
 class ServerHeadWatch:
     def __init__(self, poll_s: float = SERVER_HEAD_POLL_S):
         self.poll_s = poll_s
@@ -53,19 +71,16 @@ class ServerHeadWatch:
         except Exception as e:  # noqa: BLE001 - unreachable now: asked again at the next poll
             log.debug("server info unavailable: %s", e)
             return None
-        v = info.get("head_version") if isinstance(info, dict) else None
+        v = head_version_of(info)
         bank = info.get("head_bank") if isinstance(info, dict) else None
         banked = bank.get("banked") if isinstance(bank, dict) else None
         self.banked = {str(t): e["version"] for t, e in banked.items()
                        if isinstance(e, dict) and isinstance(e.get("version"), int)} if isinstance(banked, dict) else {}
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v == live_version:
-            return None
-        if v in self._unknown:
+        if v is None or v == live_version or v in self._unknown:
             return None
         if not loadable(v):
-            if v not in self._unknown:
-                self._unknown.add(v)
-                log.warning("the server's live head is v%d, not one this trainer published or started from: "
-                            "training goes on from v%d's line", v, live_version)
+            self._unknown.add(v)
+            log.warning("the server's live head is v%d, not one this trainer published or started from: "
+                        "training goes on from v%d's line", v, live_version)
             return None
         return v
