@@ -174,11 +174,14 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
     return sum(len(o) for o in outs) / dt, acc
 
 
-def timed_rounds(target, head, policy, prompts, batch: int, new_tokens: int, profile: bool) -> tuple[dict, list]:
+def timed_rounds(target, head, policy, prompts, batch: int, new_tokens: int, profile: bool,
+                 cuts: str = "auto") -> tuple[dict, list]:
     """One run of `prompts` with a `RoundTimeline` on the engine (after an untimed run that captures
     the CUDA graphs and lets the policy learn); with `profile` (CUDA), the timed run is profiled and
-    the GPU's kernel ms per round go into the report. Returns (timeline report, outputs)."""
-    eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, max_steps=7), policy=policy)
+    the GPU's kernel ms per round go into the report; `cuts`: the engine's `in_round_cuts`.
+    Returns (timeline report, outputs)."""
+    eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, max_steps=7, in_round_cuts=cuts),
+                 policy=policy)
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     eng.generate(list(prompts), sp)
     eng.timeline = tl = RoundTimeline(target.device)
@@ -200,10 +203,12 @@ def timed_rounds(target, head, policy, prompts, batch: int, new_tokens: int, pro
 
 
 def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
-    """Per batch size: a static K, the cost policy on the engine thread, and the cost policy
-    learning on its worker thread (as `serve` runs it), each one timed run of the same prompts:
-    the stage timeline of its rounds (and on CUDA the GPU's idle share from a profile), its
-    tokens/s, and whether its output equals the static K's (greedy fp32: it must)."""
+    """Per batch size: a static K, the cost policy on the engine thread (the engine's default
+    in-round cuts: on for CPU, off for CUDA), the same with the cuts the other way
+    (`cost_cuts_on` / `cost_cuts_off`), and the cost policy learning on its worker thread
+    (`serve --plan-ahead`), each one timed run of the same prompts: the stage timeline of its
+    rounds (and on CUDA the GPU's idle share from a profile), its tokens/s, and whether its output
+    equals the static K's (greedy fp32: it must)."""
     from online_spec.controller import StaticSteps
     from serving.calibrate import engine_cost_policy
     from serving.policy_planner import PlannedPolicy
@@ -214,12 +219,15 @@ def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
     for b in cfg.timeline_batch_sizes:
         ps = run_prompts(prompts, 0, b, cfg.requests_per_run)
         row, ref = {}, None
-        for name, make in ((f"static_k{cfg.timeline_k}", lambda: StaticSteps(cfg.timeline_k)),
-                           ("cost", lambda: copy.deepcopy(base)),
-                           ("cost_planned", lambda: PlannedPolicy(copy.deepcopy(base)))):
-            report, outs = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=False)
+        other = "on" if gpu else "off"  # the in-round cuts the device's default does not use
+        for name, make, cuts in ((f"static_k{cfg.timeline_k}", lambda: StaticSteps(cfg.timeline_k), "auto"),
+                                 ("cost", lambda: copy.deepcopy(base), "auto"),
+                                 (f"cost_cuts_{other}", lambda: copy.deepcopy(base), other),
+                                 ("cost_planned", lambda: PlannedPolicy(copy.deepcopy(base)), "auto")):
+            report, outs = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=False, cuts=cuts)
             if gpu:
-                report["profiled"] = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=True)[0]
+                report["profiled"] = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=True,
+                                                  cuts=cuts)[0]
             ref = outs if ref is None else ref
             report["same_tokens_as_static"] = outs == ref  # greedy: fp32 must; bf16 may part at near-ties
             row[name] = report

@@ -3,9 +3,11 @@
 `ChainRounds` is the part of `Engine` (serving/engine.py) that drafts and accepts a chain
 (topk 1, today's EAGLE rounds and SGLang's adaptive mode): `_draft` runs up to K head steps
 after the draft cache's catch-up, each on the previous step's token and hidden state, and asks
-the policy (where it declares `early_stop`) whether one more step pays; `_accept_chain` takes
-the verify's logits and commits the accepted prefix and the target's next token. The verify
-itself, one target forward over [last committed token, drafts], stays in `Engine.step`.
+the policy (where it declares `early_stop` and the engine's `in_round_cuts` let it) whether one
+more step pays; a greedy batch with no such check keeps its drafts on the device and reads them
+back once a round (`_draft_greedy`). `_accept_chain` takes the verify's logits and commits the
+accepted prefix and the target's next token. The verify itself, one target forward over [last
+committed token, drafts], stays in `Engine.step`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class ChainRounds:
         full-vocab draft distributions per request (sampling requests only))."""
         head, B = self.head, len(reqs)
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
+        stops = self.policy.early_stop and self.cuts and K > 1
+        if not stops and all(r.params.greedy for r in reqs):
+            return self._draft_greedy(tlen, K, logits, hidden)
         # per step, each request's draft and its probability as Python values: the drafts are
         # read back once a step anyway (the next step embeds them, the policy reads the
         # probabilities), and [B, K] tensors are built once at the end, not element by element
@@ -71,8 +76,7 @@ class ChainRounds:
                         q_full[b][j] = q
             tok_steps.append(step_tok)
             prob_steps.append(step_prob)
-            if j + 1 < K and self.policy.early_stop and \
-                    not self.policy.should_continue(j + 1, step_prob, B, ctx):
+            if j + 1 < K and stops and not self.policy.should_continue(j + 1, step_prob, B, ctx):
                 q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
                 break
         drafts = torch.tensor(tok_steps, dtype=torch.long).T.contiguous()  # [B, steps drafted]
@@ -81,6 +85,34 @@ class ChainRounds:
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them
             self.dcache.lengths[b] = tlen[b]
         return drafts, probs, q_full
+
+    def _draft_greedy(self, tlen: list[int], K: int, logits: torch.Tensor, hidden: torch.Tensor):
+        """`_draft` for a greedy batch that no early stop interrupts: the K steps' drafts and
+        probabilities stay on the device (each step embeds the previous step's argmax where it
+        is) and are read back once, together, after the last step. The same drafts as the
+        step-by-step loop: the argmax of the same softmax, its probability gathered alike."""
+        head, d2t, B = self.head, self.head.draft_to_target, len(tlen)
+        toks: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for j in range(K):
+            if j > 0:
+                emb = self.target.embed_tokens(toks[-1][:, None])
+                starts = [t + j - 1 for t in tlen]
+                if self.graphs is not None:
+                    lg, hid = self.graphs.head_step(head, self.dcache, emb, hidden[:, None], starts)
+                else:
+                    batch = AttentionBatch(starts, 1, self.target.device)
+                    lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
+                logits, hidden = lg[:, 0], hid[:, 0]
+            pr = torch.softmax(logits.float(), -1)
+            d = pr.argmax(-1)
+            toks.append(d2t[d])
+            probs.append(pr.gather(1, d[:, None])[:, 0])
+        # one read-back: target ids (< 2^24, exact in float32) beside their probabilities
+        both = torch.cat([torch.stack(toks, 1).float(), torch.stack(probs, 1).float()], 1).cpu()
+        for b in range(B):  # speculative rows are dropped; the next extend rewrites them
+            self.dcache.lengths[b] = tlen[b]
+        return both[:, :K].long().contiguous(), both[:, K:].contiguous(), None
 
     def _accept_chain(self, reqs, tlen, lens, drafts, draft_probs, q_full, logits, feats, final):
         """3) accept, 4) commit, 5) capture for a chain. Returns (accepted, records, outputs):

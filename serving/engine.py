@@ -29,13 +29,12 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from online_spec.capture import CaptureRecord
-from online_spec.config import ConfigError, check, doc
+from online_spec.config import ConfigError
 from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
 from online_spec.kvcache import AttentionBatch
@@ -44,65 +43,13 @@ from online_spec.target import TargetModel
 from online_spec.tree import TreeShape
 from serving.chain_round import ChainRounds
 from serving.cuda_graphs import CudaGraphs
+from serving.engine_config import EngineConfig  # re-exported: callers import it from here
 from serving.head_swap import HeadSwapping, StagedHead
 from serving.requests import CaptureSink, EngineFull, PromptTooLong, Request, RequestOutput, RoundStats
 from serving.timeline import NO_TIMELINE, NoTimeline, RoundTimeline
 from serving.tree_round import TreeRounds
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    max_batch: int = doc("requests decoded together; more wait in the queue", 16)
-    max_len: int = doc("longest sequence (prompt + output) per request, in tokens", 2048)
-    max_steps: int = doc("largest number of draft steps K per round", 7)
-    num_steps: int = doc("K per round when no adaptive policy is attached (0 = plain decode); with "
-                         "speculative_eagle_topk > 1, the tree's depth", 3)
-    speculative_eagle_topk: int = doc("branching of the draft tree (SGLang's --speculative-eagle-topk); "
-                                      "1 = a chain", 1)
-    speculative_num_draft_tokens: int = doc("tokens verified per request in a tree round, the root included "
-                                            "(SGLang's --speculative-num-draft-tokens); 0 = num_steps + 1, "
-                                            "the chain's", 0)
-    cuda_graphs: bool = doc("on a CUDA device, replay CUDA graphs for the decode/verify/draft shapes "
-                            "(serving/cuda_graphs.py); ignored on CPU", True)
-    max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
-    swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
-                              "(0 = switch at once and rebuild every row on the next draft)", 48)
-
-    def __post_init__(self):
-        check(self.max_batch >= 1, "max_batch", "must be >= 1")
-        check(self.max_steps >= 0, "max_steps", "must be >= 0")
-        check(0 <= self.num_steps <= self.max_steps, "num_steps", f"must be in 0..max_steps={self.max_steps}")
-        check(self.max_len >= 16, "max_len", "must be >= 16")
-        check(self.max_queue >= 0, "max_queue", "must be >= 0")
-        check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
-        check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
-              "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
-        check(self.speculative_num_draft_tokens >= 0, "speculative_num_draft_tokens", "must be >= 0")
-        if self.speculative_eagle_topk == 1:
-            check(self.speculative_num_draft_tokens in (0, self.num_steps + 1), "speculative_num_draft_tokens",
-                  f"a chain (speculative_eagle_topk 1) verifies num_steps + 1 = {self.num_steps + 1} tokens, "
-                  f"got {self.speculative_num_draft_tokens}")
-        elif self.max_steps > 0:
-            self.tree_shape(self.max_steps)  # raises naming the bad field
-
-    @property
-    def tree(self) -> bool:
-        """Rounds draft trees (topk > 1), not chains."""
-        return self.speculative_eagle_topk > 1
-
-    def tree_shape(self, num_steps: int) -> TreeShape:
-        """The tree of a round at depth `num_steps` (num_draft_tokens cut to what it can draft)."""
-        n = self.speculative_num_draft_tokens or num_steps + 1
-        return TreeShape.capped(num_steps, self.speculative_eagle_topk, n)
-
-    @property
-    def reserve(self) -> int:
-        """Cache rows a round may need beyond a request's committed ones (its largest shape)."""
-        if self.tree and self.max_steps > 0:
-            return max(self.max_steps, self.tree_shape(self.max_steps).footprint)
-        return self.max_steps
 
 
 class Engine(ChainRounds, TreeRounds, HeadSwapping):
@@ -119,6 +66,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.tok_buf = torch.zeros(S, L + 1, dtype=torch.long)
         self.feat_buf = torch.zeros(S, L, 3 * info.hidden_size, dtype=target.dtype, device=target.device)
         self.graphs = CudaGraphs.for_engine(target, S, L, c.cuda_graphs)  # None on CPU
+        self.cuts = c.cuts_on(target.device)  # ask the policy's in-round early stop / verify cut
         self.head: EagleHead | None = None
         self.dcache = None
         self.head_version = -1
@@ -260,7 +208,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             lens = [K] * B
             drafted = K
             confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
-            if K > 0 and self.policy.truncates:
+            if K > 0 and self.policy.truncates and self.cuts:
                 lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
                 K = max(lens)
                 drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]

@@ -39,7 +39,7 @@ def test_every_round_is_marked_stage_by_stage(tiny):
     assert rep["gpu_idle_share"] == pytest.approx(0.5)
 
 
-def test_bench_timeline_part_compares_static_cost_and_planned(tiny):
+def test_bench_timeline_part_compares_static_cost_cuts_and_planned(tiny):
     from bench.engine import EngineBenchConfig, round_timelines
 
     target, head = tiny
@@ -49,7 +49,7 @@ def test_bench_timeline_part_compares_static_cost_and_planned(tiny):
     out = round_timelines(cfg, target, head, prompts)
     assert set(out) == {"1", "2"}
     for row in out.values():
-        assert set(row) == {"static_k2", "cost", "cost_planned"}
+        assert set(row) == {"static_k2", "cost", "cost_cuts_off", "cost_planned"}
         for rep in row.values():
             assert rep["same_tokens_as_static"] and rep["tokens_per_s"] > 0 and rep["rounds"] > 0
             assert rep["host_ms"]["decide"] is not None and rep["host_ms"]["learn"] is not None
