@@ -254,7 +254,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             hook(stats, round_outs)
         self.last_round = stats
         tl.mark("learn")
-        tl.end(K, B)
+        tl.end(K, B, stats.catchup_s, stats.draft_captures + stats.verify_captures)
         return outs + round_outs
 
     # -- pieces of a round ------------------------------------------------------------------

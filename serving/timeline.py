@@ -62,11 +62,12 @@ class RoundTimeline:
         if nxt < len(STAGES):
             self._open_range(STAGES[nxt])
 
-    def end(self, num_steps: int, batch_size: int) -> None:
-        """The round ended (after its last mark)."""
+    def end(self, num_steps: int, batch_size: int, catchup_s: float = 0.0, captures: int = 0) -> None:
+        """The round ended (after its last mark); catchup_s: its long draft-cache catch-ups
+        (`RoundStats.catchup_s`), captures: CUDA graphs it captured."""
         self._close_range()
         if self._cur is not None:
-            self._cur.update(k=num_steps, batch_size=batch_size)
+            self._cur.update(k=num_steps, batch_size=batch_size, catchup_s=catchup_s, captures=captures)
             self.rounds.append(self._cur)
         self._cur = None
 
@@ -93,7 +94,8 @@ class RoundTimeline:
         out = []
         for r in self.rounds:
             row = {"k": r["k"], "batch_size": r["batch_size"],
-                   "wall_ms": 1e3 * (r["host"][-1][1] - r["host"][0][1]), "host_ms": {}, "device_ms": {}}
+                   "wall_ms": 1e3 * (r["host"][-1][1] - r["host"][0][1]), "host_ms": {}, "device_ms": {},
+                   "catchup_ms": 1e3 * r.get("catchup_s", 0.0), "captures": r.get("captures", 0)}
             for (prev, t0), (stage, t1) in zip(r["host"], r["host"][1:]):
                 row["host_ms"][stage] = 1e3 * (t1 - t0)
             for (prev, e0), (stage, e1) in zip(r["events"], r["events"][1:]):
@@ -116,6 +118,7 @@ class RoundTimeline:
                "k_histogram": {}}
         for r in rows:
             out["k_histogram"][str(r["k"])] = out["k_histogram"].get(str(r["k"]), 0) + 1
+        out["slow_rounds"] = slow_rounds(rows, out["wall_ms"])
         if self.cuda:
             out["device_ms"] = {s: med([r["device_ms"][s] for r in rows if s in r["device_ms"]]) for s in STAGES}
             out["device_span_ms"] = med([r["device_span_ms"] for r in rows if "device_span_ms" in r])
@@ -123,6 +126,24 @@ class RoundTimeline:
             out["gpu_busy_ms"] = busy_ms_per_round
             out["gpu_idle_share"] = max(0.0, 1.0 - busy_ms_per_round / out["mean_wall_ms"])
         return out
+
+
+def slow_rounds(rows: list[dict], median_ms: float) -> dict:
+    """What a mean round far above the median is made of: the rounds over twice the median
+    wall time, their share of all wall time beyond the median, how many had a long draft-cache
+    catch-up or a CUDA graph capture, and their K after the previous round's K."""
+    slow = [(i, r) for i, r in enumerate(rows) if r["wall_ms"] > 2 * median_ms]
+    total = sum(r["wall_ms"] for r in rows)
+    excess = sum(r["wall_ms"] - median_ms for _, r in slow)
+    after = {}
+    for i, r in slow:
+        key = f'{rows[i - 1]["k"] if i else None}->{r["k"]}'
+        after[key] = after.get(key, 0) + 1
+    return {"count": len(slow), "share_of_wall": excess / total if total else 0.0,
+            "with_catchup": sum(r["catchup_ms"] > 0 for _, r in slow),
+            "with_capture": sum(r["captures"] > 0 for _, r in slow),
+            "catchup_ms_total": sum(r["catchup_ms"] for r in rows),
+            "captures_total": sum(r["captures"] for r in rows), "k_transitions": after}
 
 
 class NoTimeline:
@@ -134,7 +155,7 @@ class NoTimeline:
     def mark(self, stage: str) -> None:
         pass
 
-    def end(self, num_steps: int, batch_size: int) -> None:
+    def end(self, num_steps: int, batch_size: int, catchup_s: float = 0.0, captures: int = 0) -> None:
         pass
 
 

@@ -53,3 +53,18 @@ def test_bench_timeline_part_compares_static_cost_cuts_and_planned(tiny):
         for rep in row.values():
             assert rep["same_tokens_as_static"] and rep["tokens_per_s"] > 0 and rep["rounds"] > 0
             assert rep["host_ms"]["decide"] is not None and rep["host_ms"]["learn"] is not None
+
+
+def test_slow_rounds_say_what_they_had():
+    from serving.timeline import slow_rounds
+
+    def row(k, wall, catchup=0.0, captures=0):
+        return {"k": k, "wall_ms": wall, "catchup_ms": catchup, "captures": captures}
+
+    rows = [row(0, 5), row(0, 5), row(1, 20, catchup=12), row(1, 5), row(3, 11, captures=1), row(3, 10)]
+    out = slow_rounds(rows, 5.0)
+    assert out["count"] == 2  # 20 and 11 are over twice the median; 10 is not
+    assert out["share_of_wall"] == pytest.approx((15 + 6) / 56)
+    assert (out["with_catchup"], out["with_capture"]) == (1, 1)
+    assert out["k_transitions"] == {"0->1": 1, "1->3": 1}
+    assert out["catchup_ms_total"] == 12 and out["captures_total"] == 1
