@@ -17,6 +17,9 @@
 #   4. bash scripts/gpu_ranks_device.sh follow               (until the e2e ends; JSON + logs to $OUT)
 #   5. bash scripts/gpu_ranks_device.sh e2e NAME FLAGS       (another e2e on the same machine, then follow)
 #   6. bash scripts/gpu_ranks_device.sh engine FLAGS         (bench engine there, e.g. --only timeline)
+#   7. bash scripts/gpu_ranks_device.sh script PATH ARGS     (a script of the checkout there, e.g.
+#      scripts/gpu_round_costs.py; JSON it writes under /tmp/w comes back)
+#   8. bash scripts/gpu_ranks_device.sh code                 (this call's checkout becomes the code there)
 # On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
@@ -95,6 +98,15 @@ engine)  # FLAGS...: bench engine on the machine a `run` call set up (the prompt
     python3 -m online_spec.cli bench engine --device cuda --draft shipped --prompts-file $W/engine_prompts.json \
         --json $W/gpu_engine.json "$@" 2>&1 | grep -v "Loading weights" | tail -n 30
     cp $W/gpu_engine.json $OUT/ 2>/dev/null
+    ;;
+script)  # SCRIPT ARGS...: a script of the checkout on the set-up machine (its JSON under $W comes back)
+    cd $CODE || exit 4
+    python3 "$@" 2>&1 | grep -v "Loading weights" | tail -n 30
+    cp $W/*.json $OUT/ 2>/dev/null
+    ;;
+code)  # the call's checkout replaces the set-up machine's code (a fix between calls; nothing reinstalled)
+    rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
+    ls $CODE/online_spec/pretrained
     ;;
 follow)
     follow ${1:-540}

@@ -231,8 +231,15 @@ def main() -> None:
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile 6 prompts under static K = 2 and the calibrated cost policy")
+    ap.add_argument("--switch-interval-ms", type=float, default=0.0,
+                    help="the interpreter's thread switch interval (sys.setswitchinterval) for this run; 0 = "
+                         "Python's default (5 ms): how long the engine's thread may wait for the interpreter "
+                         "lock while the capture sender runs Python")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
+    if args.switch_interval_ms > 0:
+        import sys
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
     from online_spec.checkpoint import load_head
     from serving.calibrate import engine_cost_policy
@@ -243,7 +250,8 @@ def main() -> None:
     target = load_target(device=args.device)
     head, _ = load_head(SHIPPED_HEAD, target.info, dtype=target.dtype, device=args.device)
     prompts = load_prompts(args.trace, args.prompts, target)
-    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats}
+    out = {"device": args.device, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats,
+           "switch_interval_ms": args.switch_interval_ms or None}
     if not args.no_policies or args.verify_probe or args.profile:
         engine = warm_engine(target, head, prompts)
         calibrated, out["calibration"] = engine_cost_policy(target, head, max_batch=1, max_steps=MAX_STEPS,
