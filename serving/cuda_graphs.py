@@ -1,5 +1,6 @@
 """CUDA graphs for the engine's fixed-shape forwards: target decode (b, 1), target verify
-(b, K+1), the head's draft step (b, 1) and its per-round catch-up (b, T <= K+2); for tree rounds
+(b, K+1), the head's draft step (b, 1), a greedy batch's K chained draft steps with their
+argmaxes in one graph (b, K), and the head's per-round catch-up (b, T <= K+2); for tree rounds
 the head's step over a frontier (b, topk) and the target's verify of a tree (b, num_draft_tokens),
 both over a draft-tree layout (`StaticTreeBatch`).
 
@@ -232,6 +233,45 @@ class CudaGraphs:
         return self._replay(g, B, starts)
 
     @torch.inference_mode()
+    def draft_chain(self, head, cache, logits: torch.Tensor, hidden: torch.Tensor, starts: list[int], K: int):
+        """K greedy chained draft steps in one replay, as `ChainRounds._draft_greedy` runs them step
+        by step: step 1 takes the argmax of `logits` [B, Vd] (the catch-up's last row, hidden
+        [B, H] beside it); step j > 1 embeds step j - 1's draft and runs the head over it at
+        starts[b] + j - 2. -> (draft target ids [B, K], their probabilities [B, K] float32)."""
+        B = logits.shape[0]
+        if head is not self.head.source:
+            self.bind_head(head)
+        self._use_cache(cache)
+        key = ("chain", self.bucket(B), K)
+        rope, embed = self.target.rope, self.target.embed_tokens
+        head = self.head.module
+
+        def make(Bp):
+            return {"logits": torch.zeros(Bp, logits.shape[-1], dtype=logits.dtype, device=self.device),
+                    "hidden": torch.zeros(Bp, hidden.shape[-1], dtype=hidden.dtype, device=self.device)}
+
+        def chain(ins, sb):
+            base = sb.positions.clone()  # [Bp, 1]: the rows' starts
+            lg, hid, toks, probs = ins["logits"], ins["hidden"], [], []
+            for j in range(K):
+                if j > 0:
+                    sb.positions.copy_(base + (j - 1))
+                    sb.build_mask()
+                    out_lg, out_hid = head.step(embed(toks[-1][:, None]), hid[:, None], sb, cache, rope)
+                    lg, hid = out_lg[:, 0], out_hid[:, 0]
+                pr = torch.softmax(lg.float(), -1)
+                d = pr.argmax(-1)
+                toks.append(head.draft_to_target[d])
+                probs.append(pr.gather(1, d[:, None])[:, 0])
+            sb.positions.copy_(base)  # a warm-up run leaves the starts as it found them
+            return torch.stack(toks, 1), torch.stack(probs, 1)
+
+        g = self._get(key, (head, cache), make, chain)
+        g.inputs["logits"][:B].copy_(logits)
+        g.inputs["hidden"][:B].copy_(hidden)
+        return self._replay(g, B, starts)
+
+    @torch.inference_mode()
     def tree_target_forward(self, tokens: torch.Tensor, base: torch.Tensor, write: torch.Tensor,
                             positions: torch.Tensor, visible: torch.Tensor, cache):
         """A target forward over draft-tree nodes (tokens [B,N]; `TreeAttentionBatch`'s layout as
@@ -280,7 +320,8 @@ class CudaGraphs:
 
     def drop_head_graphs(self, cache=None) -> None:
         """Drop the head graphs (of one draft cache only, when given)."""
-        for k in [k for k, g in self._graphs.items() if k[0] in ("head", "thead") and (cache is None or g.owners[1] is cache)]:
+        for k in [k for k, g in self._graphs.items()
+                  if k[0] in ("head", "thead", "chain") and (cache is None or g.owners[1] is cache)]:
             del self._graphs[k]
         self._head_caches = [] if cache is None else [c for c in self._head_caches if c is not cache]
 

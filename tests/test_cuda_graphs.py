@@ -278,3 +278,39 @@ def test_tree_rounds_through_the_graph_path_equal_plain_decoding(device, steps, 
     assert {"thead", "ttarget"} <= kinds
     if device == "cuda":
         assert eng.graphs.captures > 0 and eng.graphs.capture_failures == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_draft_chain_graph_drafts_what_the_step_by_step_loop_drafts(device):
+    """A greedy batch's K draft steps as one graph (`CudaGraphs.draft_chain`; on CPU its forward
+    runs eagerly through the same runner) draft exactly the eager loop's tokens: every round
+    drafts the same tokens with the same probabilities, and the output is the target's own (fp32)."""
+    target = tiny_target().to(device)
+    head = new_head(target, draft_vocab_size=256, seed=1)
+    prompts = [[5, 9, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 200], [42] * 6, [8, 16, 24]]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
+    runs = []
+    for graphs in (False, True):
+        for K in (1, 3, 5):
+            eng = Engine(target, head, EngineConfig(max_batch=4, max_len=128, num_steps=K, cuda_graphs=graphs))
+            if graphs and device == "cpu":
+                eng.graphs = CudaGraphs(target, 4, 128)
+                eng.graphs.disabled = True
+            drafted, draft = [], eng._draft
+
+            def record(*a, draft=draft, drafted=drafted):
+                out = draft(*a)
+                drafted.append((out[0].tolist(), out[1].tolist()))
+                return out
+
+            eng._draft = record
+            assert eng.generate(prompts, sp) == plain
+            runs.append(drafted)
+            if graphs:
+                assert any(k[0] == "chain" and k[2] == K for k in eng.graphs._graphs)
+    for eager, graphed in zip(runs[:3], runs[3:]):  # the same draft tokens, the same probabilities
+        assert [t for t, _ in eager] == [t for t, _ in graphed] and len(eager) > 5
+        for (_, pe), (_, pg) in zip(eager, graphed):
+            torch.testing.assert_close(torch.tensor(pg), torch.tensor(pe))
