@@ -202,6 +202,12 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 K = drafts.shape[1]
             else:
                 drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0)
+                if self.head is not None and self.graphs is not None:
+                    # keep the draft cache caught up through plain rounds, one graphed head row a
+                    # request: the round that drafts again would otherwise catch up every row
+                    # served at K = 0, slot by slot and eagerly (H100, batch 4: such rounds held
+                    # 71 % of the cost policy's wall time)
+                    self._extend_draft(tlen)
             # verify length (confidence-prior verifier): low-confidence tails are not verified. The
             # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
             # length for the batch: a request cut shorter than the rest would save nothing.
