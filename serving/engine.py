@@ -205,8 +205,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 if self.head is not None and self.graphs is not None:
                     # keep the draft cache caught up through plain rounds, one graphed head row a
                     # request: the round that drafts again would otherwise catch up every row
-                    # served at K = 0, slot by slot and eagerly (H100, batch 4: such rounds held
-                    # 71 % of the cost policy's wall time)
+                    # served at K = 0, slot by slot and eagerly (H100, batch 4: such rounds' excess
+                    # over the median round was 71 % of the cost policy's wall time)
                     self._extend_draft(tlen)
             # verify length (confidence-prior verifier): low-confidence tails are not verified. The
             # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
