@@ -188,6 +188,26 @@ class EagleHead(nn.Module):
                             lambda q, k, v: batch.attend(cache, 0, q, k, v))
 
 
+    def greedy_chain(self, embed, rope, cache: KVCache, logits: torch.Tensor, hidden: torch.Tensor, K: int,
+                     batch_at) -> tuple[torch.Tensor, torch.Tensor]:
+        """K greedy chained draft steps, all on the device: step 0 takes the argmax of `logits`
+        [B, Vd] (the head's output at each row's last committed position, `hidden` [B, H] beside
+        it); step j >= 1 embeds step j - 1's draft (`embed`: the target's embedding) and runs
+        `step` over it with the attention batch `batch_at(j)` (the engine's: rows at their start +
+        j - 1). -> (draft target ids [B, K], their probabilities [B, K] float32). The engine runs
+        it eagerly, or on a GPU captured as one CUDA graph (serving/cuda_graphs.py)."""
+        toks: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for j in range(K):
+            if j > 0:
+                lg, hid = self.step(embed(toks[-1][:, None]), hidden[:, None], batch_at(j), cache, rope)
+                logits, hidden = lg[:, 0], hid[:, 0]
+            pr = torch.softmax(logits.float(), -1)
+            d = pr.argmax(-1)
+            toks.append(self.draft_to_target[d])
+            probs.append(pr.gather(1, d[:, None])[:, 0])
+        return torch.stack(toks, 1), torch.stack(probs, 1)
+
 def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int,
                     always: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The `draft_vocab_size` most frequent target tokens (plus `always`, e.g. EOS) -> (d2t, t2d).

@@ -93,23 +93,12 @@ class ChainRounds:
         are one replay (`CudaGraphs.draft_chain`: on an H100 the step-by-step launches kept the
         draft stage host-bound, ~0.5 ms a step). The same drafts as the step-by-step loop: the
         argmax of the same softmax, its probability gathered alike."""
-        head, d2t, B = self.head, self.head.draft_to_target, len(tlen)
+        head, B, dev = self.head, len(tlen), self.target.device
         if self.graphs is not None:  # all K steps in one graph replay
             toks_k, probs_k = self.graphs.draft_chain(head, self.dcache, logits, hidden, tlen, K)
         else:
-            toks: list[torch.Tensor] = []
-            probs: list[torch.Tensor] = []
-            for j in range(K):
-                if j > 0:
-                    emb = self.target.embed_tokens(toks[-1][:, None])
-                    batch = AttentionBatch([t + j - 1 for t in tlen], 1, self.target.device)
-                    lg, hid = head.step(emb, hidden[:, None], batch, self.dcache, self.target.rope)
-                    logits, hidden = lg[:, 0], hid[:, 0]
-                pr = torch.softmax(logits.float(), -1)
-                d = pr.argmax(-1)
-                toks.append(d2t[d])
-                probs.append(pr.gather(1, d[:, None])[:, 0])
-            toks_k, probs_k = torch.stack(toks, 1), torch.stack(probs, 1)
+            toks_k, probs_k = head.greedy_chain(self.target.embed_tokens, self.target.rope, self.dcache, logits,
+                                                hidden, K, lambda j: AttentionBatch([t + j - 1 for t in tlen], 1, dev))
         # one read-back: target ids (< 2^24, exact in float32) beside their probabilities
         both = torch.cat([toks_k.float(), probs_k.float()], 1).cpu()
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them

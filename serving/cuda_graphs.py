@@ -234,10 +234,10 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def draft_chain(self, head, cache, logits: torch.Tensor, hidden: torch.Tensor, starts: list[int], K: int):
-        """K greedy chained draft steps in one replay, as `ChainRounds._draft_greedy` runs them step
-        by step: step 1 takes the argmax of `logits` [B, Vd] (the catch-up's last row, hidden
-        [B, H] beside it); step j > 1 embeds step j - 1's draft and runs the head over it at
-        starts[b] + j - 2. -> (draft target ids [B, K], their probabilities [B, K] float32)."""
+        """K greedy chained draft steps in one replay (`EagleHead.greedy_chain` captured; the
+        eager engine runs it step by step): step 0 takes the argmax of `logits` [B, Vd] (the
+        catch-up's last row, hidden [B, H] beside it), step j >= 1 runs the head at starts[b] + j - 1.
+        -> (draft target ids [B, K], their probabilities [B, K] float32)."""
         B = logits.shape[0]
         if head is not self.head.source:
             self.bind_head(head)
@@ -252,19 +252,15 @@ class CudaGraphs:
 
         def chain(ins, sb):
             base = sb.positions.clone()  # [Bp, 1]: the rows' starts
-            lg, hid, toks, probs = ins["logits"], ins["hidden"], [], []
-            for j in range(K):
-                if j > 0:
-                    sb.positions.copy_(base + (j - 1))
-                    sb.build_mask()
-                    out_lg, out_hid = head.step(embed(toks[-1][:, None]), hid[:, None], sb, cache, rope)
-                    lg, hid = out_lg[:, 0], out_hid[:, 0]
-                pr = torch.softmax(lg.float(), -1)
-                d = pr.argmax(-1)
-                toks.append(head.draft_to_target[d])
-                probs.append(pr.gather(1, d[:, None])[:, 0])
+
+            def at(j):  # step j's rows sit at start + j - 1 of the draft cache
+                sb.positions.copy_(base + (j - 1))
+                sb.build_mask()
+                return sb
+
+            out = head.greedy_chain(embed, rope, cache, ins["logits"], ins["hidden"], K, at)
             sb.positions.copy_(base)  # a warm-up run leaves the starts as it found them
-            return torch.stack(toks, 1), torch.stack(probs, 1)
+            return out
 
         g = self._get(key, (head, cache), make, chain)
         g.inputs["logits"][:B].copy_(logits)
