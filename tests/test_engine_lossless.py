@@ -11,6 +11,7 @@ divergence is checked against that rule and counted.
 import pytest
 import torch
 
+from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from serving.engine import Engine, EngineConfig
@@ -106,34 +107,32 @@ def test_bf16_divergences_only_at_near_ties(smol_bf16, smol_fp32, prompts):
     print(f"bf16: {divergences} of {len(ps)} sequences diverged, all at near-ties (gaps {gaps})")
 
 
-class _CountingCostPolicy:
-    """A cost policy with fixed round-time coefficients of this CPU's order that counts the
-    engine's in-round questions (the early stop and the verify cut)."""
+class CountingCostPolicy(CostModelPolicy):
+    """The cost policy, counting the engine's in-round questions (the early stop and the verify cut)."""
 
-    def __new__(cls):
-        from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
+    asked = 0
 
-        class Counting(CostModelPolicy):
-            asked = 0
+    def should_continue(self, *a, **k):
+        self.asked += 1
+        return super().should_continue(*a, **k)
 
-            def should_continue(self, *a, **k):
-                self.asked += 1
-                return super().should_continue(*a, **k)
+    def verify_lengths(self, *a, **k):
+        self.asked += 1
+        return super().verify_lengths(*a, **k)
 
-            def verify_lengths(self, *a, **k):
-                self.asked += 1
-                return super().verify_lengths(*a, **k)
 
-        adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 2, 3, 5]}})
-        return Counting(adaptive, cost_model=CostModel.with_coefficients(
-            (0.006, 0.0005, 0, 0.004, 0), (0.05, 0.002, 0.0006, 0, 0.002)))
+def counting_cost_policy() -> CountingCostPolicy:
+    """With fixed round-time coefficients of this CPU's order (no calibration)."""
+    return CountingCostPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 2, 3, 5]}}),
+                              cost_model=CostModel.with_coefficients((0.006, 0.0005, 0, 0.004, 0),
+                                                                     (0.05, 0.002, 0.0006, 0, 0.002)))
 
 
 @pytest.mark.parametrize("cuts", ["on", "off"])
 def test_in_round_cuts_switch_keeps_output(smol_fp32, prompts, reference, cuts):
     """`in_round_cuts` off: the cost policy is never asked inside a round (greedy batches draft on
     the device, one read-back a round); on: it is. Output equals plain decoding either way."""
-    policy = _CountingCostPolicy()
+    policy = counting_cost_policy()
     eng = Engine(smol_fp32, new_head(smol_fp32, seed=21),
                  EngineConfig(max_batch=4, max_len=512, max_steps=5, in_round_cuts=cuts), policy=policy)
     assert eng.cuts is (cuts == "on")
