@@ -20,6 +20,8 @@
 #   7. bash scripts/gpu_ranks_device.sh script PATH ARGS     (a script of the checkout there, e.g.
 #      scripts/gpu_round_costs.py; JSON it writes under /tmp/w comes back)
 #   8. bash scripts/gpu_ranks_device.sh code                 (this call's checkout becomes the code there)
+#   9. bash scripts/gpu_ranks_device.sh ranks                (bench ranks again; env DSCONFIGS="zero1 zero0",
+#      BATCH_TOKENS="4096 16384" (rows a step: strong's whole step, weak's per rank), MODES, STEPS, REPEATS)
 # On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
@@ -44,6 +46,21 @@ start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the ca
     (cd $CODE && setsid bash -c "$cmd > $W/$name.log 2>&1; echo \$? > $W/${name}_done" < /dev/null > /dev/null 2>&1 &)
     follow ${FOLLOW_S:-200}
 }
+ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS) and rows a step (BATCH_TOKENS); JSON to $OUT
+    for ds in ${DSCONFIGS:-zero1}; do for bt in ${BATCH_TOKENS:-4096}; do
+        local name=gpu_ranks_${ds}_b$bt
+        python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
+            --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
+            --warmup-steps 8 --batch-tokens $bt --rows $(( bt * 2 > 60000 ? bt * 2 : 60000 )) \
+            --tokens-file $W/tokens.json --out $W/ranks_$bt --json $W/$name.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()})" $W/$name.json
+    done; done
+    tail -n 20 $W/ranks.log
+    [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks_${BATCH_TOKENS%% *}/buffer --device cuda:0 \
+        2>&1 | grep -v "Loading weights" > $W/profile.txt; cp $W/profile.txt $OUT/ 2>/dev/null
+    for f in $W/ranks_*/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 2; done
+    cp $W/gpu_ranks*.json $W/ranks.log $OUT/ 2>/dev/null
+}
 case $stage in
 part)
     mkdir -p /tmp/g && cp "$1"/gguf.part.* /tmp/g/ && ls -la /tmp/g
@@ -56,7 +73,7 @@ run)
         $P/whl/*.whl || exit 5
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
     [ -d $P/head ] && mkdir -p $CODE/online_spec/pretrained && cp -r $P/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
-    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/trace.jsonl $W/ && cp $P/engine_prompts.json $W/ 2>/dev/null
+    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/*.jsonl $W/ && cp $P/engine_prompts.json $W/ 2>/dev/null
     cd $CODE || exit 4
     python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
 print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
@@ -72,20 +89,7 @@ d = Distiller(t, new_head(t, 128, seed=0).float(), DistillConfig(warmup_steps=1,
 m = [d.train_step(collate(recs)) for _ in range(3)]
 print('smoke cuda:1: head on', d.head.fc.weight.device, 'loss', round(m[0]['loss'], 3), '->', round(m[-1]['loss'], 3))
 " 2>&1 | grep -v "Loading weights" | tail -n 5
-    [ -n "$SKIP_RANKS" ] && DSCONFIGS=none  # SKIP_RANKS=1: no bench ranks (one GPU: e2e only, TRAINER_DEVICE=cuda)
-    for ds in ${DSCONFIGS:-zero1}; do  # DSCONFIGS="zero0 zero1": one bench per DeepSpeed config
-        [ $ds = none ] && continue
-        python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
-            --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
-            --warmup-steps 8 --batch-tokens 4096 --rows 60000 --tokens-file $W/tokens.json --out $W/ranks \
-            --json $W/gpu_ranks_$ds.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
-        cp $W/gpu_ranks_$ds.json $W/gpu_ranks.json
-    done
-    tail -n 40 $W/ranks.log
-    [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks/buffer --device cuda:0 \
-        2>&1 | grep -v "Loading weights" > $W/profile.txt; cp $W/profile.txt $OUT/ 2>/dev/null
-    for f in $W/ranks/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 4; done
-    cp $W/gpu_ranks*.json $W/ranks.log $OUT/ 2>/dev/null
+    [ -n "$SKIP_RANKS" ] || ranks
     [ $# -eq 0 ] && exit 0  # no e2e flags: bench ranks only
     start_e2e e2e "$@"
     ;;
@@ -107,6 +111,10 @@ script)  # SCRIPT ARGS...: a script of the checkout on the set-up machine (its J
 code)  # the call's checkout replaces the set-up machine's code (a fix between calls; nothing reinstalled)
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
     ls $CODE/online_spec/pretrained
+    ;;
+ranks)  # bench ranks again on the machine a `run` call set up (DSCONFIGS, BATCH_TOKENS, MODES, STEPS, REPEATS)
+    cd $CODE || exit 4
+    ranks
     ;;
 follow)
     follow ${1:-540}

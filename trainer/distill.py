@@ -233,21 +233,26 @@ class Distiller:
 
         self.engine.train()
         failure = None
+        rows = batch.num_rows  # counted where the batch is (host memory): no wait for the device
         try:  # a batch that fails (or gives a non-finite loss) leaves no gradient behind
             batch = batch.to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
                 loss, metrics = ttt_loss(self.head, batch, self.shared, self.loss_cfg, k)
-            if not bool(torch.isfinite(loss)):
-                raise FloatingPointError(f"the loss is {float(loss.detach())}")
+            if not math.isfinite(metrics["loss"]):  # the metrics' one read-back carries the loss
+                raise FloatingPointError(f"the loss is {metrics['loss']}")
         except Exception as e:  # noqa: BLE001 - raised below, after the ranks agree
             failure = e
+        total_rows = rows
         if self.world_size > 1:
             # every rank's backward joins the same gradient reduction: all ranks go on, or none
-            # does (a rank that skipped it would leave the others waiting in the collective)
-            ok = torch.tensor([failure is None], dtype=torch.int32, device=self.device)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            if not bool(ok.item()):
+            # does (a rank that skipped it would leave the others waiting in the collective);
+            # one all-reduce carries the agreement and the step's rows
+            ok = failure is None
+            agree = torch.tensor([int(ok), rows if ok else 0], dtype=torch.long, device=self.device)
+            dist.all_reduce(agree)
+            ok_ranks, total_rows = agree.tolist()
+            if ok_ranks < self.world_size:
                 failure = StepDropped(f"batch dropped by every rank ({failure or 'another rank failed'})")
         try:
             if failure is not None:
@@ -258,19 +263,18 @@ class Distiller:
                 p.grad = None
             raise
         lr = self.scheduler.get_last_lr()[0]
-        grads = [p.grad for p in self.head.parameters() if p.grad is not None]
-        pre_clip = float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+        pre_clip = float("nan")
+        if self.zero_stage == 0:  # ZeRO stages report the norm themselves (get_global_grad_norm)
+            grads = [p.grad for p in self.head.parameters() if p.grad is not None]
+            pre_clip = float(torch.nn.utils.get_total_norm(grads)) if grads else pre_clip
         self.engine.step()
         if self._anchor:  # every rank applies the same pull to the same weights: they stay in step
             with torch.no_grad():
                 pull = min(1.0, lr * self.cfg.anchor)
                 for p, p0 in zip(self.head.parameters(), self._anchor):
                     p.lerp_(p0, pull)
-        n = torch.tensor([batch.num_rows], dtype=torch.long, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(n)
         self.step += 1
-        self.tokens += int(n)
+        self.tokens += int(total_rows)
         gn = self.engine.get_global_grad_norm()  # ZeRO stages report it; stage 0 does not
         metrics.update(lr=lr, grad_norm=float(gn) if gn is not None else pre_clip,
                        step=self.step, tokens=self.tokens)
