@@ -42,7 +42,7 @@ start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the ca
     local name=$1; shift
     cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device ${TRAINER_DEVICE:-cuda:1} --trace $W/trace.jsonl $(printf '%q ' "$@")"
     cmd="$cmd --json $W/gpu_$name.json --out $W/run_$name"
-    echo "$cmd" > $W/${name}_cmd.txt; echo "$cmd"; echo $name > $W/e2e_name
+    echo "$cmd" > $W/${name}_cmd.txt; echo "$cmd"; echo $name > $W/e2e_name; rm -f $W/${name}_done
     (cd $CODE && setsid bash -c "$cmd > $W/$name.log 2>&1; echo \$? > $W/${name}_done" < /dev/null > /dev/null 2>&1 &)
     follow ${FOLLOW_S:-200}
 }
@@ -51,7 +51,7 @@ ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS) and rows a step (
         local name=gpu_ranks_${ds}_b$bt
         python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
             --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
-            --warmup-steps 8 --batch-tokens $bt --rows $(( bt * 2 > 60000 ? bt * 2 : 60000 )) \
+            --warmup-steps 8 --batch-tokens $bt --rows 60000 \
             --tokens-file $W/tokens.json --out $W/ranks_$bt --json $W/$name.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()})" $W/$name.json
     done; done
