@@ -164,3 +164,27 @@ def test_summary_and_plot_say_why_no_head_was_swapped(tmp_path):
     for p in pngs:
         with Image.open(p) as im:
             assert im.size[0] <= 800 and p.stat().st_size < 200_000
+
+
+def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds():
+    """Plain rounds of 5 ms every 7 ms, K = 2 rounds of 10 ms (draft 3, verify 5) every 25 ms:
+    the figures say the K = 2 rounds lose 15 ms a round outside the engine's step."""
+    from bench.report import round_costs
+
+    res = SessionResult("static", T0, t1=TS + 10, t_serve=TS, trace_lines=1)
+    t = TS
+    for k, total, draft, verify, every in [(0, 0.005, 0.0, 0.004, 0.007)] * 10 + [(2, 0.010, 0.003, 0.005, 0.025)] * 10:
+        t += every
+        res.rounds.append({"t": t, "batch_size": 4, "num_steps": k, "accepted": [0] * 4, "committed": 4,
+                           "total_s": total, "draft_s": draft, "verify_s": verify, "catchup_s": 0.0,
+                           "head_version": 0, "request_ids": ["r"] * 4, "tags": ["chat"] * 4})
+    costs = round_costs(res)
+    plain, spec = costs["by_k"]["0"], costs["by_k"]["2"]
+    assert plain["rounds"] == 9 and spec["rounds"] == 10  # consecutive pairs: the first round has no gap
+    assert plain["round_ms_p50"] == 5.0 and plain["gap_ms_p50"] == 2.0 and plain["other_ms_p50"] == 1.0
+    assert spec["round_ms_p50"] == 10.0 and spec["draft_ms_p50"] == 3.0 and spec["verify_ms_p50"] == 5.0
+    assert spec["gap_ms_p50"] == 15.0
+    busy = (10 * 0.005 + 10 * 0.010) / (9 * 0.007 + 10 * 0.025 + 0.005)
+    assert abs(costs["busy_share"] - busy) < 1e-3
+    res.rounds = [{k: v for k, v in r.items() if k != "draft_s"} for r in res.rounds]  # older round logs
+    assert round_costs(res) == {}
