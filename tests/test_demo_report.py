@@ -183,7 +183,7 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
     assert plain["rounds"] == 9 and spec["rounds"] == 10  # consecutive pairs: the first round has no gap
     assert plain["round_ms_p50"] == 5.0 and plain["gap_ms_p50"] == 2.0 and plain["other_ms_p50"] == 1.0
     assert spec["round_ms_p50"] == 10.0 and spec["draft_ms_p50"] == 3.0 and spec["verify_ms_p50"] == 5.0
-    assert spec["gap_ms_p50"] == 15.0
+    assert spec["gap_ms_p50"] == 15.0 and spec["gap_ms_mean"] == 15.0 and spec["catchup_ms_mean"] == 0.0
     busy = (10 * 0.005 + 10 * 0.010) / (9 * 0.007 + 10 * 0.025 + 0.005)
     assert abs(costs["busy_share"] - busy) < 1e-3
     res.rounds = [{k: v for k, v in r.items() if k != "draft_s"} for r in res.rounds]  # older round logs
