@@ -228,13 +228,16 @@ def test_tree_engine_sampling_matches_target_distribution(topk, n):
 # -- lossless on the real model -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def prompts(sharegpt_prompts):
-    return sharegpt_prompts[:16]
+def prompts(plain_greedy_fp32):
+    return plain_greedy_fp32[0][:16]
 
 
 @pytest.fixture(scope="module")
-def reference(smol_fp32, prompts):
-    return Engine(smol_fp32, None, EngineConfig(max_batch=8, max_len=512, num_steps=0)).generate(prompts, GREEDY)
+def reference(plain_greedy_fp32):
+    """Plain greedy decoding, the first 48 tokens of the chain module's (conftest.plain_greedy_fp32)."""
+    outs = plain_greedy_fp32[1][:16]
+    assert all(len(o) >= GREEDY.max_tokens for o in outs)
+    return [o[:GREEDY.max_tokens] for o in outs]
 
 
 @pytest.fixture(scope="module")
