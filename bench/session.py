@@ -72,6 +72,8 @@ class SessionConfig:
     max_batch: int = doc("engine max_batch", 16)
     deadline_s: float = doc("stop starting requests after this long", 600.0)
     server_threads: int = doc("torch threads of the server process", 1)
+    switch_interval_ms: float = doc("the server's interpreter switch interval (serve --switch-interval-ms); "
+                                    "0 = Python's", 0.0)
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
     device: str = doc("torch device of the trainer child (the server runs where the target given to run_session "
@@ -202,7 +204,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         control_cfg = ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir),
                                     control_endpoint="" if cfg.online else "off")
         scfg = ServerConfig(engine=engine_cfg, capture=cfg.online, log_level="warning", control=control_cfg,
-                            bank=BankConfig(enabled=cfg.bank))
+                            bank=BankConfig(enabled=cfg.bank), switch_interval_ms=cfg.switch_interval_ms)
         server = SpecServer(scfg, target, None if plain else head, head_version=version,
                             policy=None if plain else build_policy(cfg, target, head, engine_cfg, run_dir),
                             publisher=publisher)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -95,6 +96,11 @@ class ServerConfig:
                            "measured gain in tokens/s, and on an H100 the worker's Python, under the same "
                            "interpreter lock, slowed batch-1 rounds (docs/controller.md)", False)
     threads: int = doc("torch CPU threads (0 = torch's default)", 0)
+    switch_interval_ms: float = doc("the interpreter's thread switch interval while the server runs "
+                                    "(sys.setswitchinterval; the previous one is restored at close); 0 = "
+                                    "Python's (5 ms). The engine thread retakes the interpreter lock after "
+                                    "every torch call, and while the HTTP side's Python holds it the engine "
+                                    "waits up to this long each time (docs/engine.md)", 0.0)
     metrics_window: int = doc("verify rounds in the recent acceptance window of /server_info", 256)
     max_tags: int = doc("distinct traffic tags served under their own name (in /metrics, drift streams and capture "
                         "records); later new tags are served as 'other'", 32)
@@ -125,6 +131,7 @@ class ServerConfig:
               f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         check(self.threads >= 0, "threads", "must be >= 0")
+        check(0 <= self.switch_interval_ms <= 100, "switch_interval_ms", "must be in [0, 100] ms")
         check(self.policy in ("auto", "static", "ema", "cost"), "policy",
               f"must be auto, static, ema or cost, got {self.policy!r}")
         check(self.policy != "ema" or bool(self.adaptive), "policy", "ema needs --adaptive (a JSON file or preset)")
@@ -153,6 +160,7 @@ class SpecServer:
         self.metrics.head_version.set(head_version)
         self.head_probe = HeadProbe(target)
         self._recovery: threading.Thread | None = None  # a rollback of a broken head, under way
+        self._switch_before: float | None = None  # the interpreter's switch interval before start()
         self._last_head_check = time.monotonic()
         self.head_faults: list[dict] = []
         self.trainer_alerts: list[dict] = []  # what the trainer said of itself (control `trainer_alert`)
@@ -244,6 +252,9 @@ class SpecServer:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.switch_interval_ms > 0 and self._switch_before is None:
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)
         self.loop.start()
         if self.control is not None:
             self.control.start()
@@ -261,6 +272,9 @@ class SpecServer:
             self.engine.publisher.close()
         if self.drift is not None:
             self.drift.close()
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
+            self._switch_before = None
 
     def _on_step(self, outs: list[RequestOutput], elapsed_s: float) -> None:
         self.metrics.on_step(outs, elapsed_s)

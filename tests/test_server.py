@@ -165,3 +165,28 @@ def test_swap_hook_bumps_version(served, smol, client):
     assert server.info()["head_version"] == 5
     m = _metrics(http.url)
     assert m[("online_spec_head_swaps_total", ())] == 1 and m[("online_spec_head_version", ())] == 5
+
+
+def test_switch_interval_is_set_while_serving_and_restored_at_close(smol):
+    """`switch_interval_ms` holds while the server runs (the engine thread waits at most that
+    long for the interpreter lock the HTTP side's Python holds) and the caller's comes back."""
+    import sys
+
+    from online_spec.config import ConfigError
+
+    before = sys.getswitchinterval()
+    server = SpecServer(ServerConfig(engine=ENGINE, switch_interval_ms=0.25, drift_monitor=False), smol, new_head(smol))
+    server.start()
+    try:
+        assert abs(sys.getswitchinterval() - 0.00025) < 1e-9
+    finally:
+        server.close()
+    assert sys.getswitchinterval() == before
+    server = SpecServer(ServerConfig(engine=ENGINE, drift_monitor=False), smol, new_head(smol))  # 0: Python's own
+    server.start()
+    try:
+        assert sys.getswitchinterval() == before
+    finally:
+        server.close()
+    with pytest.raises(ConfigError, match="switch_interval_ms"):
+        ServerConfig(switch_interval_ms=-1)
