@@ -16,9 +16,11 @@ pytestmark = pytest.mark.slow
 
 def test_a_short_soak_holds_every_invariant(tmp_path):
     out = tmp_path / "soak.json"
-    rc = cli_main(["bench", "soak", "--duration-s", "50", "--warmup-s", "20", "--clients", "2", "--prompts", "3",
-                   "--max-tokens", "12", "--hostile-interval-s", "0.2", "--swap-every-s", "8",
-                   "--trainer-restart-every-s", "20", "--sample-every-s", "3", "--max-tags", "2",
+    # 34 s: two swaps and the rollback by ~20 s (each swap takes a few seconds under this load), the
+    # trainer killed at ~12 and ~24 s, the 18 hostile inputs every ~6 s, 11 samples
+    rc = cli_main(["bench", "soak", "--duration-s", "34", "--warmup-s", "12", "--clients", "2", "--prompts", "3",
+                   "--max-tokens", "12", "--hostile-interval-s", "0.2", "--swap-every-s", "5",
+                   "--trainer-restart-every-s", "12", "--sample-every-s", "3", "--max-tags", "2",
                    "--run-dir", str(tmp_path / "run"), "--json", str(out)])
     r = json.loads(out.read_text())
     assert rc == 0, r["errors"]
