@@ -139,6 +139,9 @@ class E2EConfig:
                            "(serve --plan-ahead)", False)
     switch_interval_ms: float = doc("every configuration's server runs with this interpreter switch interval "
                                     "(serve --switch-interval-ms); 0 = Python's (5 ms)", 0.0)
+    clients_process: bool = doc("the streaming clients run in a process of their own, as a deployment's do "
+                                "(off: in the server's process, sharing its interpreter lock with the engine "
+                                "thread, as before 2026-11-27)", True)
     ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
                              "controller and no trainer, for the per-phase ceiling (see the module doc); "
                              "empty = none", "")
@@ -208,7 +211,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                     max_tokens=cfg.max_tokens, deadline_s=deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device, cost_model_store=cost_store, plan_ahead=cfg.plan_ahead,
-                    switch_interval_ms=cfg.switch_interval_ms)
+                    switch_interval_ms=cfg.switch_interval_ms, clients_process=cfg.clients_process)
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))

@@ -38,7 +38,7 @@ import torch
 
 from bench.trace import TraceItem
 from bench.trainer_watch import TrainerWatch
-from bench.traffic import RequestResult, replay
+from bench.traffic import RequestResult, replay, replay_in_child
 from collector.publisher import CapturePublisher, PublisherConfig
 from online_spec.advice import warn
 from online_spec.alerts import CallbackAlertSink
@@ -74,6 +74,9 @@ class SessionConfig:
     server_threads: int = doc("torch threads of the server process", 1)
     switch_interval_ms: float = doc("the server's interpreter switch interval (serve --switch-interval-ms); "
                                     "0 = Python's", 0.0)
+    clients_process: bool = doc("the streaming clients run in a process of their own (bench.traffic."
+                                "replay_in_child), as a deployment's do; off: in the server's process, whose "
+                                "interpreter lock their Python then shares with the engine thread", True)
     trainer_threads: int = doc("torch threads of the trainer process", 1)
     trainer_args: list = doc("extra `online-spec train` flags for the daemon", list)
     device: str = doc("torch device of the trainer child (the server runs where the target given to run_session "
@@ -228,8 +231,13 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             result.done += 1
             result.phase = res.phase
 
-        result.requests = asyncio.run(replay(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
-                                             on_done=on_done, phase_budget_s=cfg.phase_budget_s or None))
+        budget = cfg.phase_budget_s or None
+        if cfg.clients_process:
+            result.requests = replay_in_child(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
+                                              on_done=on_done, phase_budget_s=budget)
+        else:
+            result.requests = asyncio.run(replay(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
+                                                 on_done=on_done, phase_budget_s=budget))
         result.server_info = server.info()
     finally:
         stop_progress.set()

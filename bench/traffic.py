@@ -8,6 +8,13 @@ those in flight are cancelled (the server aborts them when the stream closes). W
 budget, a phase's remaining lines are skipped once it has run that long.
 
     results = asyncio.run(replay(url, items, concurrency=4, max_tokens=64, deadline_s=600))
+    results = replay_in_child(url, items, concurrency=4, max_tokens=64, deadline_s=600)
+
+`replay_in_child` runs the same clients in a process of their own (`python -m bench.traffic`),
+as a deployment's clients are: in the server's process their Python would hold the interpreter
+lock the engine thread retakes after every torch call (docs/engine.md). Each finished request
+comes back as a JSON line on the child's stdout (`on_done` runs as it arrives); times are
+`time.time()` in both processes.
 
 `sse_event(line)` reads one line of a streamed response (server-sent events) for every
 streaming client of the benches.
@@ -17,8 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from bench.trace import TraceItem
 
@@ -142,3 +153,75 @@ async def replay(url: str, items: list[TraceItem], concurrency: int, max_tokens:
             for t in tasks:
                 t.cancel()
     return sorted(results, key=lambda r: r.index)
+
+
+def replay_in_child(url: str, items: list[TraceItem], concurrency: int, max_tokens: int,
+                    deadline_s: float | None = None, on_done=None,
+                    phase_budget_s: float | None = None) -> list[RequestResult]:
+    """`replay` in a child process (`python -m bench.traffic`); the same results, in index order.
+    A child that fails raises RuntimeError with its last stderr lines."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([asdict(it) for it in items], f)
+    cmd = [sys.executable, "-m", "bench.traffic", "--url", url, "--items", f.name, "--concurrency", str(concurrency),
+           "--max-tokens", str(max_tokens)]
+    if deadline_s is not None:
+        cmd += ["--deadline-s", repr(deadline_s)]
+    if phase_budget_s is not None:
+        cmd += ["--phase-budget-s", repr(phase_budget_s)]
+    names = {f.name for f in fields(RequestResult)}
+    results: list[RequestResult] = []
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `bench` imports from here
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+        with tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as child:
+            for line in child.stdout:
+                if not line.startswith("{"):
+                    continue
+                d = json.loads(line)
+                late = d.pop("late", False)  # cancelled at the deadline: no on_done, as in `replay`
+                res = RequestResult(**{k: v for k, v in d.items() if k in names})
+                results.append(res)
+                if on_done is not None and not late:
+                    on_done(res)
+            child.wait()
+            if child.returncode != 0:
+                err.seek(0)
+                raise RuntimeError(f"the traffic child exited {child.returncode}: {err.read().strip()[-800:]}")
+    finally:
+        os.unlink(f.name)
+    return sorted(results, key=lambda r: r.index)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child of `replay_in_child`: items from a JSON file, one JSON line per finished request."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.traffic", description=replay_in_child.__doc__)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--items", required=True, help="JSON list of TraceItem fields")
+    ap.add_argument("--concurrency", type=int, required=True)
+    ap.add_argument("--max-tokens", type=int, required=True)
+    ap.add_argument("--deadline-s", type=float, default=None)
+    ap.add_argument("--phase-budget-s", type=float, default=None)
+    args = ap.parse_args(argv)
+    with open(args.items) as f:
+        items = [TraceItem(**d) for d in json.load(f)]
+
+    sent: set[int] = set()
+
+    def done(res: RequestResult) -> None:
+        sent.add(res.index)
+        print(json.dumps(asdict(res)), flush=True)
+
+    results = asyncio.run(replay(args.url, items, args.concurrency, args.max_tokens, args.deadline_s, on_done=done,
+                                 phase_budget_s=args.phase_budget_s))
+    for res in results:  # the requests cancelled at the deadline (no on_done in `replay`)
+        if res.index not in sent:
+            print(json.dumps({**asdict(res), "late": True}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
