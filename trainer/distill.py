@@ -232,9 +232,9 @@ class Distiller:
         import torch.distributed as dist
 
         self.engine.train()
-        failure = None
-        rows = batch.num_rows  # counted where the batch is (host memory): no wait for the device
+        failure, rows = None, 0
         try:  # a batch that fails (or gives a non-finite loss) leaves no gradient behind
+            rows = batch.num_rows  # counted where the batch is (host memory): no wait for the device
             batch = batch.to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 k = self.loss_cfg.steps_at(self.step / self.cfg.total_steps)
