@@ -38,9 +38,10 @@ follow() {  # wait for the running e2e (at most $1 s), then copy what it wrote t
     for f in $W/run_*/online_spec/trainer.log; do [ -e $f ] && cp $f $OUT/trainer_$(basename $(dirname $(dirname $f))).log; done
     [ -e $W/${name}_done ] && echo "$name finished: rc $(cat $W/${name}_done)" || echo "$name still running"
 }
-start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the call), JSON $W/gpu_NAME.json
+start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the call), JSON $W/gpu_NAME.json;
+    # TRACE=trace_d.jsonl: another trace the run stage copied to $W (default trace.jsonl)
     local name=$1; shift
-    cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device ${TRAINER_DEVICE:-cuda:1} --trace $W/trace.jsonl $(printf '%q ' "$@")"
+    cmd="python3 -m online_spec.cli bench e2e --device cuda --trainer-device ${TRAINER_DEVICE:-cuda:1} --trace $W/${TRACE:-trace.jsonl} $(printf '%q ' "$@")"
     cmd="$cmd --json $W/gpu_$name.json --out $W/run_$name"
     echo "$cmd" > $W/${name}_cmd.txt; echo "$cmd"; echo $name > $W/e2e_name; rm -f $W/${name}_done
     (cd $CODE && setsid bash -c "$cmd > $W/$name.log 2>&1; echo \$? > $W/${name}_done" < /dev/null > /dev/null 2>&1 &)
