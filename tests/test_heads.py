@@ -52,8 +52,9 @@ def test_packaged_heads_make_chat_to_code_a_shift(smol):
                                                                      max_prompt_tokens=200, tokenizer=smol.tokenizer)]
     code = [smol.encode_chat(c[:1]) for c in humaneval_conversations(limit=3, seed=5, split="heldout")]
     heads = {n: load_head(resolve_head(n), smol.info, dtype=smol.dtype)[0] for n in ("shipped", "code")}
-    got = {(n, src): engine_accept_length(smol, h, prompts, num_steps=5, max_tokens=40)["accept_length"]
-           for n, h in heads.items() for src, prompts in (("chat", chat), ("code", code))}
+    prompts = {"chat": chat, "code": code}
+    got = {(n, src): engine_accept_length(smol, heads[n], prompts[src], num_steps=5, max_tokens=40)["accept_length"]
+           for n, src in (("shipped", "chat"), ("shipped", "code"), ("code", "code"))}  # the pairs compared
     assert got["shipped", "chat"] > 1.4 * got["shipped", "code"], got
     assert got["code", "code"] > 1.5 * got["shipped", "code"], got
 
