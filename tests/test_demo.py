@@ -5,7 +5,10 @@ a child process, on a six-request trace with max_tokens 4 and a day-0 head: they
 plumbing (reports, plots, keys), not the speed-ups.
 """
 
+import contextlib
+import io
 import json
+import shutil
 
 import pytest
 
@@ -104,13 +107,26 @@ def test_the_demo_default_trace_builds(tmp_path, caplog):
     assert len(chat_texts) == 639 and len(set(chat_texts)) >= 625
 
 
-def test_demo_end_to_end_writes_the_report(smol, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def demo_run(smol, tmp_path_factory):
+    """`online-spec demo` on TINY, run once: (report directory, figures, console). Its session's
+    round-time calibration (out/session/cost_model.json) is also the store the e2e test's sessions
+    start from: a calibration is keyed by the machine (model, dtype, device, CPU, threads), not by
+    the configuration, and one takes ~30 s on 2 cores."""
     from bench.demo import DemoConfig, run_demo
 
-    trace = write_trace(tmp_path / "t.jsonl", TINY)
-    out = tmp_path / "demo"
-    figs = run_demo(DemoConfig(minutes=1.0, trace=str(trace), head="day0", max_tokens=4, concurrency=2,
-                               out=str(out)), target=smol)
+    tmp = tmp_path_factory.mktemp("demo")
+    trace = write_trace(tmp / "t.jsonl", TINY)
+    out = tmp / "demo"
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        figs = run_demo(DemoConfig(minutes=1.0, trace=str(trace), head="day0", max_tokens=4, concurrency=2,
+                                   out=str(out)), target=smol)
+    return out, figs, console.getvalue()
+
+
+def test_demo_end_to_end_writes_the_report(demo_run):
+    out, figs, console = demo_run
     for name in ("summary.md", "figures.json", "accept_len_tokens_per_s.png", "k_per_slot.png"):
         assert (out / name).exists(), name
     for png in ("accept_len_tokens_per_s.png", "k_per_slot.png"):
@@ -125,7 +141,6 @@ def test_demo_end_to_end_writes_the_report(smol, tmp_path, capsys):
     assert saved["overall"]["completion_tokens"] == figs["overall"]["completion_tokens"] > 0
     assert saved["trainer"]["returncode"] == 0  # the daemon stopped on SIGTERM, saved, exited cleanly
     # the console showed the trainer's start-up from its own log; serving time is apart from start-up
-    console = capsys.readouterr().out
     assert "  trainer: starting: target model" in console and "  trainer: ready in " in console
     assert saved["startup_s"] > 0 and saved["serving_s"] + saved["startup_s"] == pytest.approx(saved["duration_s"])
     assert f"{saved['serving_s']:.0f} s of serving, after {saved['startup_s']:.0f} s of start-up" in \
@@ -156,18 +171,24 @@ def test_a_deadline_shortens_the_trace_for_every_configuration_alike():
     assert same_work(items, figs(10, 0), res) == items and res["same_work"]["requests"] == 10
 
 
-def test_bench_e2e_quick_writes_every_key(tmp_path):
+def test_bench_e2e_quick_writes_every_key(tmp_path, demo_run):
     from online_spec.cli import main
 
     trace = write_trace(tmp_path / "t.jsonl", [TINY[0], TINY[2], TINY[4]])  # one request per phase
     path = tmp_path / "e2e.json"
+    # the shared store holds this machine's calibration (the demo's session measured it)
+    store = tmp_path / "runs" / "cost_model.json"
+    store.parent.mkdir()
+    shutil.copy(demo_run[0] / "session" / "cost_model.json", store)
+    calibration = store.read_text()
     # one calibration K (no calibration sessions) and no day-0 run keep this short
     assert main(["bench", "e2e", "--quick", "--head", "day0", "--trace", str(trace), "--max-tokens", "3",
                  "--calib-steps", "2", "--bs1-requests", "1", "--no-day0", "--overhead-split",
                  "--ceiling-heads", "code", "--out", str(tmp_path / "runs"), "--json", str(path)]) == 0
     rep = json.loads(path.read_text())
-    # the six cost-policy sessions share one round-time calibration, beside their run directories
-    assert (tmp_path / "runs" / "cost_model.json").exists() and not list((tmp_path / "runs").glob("*/cost_model.json"))
+    # the six cost-policy sessions share one round-time calibration, beside their run directories:
+    # none wrote a store of its own, and the shared one, of this machine, was reused as it was
+    assert store.read_text() == calibration and not list((tmp_path / "runs").glob("*/cost_model.json"))
     for key in ("speedup_vs_static_sglang_adaptive", "speedup_vs_plain_bs1_adapted", "tokens_to_beat_plain_from_day0",
                 "speedup_vs_static", "speedup_vs_plain", "static_k", "per_phase", "overall", "adaptation_online_spec",
                 "bs1", "machine", "targets", "met"):
