@@ -67,6 +67,20 @@ def test_greedy_fp32_token_identical(smol_fp32, prompts, reference, case, head_k
     assert set(rounds) == {K}
 
 
+def test_shipped_head_accepts_drafts_and_keeps_output(smol_fp32, prompts, reference):
+    """The random and wrong heads above accept no draft; the shipped head does, so the rounds that
+    keep matching drafts (and commit several tokens at once) are held to plain decoding too."""
+    from bench.heads import resolve_head
+    from online_spec.checkpoint import load_head
+
+    head, _ = load_head(resolve_head("shipped", smol_fp32), smol_fp32.info, dtype=smol_fp32.dtype)
+    eng = Engine(smol_fp32, head, EngineConfig(max_batch=4, max_len=512, num_steps=3, max_steps=7))
+    accepted = []
+    eng.on_round.append(lambda s, o: accepted.extend(s.accepted))
+    assert eng.generate(prompts[44:48], GREEDY) == reference[44:48]
+    assert sum(accepted) >= 10 and max(accepted) >= 2, accepted  # drafts really were kept
+
+
 def test_head_swapped_mid_generation_keeps_output(smol_fp32, prompts, reference):
     heads = [new_head(smol_fp32, seed=11), wrong_head(smol_fp32), None, new_head(smol_fp32, seed=12)]
     # swap_fill_rows=0: every swap switches in the next round (a swap every 5 rounds would keep
