@@ -2,7 +2,8 @@
 
 fp32: greedy output token-identical to plain decoding (the same engine at K=0, and
 transformers' generate), 64 tokens a sequence, with a random head, a deliberately wrong head (its drafts are always
-special tokens) and heads swapped mid-generation, K in {1,3,7}, batch 1 and 8.
+special tokens) and heads swapped mid-generation, K in {1,3,7}, batch 1 and 8 (these heads accept no
+draft: every round rejects and rolls back), and with the shipped head, whose rounds keep drafts.
 bf16: a multi-token verify can round differently from a one-token step, so a divergence is
 allowed only where the exact (fp32) target is at a near-tie between the two tokens; every
 divergence is checked against that rule and counted.
