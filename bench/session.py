@@ -231,13 +231,9 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             result.done += 1
             result.phase = res.phase
 
-        budget = cfg.phase_budget_s or None
-        if cfg.clients_process:
-            result.requests = replay_in_child(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
-                                              on_done=on_done, phase_budget_s=budget)
-        else:
-            result.requests = asyncio.run(replay(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s,
-                                                 on_done=on_done, phase_budget_s=budget))
+        clients = replay_in_child if cfg.clients_process else (lambda *a, **kw: asyncio.run(replay(*a, **kw)))
+        result.requests = clients(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s, on_done=on_done,
+                                  phase_budget_s=cfg.phase_budget_s or None)
         result.server_info = server.info()
     finally:
         stop_progress.set()

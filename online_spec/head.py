@@ -187,7 +187,6 @@ class EagleHead(nn.Module):
         return self.forward(embeds, hidden, cos.squeeze(1), sin.squeeze(1),
                             lambda q, k, v: batch.attend(cache, 0, q, k, v))
 
-
     def greedy_chain(self, embed, rope, cache: KVCache, logits: torch.Tensor, hidden: torch.Tensor, K: int,
                      batch_at) -> tuple[torch.Tensor, torch.Tensor]:
         """K greedy chained draft steps, all on the device: step 0 takes the argmax of `logits`
@@ -207,6 +206,7 @@ class EagleHead(nn.Module):
             toks.append(self.draft_to_target[d])
             probs.append(pr.gather(1, d[:, None])[:, 0])
         return torch.stack(toks, 1), torch.stack(probs, 1)
+
 
 def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int,
                     always: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:

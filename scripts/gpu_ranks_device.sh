@@ -57,7 +57,8 @@ ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS) and rows a step (
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()})" $W/$name.json
     done; done
     tail -n 20 $W/ranks.log
-    [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks_${BATCH_TOKENS%% *}/buffer --device cuda:0 \
+    local first=${BATCH_TOKENS:-4096}
+    [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks_${first%% *}/buffer --device cuda:0 \
         2>&1 | grep -v "Loading weights" > $W/profile.txt; cp $W/profile.txt $OUT/ 2>/dev/null
     for f in $W/ranks_*/*/train.log; do echo "== $f"; grep -v "Loading weights" $f | tail -n 2; done
     cp $W/gpu_ranks*.json $W/ranks.log $OUT/ 2>/dev/null
