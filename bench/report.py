@@ -94,31 +94,40 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
 
 def round_costs(result: SessionResult) -> dict:
     """Where a served round's wall time goes, by K: inside the engine's step (draft, of it the
-    long draft-cache catch-ups, verify, the rest: admission and prefill, release, decision) and
-    outside it (`gap`: from the end of one round to the start of the next, the server's own work
-    between rounds: hooks, delivery, waiting for requests). Medians and means in ms over
-    consecutive rounds (a mean above its median: rare long rounds); `busy_share`: the engine's
-    steps' share of the serving wall time. A server whose speculative rounds cost far more
-    than the engine alone spends on them shows here where (inside `step` or between rounds)."""
+    long draft-cache catch-ups, verify, admission: the new prompts' prefills, the rest: release,
+    decision) and outside it (`gap`: from the end of one round to the start of the next, the
+    server's own work between rounds: hooks, delivery, waiting for requests). Medians and means
+    in ms over consecutive rounds (a mean above its median: rare long rounds); `busy_share`: the
+    engine's steps' share of the serving wall time. `one_off`: seconds of the whole run spent in
+    prefills, in long catch-ups, and in rounds that captured a CUDA graph (`capture_rounds_s`,
+    their whole time), beside `rounds_s`, every round's time. A server whose speculative rounds
+    cost far more than the engine alone spends on them shows here where."""
     rounds = [r for r in result.rounds if "draft_s" in r]
     if len(rounds) < 2:
         return {}
     by_k: dict[str, dict[str, list[float]]] = {}
     for prev, r in zip(rounds, rounds[1:]):
-        parts = by_k.setdefault(str(r["num_steps"]), {"round": [], "draft": [], "catchup": [], "verify": [], "other": [],
-                                                      "gap": []})
+        parts = by_k.setdefault(str(r["num_steps"]), {"round": [], "draft": [], "catchup": [], "verify": [],
+                                                      "admit": [], "other": [], "gap": []})
         parts["round"].append(r["total_s"])
         parts["draft"].append(r["draft_s"])
         parts["catchup"].append(r.get("catchup_s", 0.0))
         parts["verify"].append(r["verify_s"])
-        parts["other"].append(r["total_s"] - r["draft_s"] - r["verify_s"])
+        parts["admit"].append(r.get("admit_s", 0.0))
+        parts["other"].append(r["total_s"] - r["draft_s"] - r["verify_s"] - r.get("admit_s", 0.0))
         parts["gap"].append(max(0.0, r["t"] - prev["t"] - r["total_s"]))
     out = {k: {"rounds": len(v["round"]),
                **{f"{n}_ms_{stat}": round(1e3 * fn(xs), 3) for n, xs in v.items()
                   for stat, fn in (("p50", lambda xs: percentile(xs, 50)), ("mean", _mean))}}
            for k, v in sorted(by_k.items(), key=lambda kv: int(kv[0]))}
     span = rounds[-1]["t"] - rounds[0]["t"] + rounds[0]["total_s"]
-    return {"by_k": out, "busy_share": round(sum(r["total_s"] for r in rounds) / span, 4) if span > 0 else None}
+    one_off = {"rounds_s": sum(r["total_s"] for r in rounds), "prefill_s": sum(r.get("admit_s", 0.0) for r in rounds),
+               "prefills": sum(r.get("admitted", 0) for r in rounds),
+               "catchup_s": sum(r.get("catchup_s", 0.0) for r in rounds),
+               "capture_rounds": sum(1 for r in rounds if r.get("captures")),
+               "capture_rounds_s": sum(r["total_s"] for r in rounds if r.get("captures"))}
+    return {"by_k": out, "busy_share": round(one_off["rounds_s"] / span, 4) if span > 0 else None,
+            "one_off": {k: round(v, 3) if isinstance(v, float) else v for k, v in one_off.items()}}
 
 
 RETURN_TOKENS = 500  # the return figure's window: the returning phase's first served tokens

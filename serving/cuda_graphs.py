@@ -45,6 +45,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from serving.cuda_prefill import PrefillGraphs
+
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -170,7 +172,7 @@ class _Graph:
         self.fn = None
 
 
-class CudaGraphs:
+class CudaGraphs(PrefillGraphs):
     """Captures and replays the engine's forwards; one per engine (it holds the target cache's
     graphs; the head's follow the live head)."""
 
@@ -307,6 +309,37 @@ class CudaGraphs:
         g.batch.fill(B, base, write, positions, visible)
         return self._run(g, B)
 
+    def warm_chain_rounds(self, tcache, head, caches: list, max_steps: int) -> int:
+        """Capture now every graph a chain round can replay, so none is captured while serving:
+        the prefill chunks (serving/cuda_prefill.py); per batch bucket, the target's verify of T = 1..max_steps+1 tokens (T = 1: plain decode)
+        and, with a head, per draft cache in `caches`, its catch-up over T = 1..max_steps+1 rows
+        (features in), its one-row step over its own hidden (sampling batches) and the greedy
+        chain of K = 1..max_steps steps. Dummy rows at positions 0..T-1 of every slot: call it
+        while no request is running (a prefill rewrites a slot from row 0). Tree shapes are
+        still captured at their first use. Returns the graphs captured."""
+        before = self.captures
+        dev, dt = self.device, self.target.dtype
+        self.warm_prefill(tcache)
+        H = self.target.info.hidden_size
+        for Bp in self.buckets:
+            starts = [0] * Bp
+            for T in range(1, max_steps + 2):
+                self.target_forward(torch.zeros(Bp, T, dtype=torch.long, device=dev), starts, tcache)
+            if head is None:
+                continue
+            for cache in caches:
+                for T in range(1, max_steps + 2):
+                    self.head_step(head, cache, torch.zeros(Bp, T, H, dtype=dt, device=dev),
+                                   torch.zeros(Bp, T, head.cfg.target_hidden_size * 3, dtype=dt, device=dev), starts)
+                own = torch.zeros(Bp, 1, head.cfg.hidden_size, dtype=dt, device=dev)
+                self.head_step(head, cache, torch.zeros(Bp, 1, H, dtype=dt, device=dev), own, starts)
+                logits = torch.zeros(Bp, head.cfg.draft_vocab_size, dtype=dt, device=dev)
+                for K in range(1, max_steps + 1):
+                    self.draft_chain(head, cache, logits, own[:, 0], starts, K)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return self.captures - before
+
     def bind_head(self, head) -> None:
         """`head` goes live: its weights into the graphs' module (in place: the captured graphs
         stay valid), or a new module when it does not fit, whose graphs are then captured anew.
@@ -353,16 +386,17 @@ class CudaGraphs:
         g.graph.replay()
         return tuple(o[:B].clone() for o in g.outputs)
 
-    def _get(self, key: tuple, owners: tuple, make_inputs, fn, scratch: int = 0) -> _Graph:
+    def _get(self, key: tuple, owners: tuple, make_inputs, fn, scratch: int = 0, batch=None) -> _Graph:
         """The graph for `key` and these owners (model, cache), created uncaptured if new; with a
-        `scratch` region, over a `StaticTreeBatch`."""
+        `scratch` region, over a `StaticTreeBatch`; over `batch` when given (used if new)."""
         full = key + tuple(id(o) for o in owners)
         g = self._graphs.get(full)
         if g is not None and all(a is b for a, b in zip(g.owners, owners)):
             return g
         inputs = make_inputs(key[1])
-        batch = (StaticTreeBatch(key[1], key[2], self.max_len, scratch, self.device) if scratch
-                 else StaticBatch(key[1], key[2], self.max_len, self.device))
+        if batch is None:
+            batch = (StaticTreeBatch(key[1], key[2], self.max_len, scratch, self.device) if scratch
+                     else StaticBatch(key[1], key[2], self.max_len, self.device))
         g = _Graph(None, inputs, (), batch, owners)
         g.fn = fn
         self._graphs[full] = g

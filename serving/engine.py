@@ -135,6 +135,27 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         """A swap or policy change is waiting for the next round (the loop runs one even when idle)."""
         return self._pending_swap is not None or self._pending_policy is not None or self._staged is not None
 
+    def warm_graphs(self) -> dict:
+        """Capture every CUDA graph a chain round replays before serving starts (a server's
+        start-up), for the live draft cache and the spare one a swap's staging fills, so no round
+        stalls on a capture: on an H200 a capture inside a served round cost tens of ms, and
+        each K an adaptive policy first tries cost its own. Call before any request is admitted.
+        Returns {"graphs": captured, "seconds": wall}; {} without CUDA graphs (CPU)."""
+        if self.graphs is None:
+            return {}
+        if self.running:
+            raise RuntimeError("warm_graphs: requests are running (it writes dummy rows into every slot)")
+        t0 = time.perf_counter()
+        caches = []
+        if self.head is not None:
+            if self._spare_cache is None:
+                self._spare_cache = self.head.new_cache(self.cfg.max_batch, self.cfg.max_len)
+            caches = [self._spare_cache, self.dcache]  # the live cache last: most recently used
+        n = self.graphs.warm_chain_rounds(self.tcache, self.head, caches, self.cfg.max_steps)
+        for cache in [self.tcache, *caches]:
+            cache.lengths = [0] * self.cfg.max_batch
+        return {"graphs": n, "seconds": round(time.perf_counter() - t0, 3)}
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -157,7 +178,9 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         swapped = self._apply_pending_swap() or self._swap_unreported
         self._swap_unreported = False
         self._release_finished()
+        t_admit = time.perf_counter()
         outs = self._admit()
+        admit_s = time.perf_counter() - t_admit  # each prefill reads its first token back: the device is done
         self._release_finished()
         if not self.running:
             self._swap_unreported = swapped
@@ -247,7 +270,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                            swap_fill_rows=self._filled, catchup_s=self._catchup_s,
                            draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1],
                            drafted_steps=drafted, topk=shape.topk if shape is not None else 1,
-                           num_draft_tokens=verified if K > 0 else 1)
+                           num_draft_tokens=verified if K > 0 else 1, admitted=len(outs), admit_s=admit_s)
         # every round counts, K=0 too: SGLang's policy probes up from plain decode. The cost policy
         # learns steady round times: one-off work (long catch-ups, graph captures) would read as
         # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
@@ -394,18 +417,22 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
     def _prefill(self, r: Request) -> RequestOutput:
         b, P = r.slot, len(r.prompt_ids)
         ids = torch.tensor(r.prompt_ids)
-        view = _SlotView(self.tcache, b)
-        view.lengths[0] = 0
-        logits, feats, final = self.target.forward(ids[None].to(self.target.device),
-                                                   AttentionBatch([0], P, self.target.device), view,
-                                                   logits_rows=slice(-1, None))
-        if r.params.greedy:
-            first = int(logits[0, -1].argmax())
+        if self.graphs is not None:  # chunks of CUDA-graph replays (serving/cuda_prefill.py)
+            last, feats, final = self.graphs.prefill(ids, b, self.tcache)
         else:
-            first = int(torch.multinomial(probs_from_logits(logits[0, -1], r.params), 1, generator=r.gen))
+            view = _SlotView(self.tcache, b)
+            view.lengths[0] = 0
+            logits, feats, final = self.target.forward(ids[None].to(self.target.device),
+                                                       AttentionBatch([0], P, self.target.device), view,
+                                                       logits_rows=slice(-1, None))
+            last, feats, final = logits[0, -1], feats[0], final[0]
+        if r.params.greedy:
+            first = int(last.argmax())
+        else:
+            first = int(torch.multinomial(probs_from_logits(last, r.params), 1, generator=r.gen))
         self.tok_buf[b, :P] = ids
         self.tok_buf[b, P] = first
-        self.feat_buf[b, :P] = feats[0]
+        self.feat_buf[b, :P] = feats
         self.tcache.lengths[b] = P
         if self.dcache is not None:
             self.dcache.lengths[b] = 0
@@ -414,7 +441,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         if r.capture:
             self.publisher.submit([CaptureRecord(
                 request_id=r.request_id, first_pos=0, tokens=self.tok_buf[b, :P + 1].clone(),
-                features=feats[0], final_hidden=final[0], batch_size=1,
+                features=feats, final_hidden=final, batch_size=1,
                 draft_version=self.head_version, is_prefill=True, tag=r.tag)])
         return self._commit_output(r, [first], 0, 0)
 

@@ -27,6 +27,9 @@ class EngineConfig:
                                             "the chain's", 0)
     cuda_graphs: bool = doc("on a CUDA device, replay CUDA graphs for the decode/verify/draft shapes "
                             "(serving/cuda_graphs.py); ignored on CPU", True)
+    graph_warmup: bool = doc("with cuda_graphs on a CUDA device, the server captures every chain round's graphs "
+                             "(each batch bucket, K = 0..max_steps, the live and the spare draft cache) when it "
+                             "starts, before serving, instead of inside the first rounds that need them", True)
     max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
     swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
                               "(0 = switch at once and rebuild every row on the next draft)", 48)

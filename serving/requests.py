@@ -78,6 +78,8 @@ class RoundStats:
     drafted_steps: int = 0  # drafts made per request before the verify-length cut (>= num_steps)
     topk: int = 1  # branching of the round's draft tree (1: a chain)
     num_draft_tokens: int = 0  # tokens verified per request, the root included (a chain: num_steps + 1)
+    admitted: int = 0  # requests admitted (prefilled) at the start of this round
+    admit_s: float = 0.0  # of total_s: their prefills (the target over each new prompt)
 
     @property
     def steady_draft_s(self) -> float | None:

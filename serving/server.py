@@ -161,6 +161,7 @@ class SpecServer:
         self.head_probe = HeadProbe(target)
         self._recovery: threading.Thread | None = None  # a rollback of a broken head, under way
         self._switch_before: float | None = None  # the interpreter's switch interval before start()
+        self.graph_warmup: dict | None = None  # start()'s capture of the CUDA graphs (Engine.warm_graphs)
         self._last_head_check = time.monotonic()
         self.head_faults: list[dict] = []
         self.trainer_alerts: list[dict] = []  # what the trainer said of itself (control `trainer_alert`)
@@ -248,6 +249,9 @@ class SpecServer:
             "drift": None if self.drift is None else self.drift.info(),
             "trainer_alerts": self.trainer_alerts[-10:],
             "head_bank": None if self.bank is None else self.bank.info(),
+            "cuda_graphs": None if e.graphs is None else {"captured": e.graphs.captures,
+                                                          "capture_failures": e.graphs.capture_failures,
+                                                          "warmup": self.graph_warmup},
         }
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -255,6 +259,11 @@ class SpecServer:
         if self.cfg.switch_interval_ms > 0 and self._switch_before is None:
             self._switch_before = sys.getswitchinterval()
             sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)
+        if self.cfg.engine.graph_warmup and self.graph_warmup is None:
+            self.graph_warmup = self.engine.warm_graphs()
+            if self.graph_warmup:
+                log.info("CUDA graphs: %d captured in %.1f s before serving", self.graph_warmup["graphs"],
+                         self.graph_warmup["seconds"])
         self.loop.start()
         if self.control is not None:
             self.control.start()

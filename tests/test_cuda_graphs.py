@@ -345,3 +345,77 @@ def test_plain_rounds_keep_the_draft_cache_caught_up_with_graphs(device):
             assert all(c == 0 for c in late)
         else:  # without graphs the rows served at K = 0 are caught up when drafting resumes
             assert any(c > 0 for c in late)
+
+
+def test_warm_graphs_covers_every_shape_chain_serving_uses():
+    """`Engine.warm_graphs` (a server's start-up) creates every graph a chain round replays, so
+    none is captured while serving: after it, greedy and sampled batches of 1-4 requests at
+    K = 0..max_steps, with a swap staged through the spare draft cache mid-generation, add no
+    graph. On CPU the runner's captures are off (each shape's capturable forward runs eagerly),
+    which is how its shapes are counted here; the dummy rows it writes leak into no output."""
+    from online_spec.controller import StaticSteps
+
+    target = tiny_target()
+    head = new_head(target, draft_vocab_size=256, seed=1)
+    prompts = [[5, 9, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 200], [42] * 6, [8, 16, 24]]
+    sp = SamplingParams(max_tokens=14, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
+    eng = Engine(target, head, EngineConfig(max_batch=4, max_len=128, max_steps=4, num_steps=2, swap_fill_rows=16))
+    eng.graphs = CudaGraphs(target, 4, 128)
+    eng.graphs.disabled = True
+    eng.graphs.bind_head(head)
+    info = eng.warm_graphs()
+    assert info["graphs"] == 0 and info["seconds"] >= 0  # nothing captured on CPU
+    warmed = set(eng.graphs._graphs)
+    # prefill chunks; per bucket (1, 2, 4): verify T = 1..5; per draft cache (2): catch-up T = 1..5, one own-hidden step, chains K = 1..4
+    assert len(warmed) == 4 + 3 * 5 + 3 * 2 * (5 + 1 + 4)  # + prefill chunks of 16..128 tokens
+    for k in range(5):
+        eng.set_policy(StaticSteps(k))
+        for n in (1, 2, 4, 5):
+            assert eng.generate(prompts[:n], sp) == plain[:n], (k, n)
+    sampled = SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.8, seed=3)
+    eng.generate(prompts[:3], [sp, sampled, sp])
+    # a swap mid-generation: staged through the spare cache, then live on it
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain_long = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts[:4], long)
+    reqs = [eng.add_request(Request(list(p), long)) for p in prompts[:4]]
+    eng.step()
+    eng.swap_head(new_head(target, draft_vocab_size=256, seed=2), 1)
+    versions = []
+    while eng.has_work():
+        eng.step()
+        versions.append(eng.head_version)
+    assert [r.output_ids for r in reqs] == plain_long and versions[0] == 0 and versions[-1] == 1
+    assert set(eng.graphs._graphs) == warmed
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("P", [1, 16, 37, 600, 1010])
+def test_graphed_prefill_chunks_compute_the_eager_prefill(P, device):
+    """`CudaGraphs.prefill` (chunks of fixed sizes, the slot a device buffer; on CPU its
+    capturable forward runs eagerly) gives the eager prefill's last logits, features and final
+    hidden, writes the slot's rows 0..P-1 as the eager forward does, and leaves the other slots'
+    rows alone: 600 tokens run as 512 + 88 padded to 128; 1010 in a cache of 1024 rows pads its
+    last chunk past the cache's end (those rows clamp to the last row)."""
+    from serving.cuda_prefill import chunk_plan
+
+    target = tiny_target().to(device)
+    max_len = 1024
+    ids = torch.randint(1, 500, (P,), generator=torch.Generator().manual_seed(P))
+    eager = target.new_cache(3, max_len)
+    logits, feats, final = target.forward(ids[None].to(device), AttentionBatch([0], P, device), _view(eager, 1),
+                                          logits_rows=slice(-1, None))
+    graphs = CudaGraphs(target, 3, max_len)
+    graphs.disabled = device == "cpu"
+    cache = target.new_cache(3, max_len)
+    before = [c.clone() for c in cache.k]
+    last, f, h = graphs.prefill(ids, 1, cache)
+    assert torch.allclose(last, logits[0, -1], atol=1e-4) and torch.allclose(f, feats[0], atol=1e-4)
+    assert torch.allclose(h, final[0], atol=1e-4) and f.shape[0] == P
+    for layer in range(len(cache.k)):
+        assert torch.allclose(cache.k[layer][1, :, :P], eager.k[layer][1, :, :P], atol=1e-4)
+        assert torch.equal(cache.k[layer][[0, 2]], before[layer][[0, 2]])
+    sizes = {c for _, _, c in chunk_plan(P)}
+    assert sum(n for _, n, _ in chunk_plan(P)) == P and len(graphs._graphs) == len(sizes)
+    assert graphs.captures == (len(sizes) if device == "cuda" else 0) and graphs.capture_failures == 0

@@ -168,7 +168,8 @@ def test_summary_and_plot_say_why_no_head_was_swapped(tmp_path):
 
 def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds():
     """Plain rounds of 5 ms every 7 ms, K = 2 rounds of 10 ms (draft 3, verify 5) every 25 ms:
-    the figures say the K = 2 rounds lose 15 ms a round outside the engine's step."""
+    the figures say the K = 2 rounds lose 15 ms a round outside the engine's step; prefills and
+    graph captures are counted apart."""
     from bench.report import round_costs
 
     res = SessionResult("static", T0, t1=TS + 10, t_serve=TS, trace_lines=1)
@@ -178,8 +179,17 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
         res.rounds.append({"t": t, "batch_size": 4, "num_steps": k, "accepted": [0] * 4, "committed": 4,
                            "total_s": total, "draft_s": draft, "verify_s": verify, "catchup_s": 0.0,
                            "head_version": 0, "request_ids": ["r"] * 4, "tags": ["chat"] * 4})
+    # two plain rounds admitted a request (2 ms of prefill each, in the step's rest), one K = 2
+    # round captured a graph
+    for r in res.rounds[4:6]:
+        r.update(admit_s=0.002, admitted=1)
+    res.rounds[15]["captures"] = 1
     costs = round_costs(res)
     plain, spec = costs["by_k"]["0"], costs["by_k"]["2"]
+    assert plain["admit_ms_mean"] == round(1e3 * 2 * 0.002 / 9, 3) and plain["admit_ms_p50"] == 0.0
+    assert plain["other_ms_mean"] == round(1e3 * (0.001 - 2 * 0.002 / 9), 3)
+    assert costs["one_off"] == {"rounds_s": 0.15, "prefill_s": 0.004, "prefills": 2, "catchup_s": 0.0,
+                                "capture_rounds": 1, "capture_rounds_s": 0.01}
     assert plain["rounds"] == 9 and spec["rounds"] == 10  # consecutive pairs: the first round has no gap
     assert plain["round_ms_p50"] == 5.0 and plain["gap_ms_p50"] == 2.0 and plain["other_ms_p50"] == 1.0
     assert spec["round_ms_p50"] == 10.0 and spec["draft_ms_p50"] == 3.0 and spec["verify_ms_p50"] == 5.0
