@@ -7,7 +7,8 @@ The GPU e2e of 2026-11-27 (clients out of process) measured a plain round at 4.9
 sits in rare long rounds. This probe times, per round, with the device synchronised around each
 piece: the admissions (target prefill of each new prompt, its length), the draft stage's long
 catch-ups (the head over a new prompt's rows), graph captures, draft, verify and the rest; for
-plain decoding and static K = 3, after a warm-up that captures every graph.
+plain decoding and static K = 3, after `Engine.warm_graphs` (a server's start-up; how many graphs
+the serving warm-up still captured after it is reported) and a serving warm-up.
 
     python scripts/gpu_admission_probe.py --trace trace_d.jsonl --json admission.json
 """
@@ -142,9 +143,13 @@ def main() -> None:
     engine = new_engine(target, head, StaticSteps(0), max_batch=args.max_batch, max_len=args.max_len, max_steps=7)
     out = {"device": args.device, "prompts": len(prompts), "max_batch": args.max_batch,
            "prompt_tokens": sorted(len(p) for p in prompts)}
-    for k in (0, 3):  # warm-up: every graph of both configurations captured
+    out["warm_graphs"] = engine.warm_graphs()  # as a server's start-up does
+    print("warm_graphs:", out["warm_graphs"], flush=True)
+    captured = engine.graphs.captures if engine.graphs is not None else 0
+    for k in (0, 3):  # warm-up: the allocator, and any graph the start-up missed (counted)
         engine.set_policy(StaticSteps(k))
         serve(engine, prompts[:8], 16, sync)
+    out["captured_after_warm_graphs"] = (engine.graphs.captures if engine.graphs is not None else 0) - captured
     for rep in range(2):
         for k in (0, 3):
             engine.set_policy(StaticSteps(k))

@@ -3,6 +3,7 @@
 - `engine`       `Engine.step`: one speculative round (draft K -> verify once -> accept -> commit ->
                  capture), continuous batching over KV-cache slots; `requests` its inputs and
                  outputs; `head_swap` installs a new head between rounds; `cuda_graphs` on a GPU
+                 (`cuda_prefill`: prompts as chunk graph replays), captured at server start
 - `calibrate`    the engine's own round times -> the cost policy's round-time model
 - `server`       `SpecServer`: engine thread (`server_loop`), metrics, drift monitor
                  (`server_drift`), control endpoint; `server_app` its HTTP face and `online-spec serve`

@@ -77,9 +77,26 @@ class StaticBatch:
         ck, cv = cache.k[layer], cache.v[layer]
         ck[self.b_idx, :, self.positions] = k.transpose(1, 2)
         cv[self.b_idx, :, self.positions] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, ck[:self.B], cv[:self.B], attn_mask=self.mask,
+        out = F.scaled_dot_product_attention(q, self.rows_of(ck), self.rows_of(cv), attn_mask=self.mask,
                                              enable_gqa=q.shape[1] != ck.shape[1])
         return out.transpose(1, 2).reshape(self.B, self.T, -1)
+
+    def rows_of(self, c: torch.Tensor) -> torch.Tensor:
+        """The batch's slots of a cache tensor: slots 0..B-1."""
+        return c[:self.B]
+
+
+class SlotBatch(StaticBatch):
+    """A `StaticBatch` of T rows of one slot chosen per replay (`slot`, a device buffer the
+    caller fills, like the positions): one graph serves every slot (serving/cuda_prefill.py)."""
+
+    def __init__(self, T: int, max_len: int, device):
+        super().__init__(1, T, max_len, device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.b_idx = self.slot[:, None].expand(1, T)  # a view: it follows the slot buffer
+
+    def rows_of(self, c: torch.Tensor) -> torch.Tensor:
+        return c.index_select(0, self.slot)
 
 
 class StaticTreeBatch(StaticBatch):
@@ -197,6 +214,9 @@ class CudaGraphs(PrefillGraphs):
             return None
         return cls(target, max_batch, max_len)
 
+    def _slot_batch(self, T: int) -> SlotBatch:
+        return SlotBatch(T, self.max_len, self.device)
+
     def bucket(self, B: int) -> int:
         return next(b for b in self.buckets if b >= B)
 
@@ -309,17 +329,18 @@ class CudaGraphs(PrefillGraphs):
         g.batch.fill(B, base, write, positions, visible)
         return self._run(g, B)
 
-    def warm_chain_rounds(self, tcache, head, caches: list, max_steps: int) -> int:
+    def warm_rounds(self, tcache, head, caches: list, max_steps: int, trees=()) -> int:
         """Capture now every graph a chain round can replay, so none is captured while serving:
-        the prefill chunks (serving/cuda_prefill.py); per batch bucket, the target's verify of T = 1..max_steps+1 tokens (T = 1: plain decode)
+        the prefill chunks and the head's fill chunks (serving/cuda_prefill.py); per batch bucket, the target's verify of T = 1..max_steps+1 tokens (T = 1: plain decode)
         and, with a head, per draft cache in `caches`, its catch-up over T = 1..max_steps+1 rows
         (features in), its one-row step over its own hidden (sampling batches) and the greedy
-        chain of K = 1..max_steps steps. Dummy rows at positions 0..T-1 of every slot: call it
-        while no request is running (a prefill rewrites a slot from row 0). Tree shapes are
-        still captured at their first use. Returns the graphs captured."""
+        chain of K = 1..max_steps steps; for each tree shape in `trees` (a static tree's), its
+        frontier step and its verify. Dummy rows at positions 0..T-1 of every slot: call it
+        while no request is running (a prefill rewrites a slot from row 0). Returns the graphs
+        captured."""
         before = self.captures
         dev, dt = self.device, self.target.dtype
-        self.warm_prefill(tcache)
+        self.warm_prefill(tcache, head, caches if head is not None else ())
         H = self.target.info.hidden_size
         for Bp in self.buckets:
             starts = [0] * Bp
@@ -336,9 +357,29 @@ class CudaGraphs(PrefillGraphs):
                 logits = torch.zeros(Bp, head.cfg.draft_vocab_size, dtype=dt, device=dev)
                 for K in range(1, max_steps + 1):
                     self.draft_chain(head, cache, logits, own[:, 0], starts, K)
+            for shape in trees:
+                self._warm_tree(shape, Bp, tcache, head, caches)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return self.captures - before
+
+    def _warm_tree(self, shape, Bp: int, tcache, head, caches: list) -> None:
+        """A tree shape's graphs at bucket Bp: the head over a frontier of topk nodes (per draft
+        cache; depth > 1 only) and the target's verify of num_draft_tokens nodes."""
+        dev, dt, H = self.device, self.target.dtype, self.target.info.hidden_size
+        base = torch.zeros(Bp, dtype=torch.long, device=dev)
+        if shape.num_steps > 1:
+            k, S = shape.topk, max(shape.scratch_rows, 1)
+            write = torch.arange(k, device=dev).expand(Bp, k)
+            for cache in caches:
+                self.tree_head_step(head, cache, torch.zeros(Bp, k, H, dtype=dt, device=dev),
+                                    torch.zeros(Bp, k, head.cfg.hidden_size, dtype=dt, device=dev), base, write,
+                                    torch.zeros(Bp, k, dtype=torch.long, device=dev),
+                                    torch.zeros(Bp, k, S, dtype=torch.bool, device=dev))
+        N = shape.num_draft_tokens
+        self.tree_target_forward(torch.zeros(Bp, N, dtype=torch.long, device=dev), base,
+                                 torch.arange(N, device=dev).expand(Bp, N), torch.zeros(Bp, N, dtype=torch.long, device=dev),
+                                 torch.eye(N, dtype=torch.bool, device=dev).expand(Bp, N, N), tcache)
 
     def bind_head(self, head) -> None:
         """`head` goes live: its weights into the graphs' module (in place: the captured graphs
@@ -350,7 +391,7 @@ class CudaGraphs(PrefillGraphs):
     def drop_head_graphs(self, cache=None) -> None:
         """Drop the head graphs (of one draft cache only, when given)."""
         for k in [k for k, g in self._graphs.items()
-                  if k[0] in ("head", "thead", "chain") and (cache is None or g.owners[1] is cache)]:
+                  if k[0] in ("head", "thead", "chain", "hfill") and (cache is None or g.owners[1] is cache)]:
             del self._graphs[k]
         self._head_caches = [] if cache is None else [c for c in self._head_caches if c is not cache]
 

@@ -8,45 +8,20 @@ admission; in the served e2e prefills were a quarter of a static configuration's
 
 A prompt of P tokens runs as chunks of at most PREFILL_CHUNKS[-1] tokens, each padded up to the
 smallest chunk size that holds it; a chunk is one replay of the graph of its size. The slot is a
-device buffer (`SlotBatch`), so one graph per chunk size serves every slot. Padding rows sit at
+device buffer (`SlotBatch`, serving/cuda_graphs.py), so one graph per chunk size serves every slot. Padding rows sit at
 positions after the prompt (clamped to the cache's last row): they write K/V only into rows of
 this slot beyond its committed length, which no committed row attends to and the next forward
 rewrites before any reads them. Only the last real row's logits are computed (its index is a
-device buffer too). Mixed into `CudaGraphs` (serving/cuda_graphs.py), whose capture, replay and
+device buffer too). The draft head's catch-up over a new prompt (`head_fill`: its K/V of every
+row but the last) runs the same way over the draft cache. Mixed into `CudaGraphs` (serving/cuda_graphs.py), whose capture, replay and
 memory pool it shares; the engine calls `prefill` where it would run the eager forward.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 PREFILL_CHUNKS = (16, 32, 64, 128, 256, 512)  # chunk sizes with a graph; longer prompts run several
-
-
-class SlotBatch:
-    """`AttentionBatch`'s interface for T new rows of one slot chosen per replay: positions and
-    the slot are device buffers the caller fills; keys are the slot's whole cache under a causal
-    mask built (inside the graph) from the positions."""
-
-    def __init__(self, T: int, max_len: int, device):
-        self.B, self.T, self.kv_len, self.rope_bound = 1, T, max_len, max_len
-        self.positions = torch.zeros(1, T, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self._keys = torch.arange(max_len, device=device)
-        self.mask = None
-
-    def build_mask(self) -> None:
-        self.mask = self._keys[None, None, None, :] <= self.positions[:, None, :, None]
-
-    def attend(self, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ck, cv = cache.k[layer], cache.v[layer]
-        rows = self.slot[:, None].expand(1, self.T)
-        ck[rows, :, self.positions] = k.transpose(1, 2)
-        cv[rows, :, self.positions] = v.transpose(1, 2)
-        keys, vals = ck.index_select(0, self.slot), cv.index_select(0, self.slot)
-        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask, enable_gqa=q.shape[1] != ck.shape[1])
-        return out.transpose(1, 2).reshape(1, self.T, -1)
 
 
 def chunk_plan(P: int) -> list[tuple[int, int, int]]:
@@ -60,7 +35,8 @@ def chunk_plan(P: int) -> list[tuple[int, int, int]]:
 
 
 class PrefillGraphs:
-    """`CudaGraphs.prefill` and its warm-up; reads the runner's target, device, max_len, _get, _run."""
+    """`CudaGraphs.prefill`, `head_fill` and their warm-up; reads the runner's target, device,
+    max_len, head, bind_head, _use_cache, _get, _run, _slot_batch (a `SlotBatch`)."""
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, slot: int, cache):
@@ -81,11 +57,45 @@ class PrefillGraphs:
             finals.append(h[0, :n])
         return logits[0, 0], torch.cat(feats), torch.cat(finals)
 
-    def warm_prefill(self, cache) -> None:
-        """Capture every chunk size's graph (dummy rows into slot 0 of `cache`, rows 0..C-1)."""
+    @torch.inference_mode()
+    def head_fill(self, head, cache, embeds: torch.Tensor, hidden: torch.Tensor, slot: int, start: int) -> None:
+        """The draft head's K/V of rows start..start+T-1 of slot `slot` into `cache` (embeds
+        [T, H], hidden [T, 3H], on the device), as `EagleHead.fill_cache`: a new prompt's rows,
+        or rows served at K = 0, in chunk replays of the head's step (its outputs unread)."""
+        T = embeds.shape[0]
+        for s, n, C in chunk_plan(T):
+            g = self._head_fill_graph(head, cache, C, embeds.shape[-1], hidden.shape[-1], embeds.dtype)
+            g.inputs["embeds"][0, :n].copy_(embeds[s:s + n])
+            g.inputs["hidden"][0, :n].copy_(hidden[s:s + n])
+            g.batch.slot.fill_(slot)
+            g.batch.positions.copy_(torch.arange(start + s, start + s + C).clamp_max(self.max_len - 1)[None])
+            self._run(g, 1)
+
+    def warm_prefill(self, tcache, head=None, caches=()) -> None:
+        """Capture every chunk size's graph: the target's prefill into `tcache` and, with a head,
+        its fill of each draft cache in `caches` (dummy rows into slot 0, rows 0..C-1)."""
+        dt, H = self.target.dtype, self.target.info.hidden_size
         for C in PREFILL_CHUNKS:
-            if C <= self.max_len:
-                self.prefill(torch.zeros(C, dtype=torch.long), 0, cache)
+            if C > self.max_len:
+                continue
+            self.prefill(torch.zeros(C, dtype=torch.long), 0, tcache)
+            for cache in caches:
+                self.head_fill(head, cache, torch.zeros(C, H, dtype=dt, device=self.device),
+                               torch.zeros(C, 3 * head.cfg.target_hidden_size, dtype=dt, device=self.device), 0, 0)
+
+    def _head_fill_graph(self, head, cache, C: int, E: int, W: int, dtype):
+        if head is not self.head.source:
+            self.bind_head(head)
+        self._use_cache(cache)
+        module, rope = self.head.module, self.target.rope
+
+        def make(_):
+            return {"embeds": torch.zeros(1, C, E, dtype=dtype, device=self.device),
+                    "hidden": torch.zeros(1, C, W, dtype=dtype, device=self.device)}
+
+        return self._get(("hfill", 1, C, W), (module, cache), make,
+                         lambda ins, sb: module.step(ins["embeds"], ins["hidden"], sb, cache, rope),
+                         batch=self._slot_batch(C))
 
     def _prefill_graph(self, C: int, cache):
         target = self.target
@@ -98,4 +108,4 @@ class PrefillGraphs:
             _, f, h = target.forward(ins["tokens"], sb, cache, logits_rows=None)
             return target.lm_head(h.index_select(1, ins["last"])), f, h
 
-        return self._get(("prefill", 1, C), (cache,), make, run, batch=SlotBatch(C, self.max_len, self.device))
+        return self._get(("prefill", 1, C), (cache,), make, run, batch=self._slot_batch(C))

@@ -136,10 +136,12 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         return self._pending_swap is not None or self._pending_policy is not None or self._staged is not None
 
     def warm_graphs(self) -> dict:
-        """Capture every CUDA graph a chain round replays before serving starts (a server's
-        start-up), for the live draft cache and the spare one a swap's staging fills, so no round
-        stalls on a capture: on an H200 a capture inside a served round cost tens of ms, and
-        each K an adaptive policy first tries cost its own. Call before any request is admitted.
+        """Capture every CUDA graph a round replays before serving starts (a server's start-up):
+        prefill chunks, chain rounds at every K and, with a static tree (`speculative_eagle_topk`
+        > 1), that tree's shape, for the live draft cache and the spare one a swap's staging
+        fills, so no round stalls on a capture: on an H200 a capture inside a served round cost
+        tens of ms, and each K an adaptive policy first tries cost its own (a tree-choosing
+        policy's candidates are still captured at first use). Call before any request is admitted.
         Returns {"graphs": captured, "seconds": wall}; {} without CUDA graphs (CPU)."""
         if self.graphs is None:
             return {}
@@ -151,7 +153,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             if self._spare_cache is None:
                 self._spare_cache = self.head.new_cache(self.cfg.max_batch, self.cfg.max_len)
             caches = [self._spare_cache, self.dcache]  # the live cache last: most recently used
-        n = self.graphs.warm_chain_rounds(self.tcache, self.head, caches, self.cfg.max_steps)
+        trees = [self.cfg.tree_shape(self.cfg.num_steps)] if self.cfg.tree and self.cfg.num_steps > 0 else []
+        n = self.graphs.warm_rounds(self.tcache, self.head, caches, self.cfg.max_steps, trees)
         for cache in [self.tcache, *caches]:
             cache.lengths = [0] * self.cfg.max_batch
         return {"graphs": n, "seconds": round(time.perf_counter() - t0, 3)}
@@ -298,35 +301,24 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         # at least the last committed row is recomputed: its output starts the chain
         dlen = [min(self.dcache.lengths[b], tlen[b] - 1) for b in range(B)]
         need = [t - d for t, d in zip(tlen, dlen)]
-        out_logits = torch.empty(B, head.cfg.draft_vocab_size, dtype=self.target.dtype, device=dev)
-        out_hidden = torch.empty(B, head.cfg.hidden_size, dtype=self.target.dtype, device=dev)
-        short = [b for b in range(B) if need[b] <= self.cfg.max_steps + 1]
-        # Long catch-ups (a fresh prompt, rows served at K = 0, or every row after a swap) run
-        # alone so padding never writes past a slot's room; the per-round ones (<= K+1 rows) run
-        # as one batch. The long ones are timed apart (RoundStats.catchup_s): a one-off cost, not
-        # the price of this round's K.
-        t0 = time.perf_counter()
-        for b in range(B):
-            if b not in short:
-                # every row but the last only contributes K/V: fill those, run the last one fully
+        # Long catch-ups (a fresh prompt, rows served at K = 0, or every row after a swap): every
+        # row but the last only contributes K/V, filled slot by slot; the last row then joins the
+        # per-round ones (<= K+1 rows) in one batch (one graph replay on a GPU), so an admission
+        # never sends the other slots down a one-slot eager path. The long fills are timed apart
+        # (RoundStats.catchup_s): a one-off cost, not the price of this round's K.
+        long = [b for b in range(B) if need[b] > self.cfg.max_steps + 1]
+        if long:
+            t0 = time.perf_counter()
+            for b in long:
                 self._fill_rows(head, self.dcache, b, dlen[b], need[b] - 1)
-                lg, hd = self._head_rows([b], [tlen[b] - 1], 1)
-                out_logits[b], out_hidden[b] = lg[0, 0], hd[0, 0]
-        if len(short) < B:
+                dlen[b], need[b] = tlen[b] - 1, 1
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)  # rare (long catch-ups only): the clock must see the GPU work
             self._catchup_s = time.perf_counter() - t0
-        if short:
-            if short == list(range(B)):
-                T = max(need)
-                lg, hd = self._head_rows(short, [dlen[b] for b in short], T)
-                idx = torch.tensor([need[b] - 1 for b in short], device=dev)
-                ar = torch.arange(len(short), device=dev)
-                out_logits[short], out_hidden[short] = lg[ar, idx], hd[ar, idx]
-            else:
-                for b in short:
-                    lg, hd = self._head_rows([b], [dlen[b]], need[b])
-                    out_logits[b], out_hidden[b] = lg[0, need[b] - 1], hd[0, need[b] - 1]
+        lg, hd = self._head_rows(dlen, max(need))
+        idx = torch.tensor([n - 1 for n in need], device=dev)
+        ar = torch.arange(B, device=dev)
+        out_logits, out_hidden = lg[ar, idx], hd[ar, idx]
         for b in range(B):
             self.dcache.lengths[b] = tlen[b]
         return out_logits, out_hidden
@@ -337,30 +329,24 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             return
         dev = self.target.device
         emb = self.target.embed_tokens(self.tok_buf[slot, start + 1:start + T + 1][None].to(dev))
-        head.fill_cache(emb, self.feat_buf[slot, start:start + T][None], slot, start, cache, self.target.rope)
+        if self.graphs is not None:  # chunk replays (serving/cuda_prefill.py)
+            self.graphs.head_fill(head, cache, emb[0], self.feat_buf[slot, start:start + T], slot, start)
+        else:
+            head.fill_cache(emb, self.feat_buf[slot, start:start + T][None], slot, start, cache, self.target.rope)
         cache.lengths[slot] = start + T
 
-    def _head_rows(self, slots: list[int], starts: list[int], T: int):
-        """Head forward over rows starts[i] .. starts[i]+T-1 of slots 0..len-1 (slots must be a
-        prefix range or a single slot, matching the cache's batch view)."""
+    def _head_rows(self, starts: list[int], T: int):
+        """Head forward over rows starts[b] .. starts[b]+T-1 of slots 0..B-1 (B = len(starts))."""
         dev = self.target.device
-        pos = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # [n, T]
-        sl = torch.tensor(slots)[:, None]
+        pos = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # [B, T]
+        sl = torch.arange(len(starts))[:, None]
         nxt = self.tok_buf[sl, (pos + 1).clamp_max(self.cfg.max_len)]
         hid = self.feat_buf[sl.to(dev), pos.clamp_max(self.cfg.max_len - 1).to(dev)]
         emb = self.target.embed_tokens(nxt.to(dev))
-        if len(slots) == 1 and slots[0] != 0:
-            # a single slot not at the batch origin: run it through a one-slot view of the cache
-            return self._head_rows_single(slots[0], starts[0], T, emb, hid)
         if self.graphs is not None:
             return self.graphs.head_step(self.head, self.dcache, emb, hid, starts)
         batch = AttentionBatch(starts, T, dev)
         return self.head.step(emb, hid, batch, self.dcache, self.target.rope)
-
-    def _head_rows_single(self, slot: int, start: int, T: int, emb, hid):
-        view = _SlotView(self.dcache, slot)
-        batch = AttentionBatch([start], T, self.target.device)
-        return self.head.step(emb, hid, batch, view, self.target.rope)
 
     def _commit_output(self, r: Request, new: list[int], accept_len: int, K: int) -> RequestOutput:
         """Append committed tokens to the request, cutting at its stop conditions."""

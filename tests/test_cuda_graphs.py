@@ -367,8 +367,8 @@ def test_warm_graphs_covers_every_shape_chain_serving_uses():
     info = eng.warm_graphs()
     assert info["graphs"] == 0 and info["seconds"] >= 0  # nothing captured on CPU
     warmed = set(eng.graphs._graphs)
-    # prefill chunks; per bucket (1, 2, 4): verify T = 1..5; per draft cache (2): catch-up T = 1..5, one own-hidden step, chains K = 1..4
-    assert len(warmed) == 4 + 3 * 5 + 3 * 2 * (5 + 1 + 4)  # + prefill chunks of 16..128 tokens
+    # prefill and head-fill chunks; per bucket (1, 2, 4): verify T = 1..5; per draft cache (2): catch-up T = 1..5, one own-hidden step, chains K = 1..4
+    assert len(warmed) == 4 * (1 + 2) + 3 * 5 + 3 * 2 * (5 + 1 + 4)  # chunks of 16..128: prefill, 2 head fills
     for k in range(5):
         eng.set_policy(StaticSteps(k))
         for n in (1, 2, 4, 5):
@@ -419,3 +419,48 @@ def test_graphed_prefill_chunks_compute_the_eager_prefill(P, device):
     sizes = {c for _, _, c in chunk_plan(P)}
     assert sum(n for _, n, _ in chunk_plan(P)) == P and len(graphs._graphs) == len(sizes)
     assert graphs.captures == (len(sizes) if device == "cuda" else 0) and graphs.capture_failures == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_graphed_head_fill_writes_the_eager_fill_cache_rows(device):
+    """`CudaGraphs.head_fill` (the head's catch-up over a new prompt in chunk replays) writes
+    the draft cache rows `EagleHead.fill_cache` writes, into its slot only: 300 rows from row 5
+    run as 256 + 44 padded to 64."""
+    target = tiny_target().to(device)
+    head = new_head(target, draft_vocab_size=256, seed=1).to(device)
+    T, start, slot = 300, 5, 2
+    g = torch.Generator().manual_seed(0)
+    emb = target.embed_tokens(torch.randint(1, 500, (1, T), generator=g).to(device))
+    hid = torch.randn(1, T, 3 * target.info.hidden_size, generator=g).to(device)
+    eager = head.new_cache(3, 1024)
+    head.fill_cache(emb, hid, slot, start, eager, target.rope)
+    graphs = CudaGraphs(target, 3, 1024)
+    graphs.disabled = device == "cpu"
+    cache = head.new_cache(3, 1024)
+    graphs.head_fill(head, cache, emb[0], hid[0], slot, start)
+    for a, b in ((cache.k[0], eager.k[0]), (cache.v[0], eager.v[0])):
+        assert torch.allclose(a[slot, :, start:start + T], b[slot, :, start:start + T], atol=1e-4)
+        assert not a[[0, 1]].any() and not a[slot, :, :start].any()
+
+
+def test_warm_graphs_covers_a_static_tree():
+    """With a static tree (SGLang's flags: topk 2, depth 3, 6 draft tokens) the start-up warm-up
+    also creates the tree's frontier-step and verify graphs: serving greedy batches of 1-4 adds
+    none, and the output is the target's (on CPU with captures off, as above)."""
+    target = tiny_target()
+    head = new_head(target, draft_vocab_size=256, seed=1)
+    prompts = [[5, 9, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 200], [42] * 6]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
+    eng = Engine(target, head, EngineConfig(max_batch=4, max_len=128, max_steps=3, num_steps=3,
+                                            speculative_eagle_topk=2, speculative_num_draft_tokens=6))
+    eng.graphs = CudaGraphs(target, 4, 128)
+    eng.graphs.disabled = True
+    eng.graphs.bind_head(head)
+    eng.warm_graphs()
+    warmed = set(eng.graphs._graphs)
+    assert {k[0] for k in warmed} >= {"thead", "ttarget"}
+    for n in (1, 2, 4):
+        assert eng.generate(prompts[:n], sp) == plain[:n]
+    assert set(eng.graphs._graphs) == warmed
