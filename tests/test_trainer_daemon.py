@@ -423,6 +423,44 @@ def test_max_duty_rests_in_proportion_to_the_work(tmp_path, monkeypatch):
         DaemonConfig(max_duty=0.0)
 
 
+def test_an_idle_server_lets_the_trainer_take_its_idle_duty(tmp_path, monkeypatch):
+    """--max-duty 0.25 while the server serves, --idle-duty 1 while its control `info` says no
+    request is running or waiting: the daemon trains back to back through a lull and rests 3x its
+    step again from the first read that finds requests (reads every 0.5 s while idle); a server
+    it cannot ask counts as serving."""
+    target = tiny8()
+    d = TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / "d"), max_duty=0.25, idle_duty=1.0), target, None,
+                      SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                      ReplayConfig(root=str(tmp_path / "d" / "replay")), DistillConfig(), LossConfig(ttt_steps=3))
+
+    class Server:
+        load = {"running_requests": 0, "waiting_requests": 0}
+
+        def info(self):
+            return {"head_version": 0, **self.load}
+
+    d.publisher = server = Server()
+    assert d.duty() == 0.25  # nothing read yet
+    assert d.watch_server_head(now=0.0) is None and d.duty() == 1.0 and d.rest_after(0.05) == 0.0
+    server.load = {"running_requests": 0, "waiting_requests": 3}
+    assert d.watch_server_head(now=0.4) is None and d.duty() == 1.0  # the next read is due at 0.5 s
+    d.watch_server_head(now=0.5)
+    assert d.duty() == 0.25 and abs(d.rest_after(0.01) - 0.03) < 1e-9
+    server.load = {"running_requests": 0, "waiting_requests": 0}
+    d.watch_server_head(now=1.5)
+    assert d.duty() == 0.25  # serving: read every 2 s
+    d.watch_server_head(now=2.5)
+    assert d.duty() == 1.0
+
+    def down():
+        raise ConnectionError("gone")
+    monkeypatch.setattr(server, "info", down)
+    d.watch_server_head(now=3.0)
+    assert d.duty() == 0.25
+    with pytest.raises(ConfigError, match="idle_duty"):
+        DaemonConfig(idle_duty=1.5)
+
+
 def test_nice_lowers_the_trainer_process_priority():
     """`--nice N` raises the trainer process's niceness (in a child process: niceness cannot be
     lowered again); out of 0..19 it is refused with the flag's name."""

@@ -91,6 +91,9 @@ class DaemonConfig:
     max_duty: float = doc("most of the wall time the daemon spends training and evaluating (1 = back to back): "
                           "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
                           "core or GPU time to the server it shares the machine with", 1.0)
+    idle_duty: float = doc("the duty cycle while the server has no running or waiting request (its control "
+                           "`info`, read every 2 s, every 0.5 s while idle): training takes the time serving "
+                           "leaves free; --max-duty applies again from the first read that finds it serving", 1.0)
     drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
     specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
                            "so the live head may specialise on the traffic of now (the bank brings the other head "
@@ -105,6 +108,7 @@ class DaemonConfig:
         check(self.eval_generated_rows >= 1, "eval_generated_rows", "must be >= 1")
         check(self.save_every_steps >= 1, "save_every_steps", "must be >= 1")
         check(0.0 < self.max_duty <= 1.0, "max_duty", f"must be in (0, 1], got {self.max_duty!r}")
+        check(0.0 < self.idle_duty <= 1.0, "idle_duty", f"must be in (0, 1], got {self.idle_duty!r}")
 
 
 class TrainerDaemon:
@@ -201,9 +205,8 @@ class TrainerDaemon:
                 t0 = time.monotonic()
                 if not self.train_once():
                     self._stop.wait(self.cfg.idle_sleep_s)
-                elif self.cfg.max_duty < 1.0:
-                    self._rested_s += (rest := (time.monotonic() - t0) * (1.0 / self.cfg.max_duty - 1.0))
-                    self._stop.wait(rest)
+                else:
+                    self.rest_after(time.monotonic() - t0)
                 self.watch_rollback()
                 self.watch_starvation()
                 self.watch_server_head()
@@ -212,6 +215,22 @@ class TrainerDaemon:
             self.subscriber.close(flush=True)
             self.buffer.flush()
         return self.summary()
+
+    def duty(self) -> float:
+        """The duty cycle now: `idle_duty` while the server's last read found it idle (no running
+        or waiting request), else `max_duty` (and with no server to ask)."""
+        return self.cfg.idle_duty if self.server_head.idle else self.cfg.max_duty
+
+    def rest_after(self, busy_s: float) -> float:
+        """Rest after `busy_s` of training so the trainer's share of the time is `duty()`;
+        returns the seconds rested (cut short by stop)."""
+        duty = self.duty()
+        if duty >= 1.0:
+            return 0.0
+        rest = busy_s * (1.0 / duty - 1.0)
+        self._rested_s += rest
+        self._stop.wait(rest)
+        return rest
 
     def train_once(self) -> bool:
         """One step if the buffer holds enough traffic; evaluation/publication when due."""

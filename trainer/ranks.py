@@ -298,9 +298,8 @@ class RankLoop:
                 t0 = time.monotonic()
                 if not (ready and self.step_once()):
                     self._stop.wait(self.dcfg.idle_sleep_s)
-                elif d is not None and self.dcfg.max_duty < 1.0:
-                    d._rested_s += (rest := (time.monotonic() - t0) * (1.0 / self.dcfg.max_duty - 1.0))
-                    self._stop.wait(rest)
+                elif d is not None:
+                    d.rest_after(time.monotonic() - t0)
                 if d is not None:
                     d.watch_rollback()
                     d.watch_starvation()

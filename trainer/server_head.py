@@ -10,6 +10,8 @@ cannot load; the daemon then adopts it (`TrainerDaemon.watch_server_head`).
 The same read gives the tags the server's bank holds another head for (`banked_elsewhere`): the
 gate does not refuse a candidate for regressing on those (that traffic gets its own head back
 when it returns), so the live head may specialise on the traffic of now.
+It also says whether the server is idle (`idle`: no running and no waiting request), which sets
+the daemon's duty cycle (`DaemonConfig.idle_duty` against `max_duty`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 SERVER_HEAD_POLL_S = 2.0  # seconds between the daemon's reads of the server's live version
+IDLE_POLL_S = 0.5  # ... while the last read found the server idle (its duty cycle is higher then)
 
 
 def head_version_of(info) -> int | None:
@@ -41,8 +44,9 @@ def server_live_version(server_info: Callable[[], dict] | None) -> int:
 
 
 class ServerHeadWatch:
-    def __init__(self, poll_s: float = SERVER_HEAD_POLL_S):
-        self.poll_s = poll_s
+    def __init__(self, poll_s: float = SERVER_HEAD_POLL_S, idle_poll_s: float = IDLE_POLL_S):
+        self.poll_s, self.idle_poll_s = poll_s, idle_poll_s
+        self.idle = False  # the last read found no running and no waiting request (False: serving, or unknown)
         self._next = 0.0
         self._unknown: set[int] = set()  # versions already said to be unloadable
         self.adopted = 0
@@ -70,7 +74,11 @@ class ServerHeadWatch:
             info = server_info()
         except Exception as e:  # noqa: BLE001 - unreachable now: asked again at the next poll
             log.debug("server info unavailable: %s", e)
+            self.idle = False
             return None
+        self.idle = isinstance(info, dict) and info.get("running_requests") == 0 and info.get("waiting_requests") == 0
+        if self.idle:
+            self._next = now + self.idle_poll_s
         v = head_version_of(info)
         bank = info.get("head_bank") if isinstance(info, dict) else None
         banked = bank.get("banked") if isinstance(bank, dict) else None
