@@ -88,7 +88,8 @@ def session_figures(result: SessionResult, bin_s: float = 10.0) -> dict:
                       for s in result.swaps],
             "alerts": [{**a, "t_s": a["t"] - t0} for a in result.alerts],
             "adaptation": adaptation(result), "returns": returns(result), "trainer": result.trainer,
-            "policy_log": result.policy_log, "round_costs": round_costs(result)}
+            "policy_log": result.policy_log, "round_costs": round_costs(result),
+            "cuda_graphs": result.server_info.get("cuda_graphs")}  # start-up warm-up, captures while serving
     return figs
 
 
