@@ -237,12 +237,9 @@ class CudaGraphs(PrefillGraphs):
         """The head over rows starts[b]..starts[b]+T-1 of slots 0..B-1 (embeds [B,T,H], hidden
         [B,T,3H|H]) -> (draft logits [B,T,Vd], output hidden [B,T,H]), as `head.step`."""
         B, T, W = hidden.shape
-        if head is not self.head.source:
-            self.bind_head(head)  # a caller that did not bind at its switch
-        self._use_cache(cache)
+        head = self._head_module(head, cache)
         key = ("head", self.bucket(B), T, W)
         rope = self.target.rope
-        head = self.head.module
 
         def make(Bp):
             return {"embeds": torch.zeros(Bp, T, embeds.shape[-1], dtype=embeds.dtype, device=self.device),
@@ -261,12 +258,9 @@ class CudaGraphs(PrefillGraphs):
         catch-up's last row, hidden [B, H] beside it), step j >= 1 runs the head at starts[b] + j - 1.
         -> (draft target ids [B, K], their probabilities [B, K] float32)."""
         B = logits.shape[0]
-        if head is not self.head.source:
-            self.bind_head(head)
-        self._use_cache(cache)
+        head = self._head_module(head, cache)
         key = ("chain", self.bucket(B), K)
         rope, embed = self.target.rope, self.target.embed_tokens
-        head = self.head.module
 
         def make(Bp):
             return {"logits": torch.zeros(Bp, logits.shape[-1], dtype=logits.dtype, device=self.device),
@@ -311,12 +305,9 @@ class CudaGraphs(PrefillGraphs):
         `tree_target_forward`) -> (draft logits [B,T,Vd], output hidden [B,T,H]), as `head.step`."""
         B, T, W = hidden.shape
         S = visible.shape[-1]
-        if head is not self.head.source:
-            self.bind_head(head)
-        self._use_cache(cache)
+        head = self._head_module(head, cache)
         key = ("thead", self.bucket(B), T, W, S)
         rope = self.target.rope
-        head = self.head.module
 
         def make(Bp):
             return {"embeds": torch.zeros(Bp, T, embeds.shape[-1], dtype=embeds.dtype, device=self.device),
@@ -330,17 +321,18 @@ class CudaGraphs(PrefillGraphs):
         return self._run(g, B)
 
     def warm_rounds(self, tcache, head, caches: list, max_steps: int, trees=()) -> int:
-        """Capture now every graph a chain round can replay, so none is captured while serving:
-        the prefill chunks and the head's fill chunks (serving/cuda_prefill.py); per batch bucket, the target's verify of T = 1..max_steps+1 tokens (T = 1: plain decode)
-        and, with a head, per draft cache in `caches`, its catch-up over T = 1..max_steps+1 rows
-        (features in), its one-row step over its own hidden (sampling batches) and the greedy
-        chain of K = 1..max_steps steps; for each tree shape in `trees` (a static tree's), its
+        """Capture now every graph a round can replay, so none is captured while serving: the
+        prefill chunks and the head's fill chunks (serving/cuda_prefill.py); per batch bucket, the
+        target's verify of T = 1..max_steps+1 tokens (T = 1: plain decode) and, with a head, per
+        draft cache in `caches`, its catch-up over T = 1..max_steps+1 rows (features in), its
+        one-row step over its own hidden (sampling batches) and the greedy chain of K =
+        1..max_steps steps; for each tree shape in `trees` (a static tree's), its
         frontier step and its verify. Dummy rows at positions 0..T-1 of every slot: call it
         while no request is running (a prefill rewrites a slot from row 0). Returns the graphs
         captured."""
         before = self.captures
         dev, dt = self.device, self.target.dtype
-        self.warm_prefill(tcache, head, caches if head is not None else ())
+        self.warm_prefill(tcache, head, caches)
         H = self.target.info.hidden_size
         for Bp in self.buckets:
             starts = [0] * Bp
@@ -377,8 +369,8 @@ class CudaGraphs(PrefillGraphs):
                                     torch.zeros(Bp, k, dtype=torch.long, device=dev),
                                     torch.zeros(Bp, k, S, dtype=torch.bool, device=dev))
         N = shape.num_draft_tokens
-        self.tree_target_forward(torch.zeros(Bp, N, dtype=torch.long, device=dev), base,
-                                 torch.arange(N, device=dev).expand(Bp, N), torch.zeros(Bp, N, dtype=torch.long, device=dev),
+        zeros = torch.zeros(Bp, N, dtype=torch.long, device=dev)  # the tokens, and every node's depth
+        self.tree_target_forward(zeros, base, torch.arange(N, device=dev).expand(Bp, N), zeros,
                                  torch.eye(N, dtype=torch.bool, device=dev).expand(Bp, N, N), tcache)
 
     def bind_head(self, head) -> None:
@@ -394,6 +386,14 @@ class CudaGraphs(PrefillGraphs):
                   if k[0] in ("head", "thead", "chain", "hfill") and (cache is None or g.owners[1] is cache)]:
             del self._graphs[k]
         self._head_caches = [] if cache is None else [c for c in self._head_caches if c is not cache]
+
+    def _head_module(self, head, cache):
+        """The module the head graphs replay, with `head`'s weights (bound here for a caller that
+        did not bind at its switch), `cache` marked most recently used."""
+        if head is not self.head.source:
+            self.bind_head(head)
+        self._use_cache(cache)
+        return self.head.module
 
     def _use_cache(self, cache) -> None:
         """Mark `cache` most recently used; beyond HEAD_CACHES caches the oldest one's graphs go."""

@@ -8,13 +8,14 @@ admission; in the served e2e prefills were a quarter of a static configuration's
 
 A prompt of P tokens runs as chunks of at most PREFILL_CHUNKS[-1] tokens, each padded up to the
 smallest chunk size that holds it; a chunk is one replay of the graph of its size. The slot is a
-device buffer (`SlotBatch`, serving/cuda_graphs.py), so one graph per chunk size serves every slot. Padding rows sit at
-positions after the prompt (clamped to the cache's last row): they write K/V only into rows of
-this slot beyond its committed length, which no committed row attends to and the next forward
-rewrites before any reads them. Only the last real row's logits are computed (its index is a
-device buffer too). The draft head's catch-up over a new prompt (`head_fill`: its K/V of every
-row but the last) runs the same way over the draft cache. Mixed into `CudaGraphs` (serving/cuda_graphs.py), whose capture, replay and
-memory pool it shares; the engine calls `prefill` where it would run the eager forward.
+device buffer (`SlotBatch`, serving/cuda_graphs.py), so one graph per chunk size serves every
+slot. Padding rows sit at positions after the prompt (clamped to the cache's last row): they
+write K/V only into rows of this slot beyond its committed length, which no committed row
+attends to and the next forward rewrites before any reads them. Only the last real row's logits
+are computed (its index is a device buffer too). The draft head's catch-up over a new prompt
+(`head_fill`: its K/V of every row but the last) runs the same way over the draft cache. Mixed
+into `CudaGraphs` (serving/cuda_graphs.py), whose capture, replay and memory pool it shares; the
+engine calls `prefill` and `head_fill` where it would run the eager forwards.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def chunk_plan(P: int) -> list[tuple[int, int, int]]:
 
 class PrefillGraphs:
     """`CudaGraphs.prefill`, `head_fill` and their warm-up; reads the runner's target, device,
-    max_len, head, bind_head, _use_cache, _get, _run, _slot_batch (a `SlotBatch`)."""
+    max_len, _head_module, _get, _run, _slot_batch (a `SlotBatch`)."""
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, slot: int, cache):
@@ -84,10 +85,7 @@ class PrefillGraphs:
                                torch.zeros(C, 3 * head.cfg.target_hidden_size, dtype=dt, device=self.device), 0, 0)
 
     def _head_fill_graph(self, head, cache, C: int, E: int, W: int, dtype):
-        if head is not self.head.source:
-            self.bind_head(head)
-        self._use_cache(cache)
-        module, rope = self.head.module, self.target.rope
+        module, rope = self._head_module(head, cache), self.target.rope
 
         def make(_):
             return {"embeds": torch.zeros(1, C, E, dtype=dtype, device=self.device),

@@ -54,6 +54,7 @@ from online_spec.starvation import KINDS as STARVATION_KINDS
 from online_spec.starvation import StarvationConfig
 from trainer.batch import collate
 from trainer.distill import DistillConfig, Distiller, init_from_target
+from trainer.duty import DutyCycle
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
@@ -91,9 +92,8 @@ class DaemonConfig:
     max_duty: float = doc("most of the wall time the daemon spends training and evaluating (1 = back to back): "
                           "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
                           "core or GPU time to the server it shares the machine with", 1.0)
-    idle_duty: float = doc("the duty cycle while the server has no running or waiting request (its control "
-                           "`info`, read every 2 s, every 0.5 s while idle): training takes the time serving "
-                           "leaves free; --max-duty applies again from the first read that finds it serving", 1.0)
+    idle_duty: float = doc("the duty cycle while the server's control `info` (read every 0.5-2 s) shows no running "
+                           "or waiting request: lulls go to training; --max-duty while it serves", 1.0)
     drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
     specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
                            "so the live head may specialise on the traffic of now (the bank brings the other head "
@@ -155,7 +155,6 @@ class TrainerDaemon:
         self._last_eval_t = time.monotonic()
         self._last_eval_step = self.distiller.step
         self._drift_until = 0.0
-        self._rested_s = 0.0  # seconds rested under max_duty
         self.refused_spans = {"stream": 0, "stored": 0}  # spans that do not fit the target, by where met
         self.last_refused = ""
         self.failed_steps = self.failed_evals = 0
@@ -163,6 +162,7 @@ class TrainerDaemon:
         self.starvation_watch = StarvationWatch(starvation_cfg, wandb_run)
         self.starvation = self.starvation_watch.detector
         self.server_head = ServerHeadWatch()
+        self.duty_cycle = DutyCycle(cfg.max_duty, cfg.idle_duty, self._stop)
 
     # -- inputs ---------------------------------------------------------------------------
     def span_error(self, span: CaptureSpan) -> str | None:
@@ -216,21 +216,11 @@ class TrainerDaemon:
             self.buffer.flush()
         return self.summary()
 
-    def duty(self) -> float:
-        """The duty cycle now: `idle_duty` while the server's last read found it idle (no running
-        or waiting request), else `max_duty` (and with no server to ask)."""
-        return self.cfg.idle_duty if self.server_head.idle else self.cfg.max_duty
+    def duty(self) -> float:  # trainer/duty.py: idle_duty while the server was last seen idle
+        return self.duty_cycle.duty(self.server_head.idle)
 
     def rest_after(self, busy_s: float) -> float:
-        """Rest after `busy_s` of training so the trainer's share of the time is `duty()`;
-        returns the seconds rested (cut short by stop)."""
-        duty = self.duty()
-        if duty >= 1.0:
-            return 0.0
-        rest = busy_s * (1.0 / duty - 1.0)
-        self._rested_s += rest
-        self._stop.wait(rest)
-        return rest
+        return self.duty_cycle.rest_after(busy_s, self.server_head.idle)
 
     def train_once(self) -> bool:
         """One step if the buffer holds enough traffic; evaluation/publication when due."""
@@ -494,7 +484,7 @@ class TrainerDaemon:
     def summary(self) -> dict:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
-                "rested_s": round(self._rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
+                "rested_s": round(self.duty_cycle.rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
                 "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,
