@@ -15,7 +15,9 @@ round (`collector.wire.encode_round`; the engine may pass views of its own tenso
 not to mutate them after submitting), and sends each record's frames with `zmq.NOBLOCK` and
 `copy=False`. Whole rounds, because every torch call of the sender thread releases and retakes
 the GIL, and each hand-over stalls the engine's thread: per-record encoding cost an H100 engine
-18 % of its tokens/s at batch 1 and 31 % at batch 16 (docs/collector.md).
+18 % of its tokens/s at batch 1 and 31 % at batch 16 (docs/collector.md). For the same reason,
+given the engine's host window (`follow_window`: a GPU engine's), the sender starts each round's
+work when the engine's thread next waits on the device (online_spec/host_window.py).
 
 Why XPUB with `XPUB_NODROP`, bound by the publisher:
 - a plain PUB socket never blocks but also drops silently at its high-water mark, so drops
@@ -59,6 +61,7 @@ import zmq
 from online_spec import advice
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, doc
+from online_spec.host_window import HostWindow
 
 from collector.curve import check_curve_files, make_curve_server
 from collector.endpoint import (check_endpoint, prepare_endpoint, remove_ipc_file, resolve_endpoint,
@@ -155,6 +158,7 @@ class CapturePublisher:
         self._ends_queued = 0  # the caller's
         self._ends_done = 0  # the sender's: markers it has sent or dropped
         self.send_errors = 0
+        self._window: HostWindow | None = None
         self._thread = threading.Thread(target=self._run, name="capture-publisher", daemon=True)
         self._thread.start()
 
@@ -193,6 +197,11 @@ class CapturePublisher:
         self._ends_queued += 1
         self._records_in += 1
         self._queue.put_nowait(EndOfRequest(request_id, time.time()))
+
+    def follow_window(self, window: HostWindow | None) -> None:
+        """Start each queued round's work when the engine's thread next waits on the device (at
+        most the window's `wait_s` later; online_spec/host_window.py)."""
+        self._window = window
 
     def stats(self) -> dict[str, Any]:
         names = ("requests_seen", "requests_captured", "submitted", "sent", "dropped_queue_full", "dropped_hwm",
@@ -268,6 +277,9 @@ class CapturePublisher:
                     continue
                 if item is _STOP:
                     break
+                window = self._window
+                if window is not None:
+                    window.wait()
                 self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)
                 try:
                     self._send_item(item)

@@ -24,6 +24,13 @@ from serving.requests import Request
 class ChainRounds:
     """Drafting and accepting chains; mixed into `Engine`."""
 
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host: a blocking read-back on a GPU, inside a host window where the engine has one."""
+        if self.window is None:
+            return t.cpu()
+        with self.window.waiting():
+            return t.cpu()
+
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
         full-vocab draft distributions per request (sampling requests only))."""
@@ -100,7 +107,7 @@ class ChainRounds:
             toks_k, probs_k = head.greedy_chain(self.target.embed_tokens, self.target.rope, self.dcache, logits,
                                                 hidden, K, lambda j: AttentionBatch([t + j - 1 for t in tlen], 1, dev))
         # one read-back: target ids (< 2^24, exact in float32) beside their probabilities
-        both = torch.cat([toks_k.float(), probs_k.float()], 1).cpu()
+        both = self._host(torch.cat([toks_k.float(), probs_k.float()], 1))
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them
             self.dcache.lengths[b] = tlen[b]
         return both[:, :K].long().contiguous(), both[:, K:].contiguous(), None
@@ -110,7 +117,7 @@ class ChainRounds:
         records, a `CaptureRound` of the sampled requests' committed rows, built off this thread."""
         B, T = len(reqs), feats.shape[1]
         accepted, rows, index, round_outs = [], [], [], []
-        greedy_choice = logits.argmax(-1).cpu() if any(r.params.greedy for r in reqs) else None
+        greedy_choice = self._host(logits.argmax(-1)) if any(r.params.greedy for r in reqs) else None
         for b, r in enumerate(reqs):
             n = lens[b]
             if r.params.greedy:

@@ -37,6 +37,7 @@ from online_spec.capture import CaptureRecord
 from online_spec.config import ConfigError
 from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
+from online_spec.host_window import HostWindow, follow
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import TargetModel
@@ -67,6 +68,11 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.feat_buf = torch.zeros(S, L, 3 * info.hidden_size, dtype=target.dtype, device=target.device)
         self.graphs = CudaGraphs.for_engine(target, S, L, c.cuda_graphs)  # None on CPU
         self.cuts = c.cuts_on(target.device)  # ask the policy's in-round early stop / verify cut
+        # opened around the round's blocking read-backs; the publisher and a planned policy start
+        # their Python there (online_spec/host_window.py)
+        self.window = HostWindow() if c.windows_on(target.device) else None
+        follow(publisher, self.window)
+        follow(self.policy, self.window)
         self.head: EagleHead | None = None
         self.dcache = None
         self.head_version = -1

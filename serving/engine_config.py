@@ -39,6 +39,9 @@ class EngineConfig:
                              "device, read back once a round (with CUDA graphs: one graph). On an H100 a verify "
                              "of 2-6 tokens costs about one of 1, so the cuts save little there: the cost policy "
                              "served 303 tok/s at batch 1 with them off, 251 with them on", "auto")
+    host_windows: str = doc("place the capture sender's and the cost policy planner's Python in the moments the "
+                            "engine's thread waits on the device (online_spec/host_window.py): on, off, or auto = "
+                            "on a CUDA device only (a CPU engine's read-backs do not wait)", "auto")
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
@@ -49,6 +52,8 @@ class EngineConfig:
         check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
         check(self.in_round_cuts in ("auto", "on", "off"), "in_round_cuts",
               f"must be auto, on or off, got {self.in_round_cuts!r}")
+        check(self.host_windows in ("auto", "on", "off"), "host_windows",
+              f"must be auto, on or off, got {self.host_windows!r}")
         check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
               "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
         check(self.speculative_num_draft_tokens >= 0, "speculative_num_draft_tokens", "must be >= 0")
@@ -75,6 +80,10 @@ class EngineConfig:
         if self.tree and self.max_steps > 0:
             return max(self.max_steps, self.tree_shape(self.max_steps).footprint)
         return self.max_steps
+
+    def windows_on(self, device: torch.device) -> bool:
+        """Whether an engine on `device` opens host windows (`host_windows`)."""
+        return self.host_windows == "on" or (self.host_windows == "auto" and device.type == "cuda")
 
     def cuts_on(self, device: torch.device) -> bool:
         """Whether rounds on `device` ask the policy's in-round cuts (`in_round_cuts`)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from online_spec.head import EagleHead
+from online_spec.host_window import follow
 
 
 @dataclass
@@ -54,6 +55,7 @@ class HeadSwapping:
             policy, self._pending_policy = self._pending_policy, None
         if policy is not None:
             self.policy = policy
+            follow(policy, self.window)
         self._filled = 0
         if pending is not None:
             head, version, staged = pending

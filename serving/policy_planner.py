@@ -18,6 +18,10 @@ engine thread only reading a plan:
   thread at the same points and decides the same (the tests hold it to that). A batch size
   without a plan (its first round) waits until every queued round is learnt and plans on the
   engine thread.
+- Given the engine's host window (`follow_window`), the worker starts each queued round when
+  the engine's thread next waits on the device (at most the window's `wait_s` later), so its Python
+  does not take turns on the interpreter lock with the engine's; the engine's thread waiting
+  for a plan opens the window itself.
 - `should_continue` / `verify_lengths` run the plan's rules (`continue_pays`, `verify_cut`);
   the probe schedule stays the policy's own (`CostModelPolicy.schedule`, engine thread).
 
@@ -36,12 +40,14 @@ import logging
 import queue
 import threading
 import weakref
+from contextlib import nullcontext
 from typing import Sequence
 
 from online_spec.config import ConfigError
 from online_spec.controller.base import StepPolicyBase, check_policy
 from online_spec.controller.cost import CostModelPolicy
 from online_spec.controller.plan import BatchPlan
+from online_spec.host_window import HostWindow
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +81,15 @@ class _Learner:
         self.seen: dict[int, tuple[float, int]] = {}  # batch size -> (its last context, the round it was seen)
         self.failures = 0
         self.last_error = ""
+        self.window: HostWindow | None = None  # start each item while the engine waits on the device
 
     def run(self) -> None:
         while True:
             item = self.queue.get()
             if item is _STOP:
                 return
+            if self.window is not None:
+                self.window.wait()
             self.apply(item)
 
     def apply(self, item: tuple) -> None:
@@ -121,25 +130,27 @@ class _Learner:
                 log.exception("policy planner: learning failed (%d so far); the last plans stay in use", self.failures)
             return None
 
-    def wait_for(self, rounds: int, thread: threading.Thread | None) -> dict[int, BatchPlan]:
+    def wait_for(self, rounds: int, thread: threading.Thread | None, engine: bool = False) -> dict[int, BatchPlan]:
         """The plans learnt through `rounds` rounds, waiting for the worker (or, without one,
-        learning the queued items here up to that point)."""
+        learning the queued items here up to that point). `engine`: the engine's thread waits,
+        and opens its host window meanwhile (the worker may be waiting for one)."""
         if self.learnt >= rounds:  # the usual case, without the lock: plans[n] is stored before learnt = n,
             return self.plans[rounds]  # and the caller asks for n >= learnt - 1, which stays stored
-        self._wait(lambda: self.learnt >= rounds, thread)
+        self._wait(lambda: self.learnt >= rounds, thread, engine)
         return self.plans[rounds]
 
-    def wait_idle(self, items: int, thread: threading.Thread | None) -> None:
+    def wait_idle(self, items: int, thread: threading.Thread | None, engine: bool = False) -> None:
         """Every one of the first `items` queued items (rounds, rewarms, ...) applied."""
         if self.done < items:
-            self._wait(lambda: self.done >= items, thread)
+            self._wait(lambda: self.done >= items, thread, engine)
 
-    def _wait(self, ready, thread: threading.Thread | None) -> None:
+    def _wait(self, ready, thread: threading.Thread | None, engine: bool = False) -> None:
         if thread is None:
             while not ready():
                 self.apply(self.queue.get_nowait())
             return
-        with self.cond:
+        window = self.window.waiting() if engine and self.window is not None else nullcontext()
+        with window, self.cond:
             while not ready():
                 if not thread.is_alive():
                     raise RuntimeError("policy planner: its worker thread is gone")
@@ -185,9 +196,9 @@ class PlannedPolicy(StepPolicyBase):
 
     def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
         """K from the plan learnt through the round before the last (the probe schedule applied)."""
-        plan = self._learner.wait_for(max(0, self._submitted - 1), self._thread).get(batch_size)
+        plan = self._learner.wait_for(max(0, self._submitted - 1), self._thread, engine=True).get(batch_size)
         if plan is None:  # this batch size's first round: learn everything queued, plan here
-            self._learner.wait_idle(self._queued, self._thread)
+            self._learner.wait_idle(self._queued, self._thread, engine=True)
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
         self._k = self.policy.schedule(batch_size, plan.steps)
@@ -217,6 +228,10 @@ class PlannedPolicy(StepPolicyBase):
         otherwise (the live round-time model belongs to the worker)."""
         plan = self._plan
         return plan.plain_round_s if k == 0 and plan is not None and plan.batch_size == batch_size else None
+
+    def follow_window(self, window: HostWindow | None) -> None:
+        """Start learning each round in the engine's host windows (online_spec/host_window.py)."""
+        self._learner.window = window
 
     def rewarm(self) -> None:
         self._learner.queue.put(("call", self.policy.rewarm))

@@ -1,0 +1,64 @@
+"""`HostWindow`: the moments the engine's thread waits on the device, when other threads' Python is free.
+
+On a GPU the engine's thread spends much of a round blocked in a read-back (the draft chain's
+tokens, the verify's logits) with the interpreter lock released. The serving process's
+background threads (the capture publisher's sender, the cost policy's planner) run their Python
+whenever their queue hands them work, which is mostly while the engine's thread runs its own
+host work between kernels: both then take turns on the lock, and each turn can hold the engine
+up until the other thread's switch interval runs out (H200, 4 clients: the draft stage of the
+same K 0.4-0.9 ms slower in each configuration that adds such a thread).
+
+The engine opens the window just before a blocking read-back and closes it just after
+(`waiting()`); a background thread calls `wait(timeout_s)` before a piece of work, so it runs it
+while the engine waits on the device. The timeout bounds the wait when no window opens (an idle
+engine, a CPU engine, which opens none: there the engine's read-backs do not wait). Work that
+is still running when the window closes goes on; only its start is placed.
+
+    window = HostWindow()
+    with window.waiting():             # engine thread, around `x.cpu()`
+        host = x.cpu()
+    window.wait()                      # a background thread, before its next piece of work
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Protocol
+
+WAIT_S = 0.02  # the default of `HostWindow.wait_s`
+
+
+class HostWindow:
+    """Open while the engine's thread is blocked on the device; see the module docstring."""
+
+    def __init__(self, wait_s: float = WAIT_S) -> None:
+        self.wait_s = wait_s  # how long `wait()` waits for a window, at most
+        self._open = threading.Event()
+        self.opened = 0  # windows opened so far (the engine's thread is the only writer)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        self.opened += 1
+        self._open.set()
+        try:
+            yield
+        finally:
+            self._open.clear()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until a window is open (True) or `timeout_s` (default `wait_s`) passed (False)."""
+        return self._open.wait(self.wait_s if timeout_s is None else timeout_s)
+
+
+class FollowsHostWindow(Protocol):
+    """A part of the serving process that places its background work in the engine's windows."""
+
+    def follow_window(self, window: HostWindow | None) -> None: ...
+
+
+def follow(part: object, window: HostWindow | None) -> None:
+    """Hand `window` to `part` if it can follow one (publisher, policy); others are left as they are."""
+    fn = getattr(part, "follow_window", None)
+    if callable(fn):
+        fn(window)

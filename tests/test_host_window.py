@@ -1,0 +1,117 @@
+"""Host windows (online_spec/host_window.py): background Python placed where the engine waits on the device.
+
+The window's effect (less contention for the interpreter lock on a GPU host) is measured by
+`bench e2e --device cuda` (docs/results.md); these tests hold its mechanics: the publisher's
+sender and the planner's worker start their work only inside a window (or after the wait
+bound), an engine opens windows around its read-backs and decides and outputs exactly as
+without them, and the planner never stalls an engine that waits for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from collector.publisher import CapturePublisher, PublisherConfig
+from collector.subscriber import CaptureSubscriber, SubscriberConfig
+from collector_records import request_records
+from online_spec.config import ConfigError
+from online_spec.head import new_head
+from online_spec.host_window import HostWindow, follow
+from online_spec.sampling import SamplingParams
+from online_spec.target import tiny_target
+from serving.engine import Engine, EngineConfig
+from serving.policy_planner import PlannedPolicy
+from test_policy_planner import bare_policy
+
+
+def test_wait_returns_when_a_window_opens_and_times_out_otherwise():
+    w = HostWindow(wait_s=0.05)
+    t0 = time.monotonic()
+    assert w.wait() is False and time.monotonic() - t0 >= 0.04
+    seen = []
+    opened = threading.Event()
+
+    def waiter():
+        opened.set()
+        seen.append(w.wait(10.0))
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    opened.wait(5)
+    with pytest.raises(RuntimeError):
+        with w.waiting():
+            th.join(5)
+            raise RuntimeError("a read-back failed")
+    assert seen == [True] and w.opened == 1
+    assert w.wait(0.01) is False  # closed again, though the body raised
+
+
+def test_follow_hands_the_window_only_to_parts_that_take_one():
+    class Part:
+        window = None
+
+        def follow_window(self, window):
+            self.window = window
+
+    w, part, other = HostWindow(), Part(), object()
+    follow(part, w)
+    follow(other, w)
+    follow(None, w)
+    assert part.window is w
+
+
+def test_the_publisher_sends_a_round_only_inside_a_window(tmp_path):
+    first, second = request_records("r1", 3), request_records("r2", 1)
+    with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap.sock")) as pub, \
+            CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
+        assert pub.wait_for_subscriber(10.0)
+        window = HostWindow(wait_s=30.0)
+        pub.follow_window(window)
+        time.sleep(0.15)  # the sender is back at its queue, now following the window
+        pub.submit(first)
+        time.sleep(0.5)
+        assert pub.stats()["sent"] == 0  # queued, waiting for the engine's next device wait
+        with window.waiting():
+            assert pub.drain(10.0)
+        assert pub.stats()["sent"] == len(first)
+        pub.follow_window(None)
+        pub.submit(second)
+        assert pub.drain(10.0) and pub.stats()["sent"] == len(first) + len(second)  # no window: at once
+
+
+def test_engine_windows_change_nothing_but_where_the_workers_run():
+    target = tiny_target(num_layers=4)
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(5)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=3, max_len=256, num_steps=0)).generate(prompts, params)
+    runs = {}
+    for windows in ("off", "on"):
+        planned = PlannedPolicy(bare_policy())
+        eng = Engine(target, new_head(target, seed=4),
+                     EngineConfig(max_batch=3, max_len=256, max_steps=5, host_windows=windows), policy=planned)
+        if eng.window is not None:
+            eng.window.wait_s = 30.0  # a worker that missed every window would stall the run: it must not
+        t0 = time.monotonic()
+        out = eng.generate(prompts, params)
+        runs[windows] = (out, planned.info()["planner"], eng.window, time.monotonic() - t0)
+        planned.close()
+    for windows, (out, info, window, wall) in runs.items():
+        assert out == plain, windows
+        assert info["rounds_learnt"] > 10 and info["failures"] == 0
+    assert runs["off"][2] is None
+    window = runs["on"][2]
+    assert window.opened >= runs["on"][1]["rounds_queued"]  # at least the verify's read-back each round
+    assert runs["on"][3] < 30.0
+
+
+def test_host_windows_default_to_cuda_devices_only():
+    import torch
+    cfg = EngineConfig()
+    assert cfg.windows_on(torch.device("cuda")) and not cfg.windows_on(torch.device("cpu"))
+    assert EngineConfig(host_windows="on").windows_on(torch.device("cpu"))
+    assert not EngineConfig(host_windows="off").windows_on(torch.device("cuda"))
+    with pytest.raises(ConfigError):
+        EngineConfig(host_windows="sometimes")
