@@ -143,11 +143,11 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
 
     def warm_graphs(self) -> dict:
         """Capture every CUDA graph a round replays before serving starts (a server's start-up):
-        prefill chunks, chain rounds at every K and, with a static tree (`speculative_eagle_topk`
-        > 1), that tree's shape, for the live draft cache and the spare one a swap's staging
-        fills, so no round stalls on a capture: on an H200 a capture inside a served round cost
-        tens of ms, and each K an adaptive policy first tries cost its own (a tree-choosing
-        policy's candidates are still captured at first use). Call before any request is admitted.
+        prefill chunks, chain rounds at every K, a static tree's shape (`speculative_eagle_topk`
+        > 1) and every tree a tree-choosing policy may pick (`tree_shapes`), for the live draft
+        cache and the spare one a swap's staging fills, so no round stalls on a capture: on an
+        H200 a capture inside a served round cost tens of ms, and each K an adaptive policy first
+        tries cost its own. Call before any request is admitted.
         Returns {"graphs": captured, "seconds": wall}; {} without CUDA graphs (CPU)."""
         if self.graphs is None:
             return {}
@@ -160,6 +160,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 self._spare_cache = self.head.new_cache(self.cfg.max_batch, self.cfg.max_len)
             caches = [self._spare_cache, self.dcache]  # the live cache last: most recently used
         trees = [self.cfg.tree_shape(self.cfg.num_steps)] if self.cfg.tree and self.cfg.num_steps > 0 else []
+        if self.head is not None and self.policy.chooses_trees:  # every tree the policy may pick
+            trees += [t for t in self.policy.tree_shapes() if t not in trees]
         n = self.graphs.warm_rounds(self.tcache, self.head, caches, self.cfg.max_steps, trees)
         for cache in [self.tcache, *caches]:
             cache.lengths = [0] * self.cfg.max_batch

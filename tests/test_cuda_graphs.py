@@ -464,3 +464,33 @@ def test_warm_graphs_covers_a_static_tree():
     for n in (1, 2, 4):
         assert eng.generate(prompts[:n], sp) == plain[:n]
     assert set(eng.graphs._graphs) == warmed
+
+
+def test_warm_graphs_covers_the_trees_a_policy_may_pick():
+    """A cost policy that picks trees round by round (candidates [3, 2, 6] and [2, 4, 5]): the
+    start-up warm-up creates every candidate's graphs, so serving batches of 1-4 while the policy
+    tries both adds none, and the output is the target's (on CPU with captures off, as above)."""
+    from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
+    from online_spec.tree import TreeShape
+
+    target = tiny_target()
+    head = new_head(target, draft_vocab_size=256, seed=1)
+    prompts = [[5, 9, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 200], [42] * 6]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3],
+                                               "tree_candidates": [[3, 2, 6], [2, 4, 5]]}})
+    policy = CostModelPolicy(adaptive, cost_model=CostModel.with_coefficients([0.004, 0, 0, 0, 0],
+                                                                              [0.04, 0, 0.004, 0, 0]))
+    assert policy.tree_shapes() == [TreeShape(3, 2, 6), TreeShape(2, 4, 5)]
+    eng = Engine(target, head, EngineConfig(max_batch=4, max_len=128, max_steps=3), policy=policy)
+    eng.graphs = CudaGraphs(target, 4, 128)
+    eng.graphs.disabled = True
+    eng.graphs.bind_head(head)
+    eng.warm_graphs()
+    warmed = set(eng.graphs._graphs)
+    for n in (1, 2, 4):
+        assert eng.generate(prompts[:n], sp) == plain[:n]
+    trees = policy.info()["slots"]["1"]["trees"]
+    assert trees["3,2,6"]["rounds"] > 0 and trees["2,4,5"]["rounds"] > 0
+    assert set(eng.graphs._graphs) == warmed

@@ -78,6 +78,10 @@ class StepPolicy(Protocol):
         """The `TreeShape` the next round drafts instead of `steps_for`'s chain, or None. Called
         after `steps_for`, only when `chooses_trees`."""
 
+    def tree_shapes(self) -> list:
+        """Every `TreeShape` `tree_for` may return ([] when not `chooses_trees`): a GPU server
+        captures their graphs when it starts."""
+
 
 class StepPolicyBase:
     """The optional members of `StepPolicy` in their absent form: no in-round early stop, no
@@ -100,6 +104,9 @@ class StepPolicyBase:
 
     def tree_for(self, batch_size: int, ctx_len: float = 0):
         return None
+
+    def tree_shapes(self) -> list:
+        return []
 
     def rewarm(self) -> None:
         pass
@@ -214,6 +221,9 @@ class TimedPolicy:
         out = self.policy.tree_for(batch_size, ctx_len)
         self._acc += time.perf_counter_ns() - t
         return out
+
+    def tree_shapes(self) -> list:
+        return self.policy.tree_shapes()
 
     def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:
         t = time.perf_counter_ns()

@@ -114,6 +114,10 @@ class CostModelPolicy(StepPolicyBase):
         chain = self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)
         return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len))
 
+    def tree_shapes(self) -> list[TreeShape]:
+        """Every slot's tree candidates, each once, in the order the slots list them."""
+        return list(dict.fromkeys(s for shapes in self._trees.candidates for s in shapes))
+
     @property
     def candidate_steps(self) -> list[int]:
         return self.adaptive.candidate_steps
