@@ -68,6 +68,8 @@ class EngineBenchConfig:
                     "(everything but the grid) | timeline (where a round's time goes, per stage, per policy)", "all")
     timeline_batch_sizes: list[int] = doc("batch sizes of the timeline part", lambda: [1, 4])
     timeline_k: int = doc("the static K the timeline part compares the cost policy with", 3)
+    timeline_tree: str = doc("a static tree 'num_steps,topk,num_draft_tokens' the timeline part runs beside "
+                             "the static K (its rounds' stages: draft, verify, accept); empty = none", "")
     prompts_file: str = doc("read the prompts (token ids per traffic) from this JSON file written by "
                             "--save-prompts, instead of the datasets: for a machine without them (a lent GPU)", "")
     save_prompts: str = doc("write the prompts this configuration uses (token ids per traffic) to this JSON file "
@@ -83,6 +85,8 @@ class EngineBenchConfig:
         check(self.only in ("all", "grid", "classic", "timeline"), "only",
               f"must be all, grid, classic or timeline, got {self.only!r}")
         self.tree_shapes()  # raises naming the field
+        if self.timeline_tree:
+            TreeShape.parse(self.timeline_tree, "timeline_tree")
 
     def tree_shapes(self) -> list[TreeShape]:
         return [TreeShape.parse(s, "trees") for s in self.trees]
@@ -151,16 +155,20 @@ def run_prompts(prompts: list[list[int]], repeat: int, batch: int, requests: int
     return [prompts[(repeat * n + i) % len(prompts)] for i in range(n)]
 
 
+def tree_fields(tree: TreeShape | None) -> dict:
+    """The `EngineConfig` fields of a static tree (SGLang's flags); {} for chains."""
+    return {} if tree is None else dict(num_steps=tree.num_steps, max_steps=tree.num_steps,
+                                        speculative_eagle_topk=tree.topk,
+                                        speculative_num_draft_tokens=tree.num_draft_tokens)
+
+
 def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
                  graphs: bool = True, tree: TreeShape | None = None) -> tuple[float, float]:
     """(tokens/s, mean accept length incl. bonus) of the engine serving `prompts` at static K (or
     the static `tree`), at most `batch` at a time (continuous batching). On a GPU (graphs: CUDA
     graphs on, chain and tree rounds) one untimed run first captures the graphs."""
-    shape = {} if tree is None else dict(num_steps=tree.num_steps, max_steps=tree.num_steps,
-                                         speculative_eagle_topk=tree.topk,
-                                         speculative_num_draft_tokens=tree.num_draft_tokens)
     eng = Engine(target, head if (K > 0 or tree) else None,
-                 EngineConfig(max_batch=batch, max_len=1024, cuda_graphs=graphs, **({"num_steps": K} | shape)))
+                 EngineConfig(max_batch=batch, max_len=1024, cuda_graphs=graphs, **({"num_steps": K} | tree_fields(tree))))
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ps = list(prompts)
     if eng.graphs is not None:
@@ -175,13 +183,13 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
 
 
 def timed_rounds(target, head, policy, prompts, batch: int, new_tokens: int, profile: bool,
-                 cuts: str = "auto") -> tuple[dict, list]:
+                 cuts: str = "auto", tree: TreeShape | None = None) -> tuple[dict, list]:
     """One run of `prompts` with a `RoundTimeline` on the engine (after an untimed run that captures
     the CUDA graphs and lets the policy learn); with `profile` (CUDA), the timed run is profiled and
-    the GPU's kernel ms per round go into the report; `cuts`: the engine's `in_round_cuts`.
-    Returns (timeline report, outputs)."""
-    eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, max_steps=7, in_round_cuts=cuts),
-                 policy=policy)
+    the GPU's kernel ms per round go into the report; `cuts`: the engine's `in_round_cuts`; `tree`:
+    a static tree the engine runs (the policy's K is then its depth). Returns (timeline report, outputs)."""
+    eng = Engine(target, head, EngineConfig(**({"max_batch": batch, "max_len": 1024, "max_steps": 7,
+                                                "in_round_cuts": cuts} | tree_fields(tree))), policy=policy)
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     eng.generate(list(prompts), sp)
     eng.timeline = tl = RoundTimeline(target.device)
@@ -206,7 +214,8 @@ def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
     """Per batch size: a static K, the cost policy on the engine thread (the engine's default
     in-round cuts: on for CPU, off for CUDA), the same with the cuts the other way
     (`cost_cuts_on` / `cost_cuts_off`), and the cost policy learning on its worker thread
-    (`serve --plan-ahead`), each one timed run of the same prompts: the stage timeline of its
+    (`serve --plan-ahead`), and with `timeline_tree` that static tree, each one timed run of the
+    same prompts: the stage timeline of its
     rounds (and on CUDA the GPU's idle share from a profile), its tokens/s, and whether its output
     equals the static K's (greedy fp32: it must)."""
     from online_spec.controller import StaticSteps
@@ -214,20 +223,25 @@ def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
     from serving.policy_planner import PlannedPolicy
 
     gpu = target.device.type == "cuda"
+    tree = TreeShape.parse(cfg.timeline_tree, "timeline_tree") if cfg.timeline_tree else None
     base, _ = engine_cost_policy(target, head, max(cfg.timeline_batch_sizes), 7, max_len=1024)
     out = {}
     for b in cfg.timeline_batch_sizes:
         ps = run_prompts(prompts, 0, b, cfg.requests_per_run)
         row, ref = {}, None
         other = "on" if gpu else "off"  # the in-round cuts the device's default does not use
-        for name, make, cuts in ((f"static_k{cfg.timeline_k}", lambda: StaticSteps(cfg.timeline_k), "auto"),
-                                 ("cost", lambda: copy.deepcopy(base), "auto"),
-                                 (f"cost_cuts_{other}", lambda: copy.deepcopy(base), other),
-                                 ("cost_planned", lambda: PlannedPolicy(copy.deepcopy(base)), "auto")):
-            report, outs = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=False, cuts=cuts)
+        runs = [(f"static_k{cfg.timeline_k}", lambda: StaticSteps(cfg.timeline_k), "auto", None),
+                ("cost", lambda: copy.deepcopy(base), "auto", None),
+                (f"cost_cuts_{other}", lambda: copy.deepcopy(base), other, None),
+                ("cost_planned", lambda: PlannedPolicy(copy.deepcopy(base)), "auto", None)]
+        if tree is not None:
+            runs.insert(1, (shape_name(tree.num_steps, tree), lambda: StaticSteps(tree.num_steps), "auto", tree))
+        for name, make, cuts, shape in runs:
+            report, outs = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=False, cuts=cuts,
+                                        tree=shape)
             if gpu:
                 report["profiled"] = timed_rounds(target, head, make(), ps, b, cfg.new_tokens, profile=True,
-                                                  cuts=cuts)[0]
+                                                  cuts=cuts, tree=shape)[0]
             ref = outs if ref is None else ref
             report["same_tokens_as_static"] = outs == ref  # greedy: fp32 must; bf16 may part at near-ties
             row[name] = report

@@ -105,6 +105,7 @@ class TreeRounds:
         else:
             batch = TreeAttentionBatch(tlen, write, positions, visible, dev)
             logits, feats, final = self.target.forward(tree.tokens.to(dev), batch, self.tcache)  # [B, N, V]
+        self.timeline.mark("verify")
         kids = tree.children()
         tokens = tree.tokens.tolist()
         greedy_choice = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None

@@ -3,6 +3,7 @@ Llama (CPU: host clocks only; the CUDA events and the profile run on a GPU, docs
 
 import pytest
 
+from online_spec.config import ConfigError
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
@@ -39,20 +40,26 @@ def test_every_round_is_marked_stage_by_stage(tiny):
     assert rep["gpu_idle_share"] == pytest.approx(0.5)
 
 
-def test_bench_timeline_part_compares_static_cost_cuts_and_planned(tiny):
+def test_bench_timeline_part_compares_static_cost_cuts_planned_and_a_tree(tiny):
+    """The timeline part runs a static K, the cost policy (cuts both ways, planned) and, given
+    `timeline_tree`, a static tree, whose rounds' verify is marked apart from their accept."""
     from bench.engine import EngineBenchConfig, round_timelines
 
     target, head = tiny
     cfg = EngineBenchConfig(only="timeline", timeline_batch_sizes=[1, 2], timeline_k=2, new_tokens=8,
-                            requests_per_run=3)
+                            requests_per_run=3, timeline_tree="2,2,4")
     prompts = [list(range(4 + i, 30 + 3 * i)) for i in range(4)]
     out = round_timelines(cfg, target, head, prompts)
     assert set(out) == {"1", "2"}
     for row in out.values():
-        assert set(row) == {"static_k2", "cost", "cost_cuts_off", "cost_planned"}
+        assert set(row) == {"static_k2", "tree_2_2_4", "cost", "cost_cuts_off", "cost_planned"}
         for rep in row.values():
             assert rep["same_tokens_as_static"] and rep["tokens_per_s"] > 0 and rep["rounds"] > 0
             assert rep["host_ms"]["decide"] is not None and rep["host_ms"]["learn"] is not None
+        tree = row["tree_2_2_4"]
+        assert tree["k_histogram"] == {"2": tree["rounds"]} and tree["host_ms"]["verify"] > 0
+    with pytest.raises(ConfigError, match="timeline_tree"):
+        EngineBenchConfig(timeline_tree="5,4")
 
 
 def test_slow_rounds_say_what_they_had():
