@@ -14,7 +14,9 @@ of one (`--rank-journal` makes a single rank journal too). From rank 0's journal
           scaling, the throughput a bigger trainer buys
 
 scaling_N = figure_N / figure_1 and efficiency_N = scaling_N / N, per mode. Each N runs
-`--repeats` times, interleaved (1, 2, ..., 1, 2, ...); figures are medians.
+`--repeats` times, interleaved (1, 2, ..., 1, 2, ...); figures are medians. Within a repeat, a
+command already run is not run again: N = 1 trains `--batch-tokens` rows a step in either mode,
+so the weak 1-rank entry is the strong one's run (`same_run_as` names its directory).
 
     online-spec bench ranks --device cuda --ranks 1,2 --json out/bench_ranks.json
     online-spec bench ranks --quick            (CPU, gloo, a tiny run that checks the path)
@@ -198,12 +200,17 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
                                                                 for x in rank), 3) for rank in timed_lines]}
 
 
+def step_rows(cfg: RanksBenchConfig, mode: str, n: int) -> int:
+    """`--batch-tokens` of the run of `n` ranks: the step's rows (strong), n x a rank's (weak)."""
+    return cfg.batch_tokens if mode == "strong" else cfg.batch_tokens * n
+
+
 def run_once(cfg: RanksBenchConfig, buffer: Path, mode: str, n: int, rep: int) -> dict:
     run_dir = Path(cfg.out) / f"{mode}_r{n}_{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     shutil.copytree(buffer, run_dir / "replay")
-    batch_tokens = cfg.batch_tokens if mode == "strong" else cfg.batch_tokens * n
+    batch_tokens = step_rows(cfg, mode, n)
     cmd = train_command(cfg, n, batch_tokens, run_dir)
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS} | NVLS_OFF | {
         "OMP_NUM_THREADS": str(cfg.threads), "PYTHONUNBUFFERED": "1"}
@@ -249,11 +256,17 @@ def run_bench(cfg: RanksBenchConfig) -> dict:
     print(f"buffer: {stats['rows']} rows in {stats['spans']} spans ({time.monotonic() - t0:.0f} s)", flush=True)
     runs = []
     for rep in range(cfg.repeats):
+        done: dict[tuple[int, int], dict] = {}  # (N, --batch-tokens): this repeat's run of that command
         for mode in cfg.mode_list:
             for n in cfg.rank_counts:
-                r = run_once(cfg, buffer, mode, n, rep)
+                same = done.get((n, step_rows(cfg, mode, n)))
+                if same is None:
+                    r = done[n, step_rows(cfg, mode, n)] = run_once(cfg, buffer, mode, n, rep)
+                else:
+                    r = {**same, "mode": mode, "same_run_as": f"{same['mode']}_r{n}_{rep}"}
                 print(f"{mode} {n} rank(s), repeat {rep}: " + (f"{r['steps_per_s']} steps/s, {r['rows_per_s']} "
-                      f"rows/s" if "steps_per_s" in r else f"failed ({r['rc']})"), flush=True)
+                      f"rows/s" if "steps_per_s" in r else f"failed ({r['rc']})")
+                      + (f" (the run of {r['same_run_as']})" if same else ""), flush=True)
                 runs.append(r)
     figures = {mode: scaling(runs, cfg.rank_counts, mode) for mode in cfg.mode_list}
     return {"config": config_to_dict(cfg), "buffer": stats, "scaling": figures, "runs": runs,

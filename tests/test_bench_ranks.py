@@ -66,6 +66,29 @@ def test_weak_steps_are_n_times_larger_and_devices_are_cut_to_n(tmp_path):
     assert cmd[cmd.index("--ranks") + 1] == "1" and "--rank-journal" in cmd
 
 
+def test_a_command_already_run_in_the_repeat_is_not_run_again(tmp_path, monkeypatch):
+    """N = 1 trains --batch-tokens rows a step in both modes: one run per repeat, the weak entry
+    naming it; every other (mode, N) runs in each repeat."""
+    import bench.ranks as ranks
+
+    calls = []
+
+    def run_once(cfg, buffer, mode, n, rep):
+        calls.append((mode, n, rep))
+        return {"mode": mode, "ranks": n, "repeat": rep, "batch_tokens": ranks.step_rows(cfg, mode, n), "rc": 0,
+                "steps_per_s": 1.0 + len(calls), "rows_per_s": 10.0 * len(calls)}
+    monkeypatch.setattr(ranks, "build_buffer", lambda cfg, root: {"spans": 0, "rows": 0, "bytes": 0})
+    monkeypatch.setattr(ranks, "run_once", run_once)
+    report = run_bench(RanksBenchConfig(ranks="1,2", repeats=2, out=str(tmp_path)))
+    assert calls == [("strong", 1, 0), ("strong", 2, 0), ("weak", 2, 0), ("strong", 1, 1), ("strong", 2, 1),
+                     ("weak", 2, 1)]
+    assert [(r["mode"], r["ranks"], r["repeat"]) for r in report["runs"]] == [
+        (m, n, rep) for rep in (0, 1) for m in ("strong", "weak") for n in (1, 2)]
+    weak1 = [r for r in report["runs"] if r["mode"] == "weak" and r["ranks"] == 1]
+    assert [r["same_run_as"] for r in weak1] == ["strong_r1_0", "strong_r1_1"]
+    assert [r["steps_per_s"] for r in weak1] == [2.0, 5.0]  # the strong runs' figures
+
+
 def test_bench_runs_one_and_two_gloo_ranks_on_real_traffic_shapes(tmp_path, monkeypatch):
     target = tiny8()
     target_dir = save_target_dir(target, tmp_path / "target")
@@ -87,6 +110,9 @@ def test_bench_runs_one_and_two_gloo_ranks_on_real_traffic_shapes(tmp_path, monk
     assert runs["strong", 1]["rows_per_rank_step_median"] == [64]
     assert runs["strong", 2]["rows_per_rank_step_median"] == [32, 32]
     assert runs["weak", 2]["batch_tokens"] == 128 and runs["weak", 2]["rows_per_rank_step_median"] == [64, 64]
+    # one rank is the same command in both modes: run once, counted for both
+    assert runs["weak", 1]["same_run_as"] == "strong_r1_0" and not (tmp_path / "out" / "weak_r1_0").exists()
+    assert runs["weak", 1]["rows_per_rank_step_median"] == [64]
     for mode in ("strong", "weak"):
         s = report["scaling"][mode]
         assert s["1"]["steps_per_s_scaling"] == 1.0 and s["2"]["steps_per_s"] > 0
