@@ -33,7 +33,7 @@ from bench.heads import SHIPPED_HEAD
 from bench.lossless import CyclingSteps, wrong_head
 from test_engine_sampling import PROMPT, VOCAB, chi2_quantile_999, chi2_stat, exact_two_token_law
 
-GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
 # -- tree bookkeeping ---------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def prompts(plain_greedy_fp32):
 
 @pytest.fixture(scope="module")
 def reference(plain_greedy_fp32):
-    """Plain greedy decoding, the first 48 tokens of the chain module's (conftest.plain_greedy_fp32)."""
+    """Plain greedy decoding, the first 32 tokens of the chain module's (conftest.plain_greedy_fp32)."""
     outs = plain_greedy_fp32[1][:16]
     assert all(len(o) >= GREEDY.max_tokens for o in outs)
     return [o[:GREEDY.max_tokens] for o in outs]
@@ -294,4 +294,6 @@ def test_tree_heads_swapped_mid_generation_keep_output(smol_fp32, shipped, promp
 
     eng.on_round.append(swap_every_4)
     assert eng.generate(prompts[8:16], GREEDY) == reference[8:16]
-    assert sum(rounds) >= 10
+    # swaps really landed between rounds: 7 in 26 rounds at 32 tokens (2026-11-27, AVX2 CPU), every
+    # head of the cycle live at least once
+    assert sum(rounds) >= 6
