@@ -24,13 +24,6 @@ from serving.requests import Request
 class ChainRounds:
     """Drafting and accepting chains; mixed into `Engine`."""
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` on the host: a blocking read-back on a GPU, inside a host window where the engine has one."""
-        if self.window is None:
-            return t.cpu()
-        with self.window.waiting():
-            return t.cpu()
-
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
         full-vocab draft distributions per request (sampling requests only))."""

@@ -90,6 +90,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
         self._swap_unreported = False
         self.timeline: RoundTimeline | NoTimeline = NO_TIMELINE  # a bench's RoundTimeline marks round stages
+        self._d2t_host: tuple[torch.Tensor, torch.Tensor] | None = None  # (live head's map, its host copy)
 
     # -- public API -----------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -298,6 +299,13 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         return outs + round_outs
 
     # -- pieces of a round ------------------------------------------------------------------
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host: a blocking read-back on a GPU, inside a host window where the engine has one."""
+        if self.window is None:
+            return t.cpu()
+        with self.window.waiting():
+            return t.cpu()
+
     def _captures(self) -> int:
         return 0 if self.graphs is None else self.graphs.captures
 

@@ -78,10 +78,20 @@ class TreeRounds:
             n_cand += k * k
         for b in range(B):  # scratch rows are dropped; the next extend rewrites from tlen
             self.dcache.lengths[b] = tlen[b]
-        cand = d2t.cpu()[torch.cat(toks, 1).cpu()]
+        # one read-back for the whole tree (in a host window on a GPU): the draft ids and parents,
+        # exact in float32 (below 2^24), beside the float32 scores and probabilities
+        host = self._host(torch.cat([torch.cat(toks, 1).float(), torch.cat(pars, 1).float(),
+                                     torch.cat(scores, 1), torch.cat(lps, 1).exp()], 1))
+        ids, par, score, prob = host.split(n_cand, 1)
         root = self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None])[:, 0]
-        return select_tree(cand, torch.cat(pars, 1).cpu(), torch.cat(scores, 1).cpu(), torch.cat(lps, 1).exp().cpu(),
-                           root, shape.num_draft_tokens)
+        return select_tree(self._host_map(d2t)[ids.long()], par.long(), score, prob, root, shape.num_draft_tokens)
+
+    def _host_map(self, d2t: torch.Tensor) -> torch.Tensor:
+        """The live head's draft-to-target id map on the host, copied once per map, not every round."""
+        kept = self._d2t_host
+        if kept is None or kept[0] is not d2t:  # the map itself is kept, so its identity is never reused
+            kept = self._d2t_host = (d2t, d2t.cpu())
+        return kept[1]
 
     def _tree_head(self, emb, hid, tlen: list[int], base, write, positions, visible):
         """The head over tree nodes (emb [B,T,H], hid [B,T,H]) written at `write`, roped at
@@ -108,7 +118,7 @@ class TreeRounds:
         self.timeline.mark("verify")
         kids = tree.children()
         tokens = tree.tokens.tolist()
-        greedy_choice = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
+        greedy_choice = self._host(logits.argmax(-1)).tolist() if any(r.params.greedy for r in reqs) else None
         paths, bonus = [], []
         for b, r in enumerate(reqs):
             if r.params.greedy:

@@ -297,3 +297,31 @@ def test_tree_heads_swapped_mid_generation_keep_output(smol_fp32, shipped, promp
     # swaps really landed between rounds: 7 in 26 rounds at 32 tokens (2026-11-27, AVX2 CPU), every
     # head of the cycle live at least once
     assert sum(rounds) >= 6
+
+
+def test_a_tree_round_maps_drafts_through_the_live_heads_map():
+    """The draft-to-target map is read back once per map, not every round, and a swapped-in head
+    with another map is drafted through its own: every drafted target id of a tree round lies in
+    the live head's map (a stale map would draft other ids, and the output would stay lossless)."""
+    t = tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3).float()
+    first, second = new_head(t, draft_vocab_size=16, seed=1), new_head(t, draft_vocab_size=16, seed=2)
+    second.draft_to_target.copy_(torch.arange(40, 56))  # ids the first head never drafts
+    assert not set(first.draft_to_target.tolist()) & set(second.draft_to_target.tolist())
+    eng = Engine(t, first, EngineConfig(max_batch=2, max_len=128, max_steps=3, num_steps=3,
+                                        speculative_eagle_topk=2, speculative_num_draft_tokens=6))
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    for head in (first, second):
+        eng.swap_head(head, 2 if head is second else 1)
+        drafted = []
+        original = eng._draft_tree
+
+        def spy(reqs, tlen, shape):
+            tree = original(reqs, tlen, shape)
+            drafted.extend(tree.tokens[:, 1:].flatten().tolist())
+            return tree
+
+        eng._draft_tree = spy
+        eng.generate([[1, 2, 3, 4], [5, 6, 7]], sp)
+        del eng._draft_tree
+        assert drafted and set(drafted) <= set(head.draft_to_target.tolist())
+        assert eng._d2t_host[0] is head.draft_to_target
