@@ -168,7 +168,8 @@ def tokens_per_s(target, head, prompts, batch: int, K: int, new_tokens: int,
     the static `tree`), at most `batch` at a time (continuous batching). On a GPU (graphs: CUDA
     graphs on, chain and tree rounds) one untimed run first captures the graphs."""
     eng = Engine(target, head if (K > 0 or tree) else None,
-                 EngineConfig(max_batch=batch, max_len=1024, cuda_graphs=graphs, **({"num_steps": K} | tree_fields(tree))))
+                 EngineConfig(max_batch=batch, max_len=1024, cuda_graphs=graphs,
+                              **({"num_steps": K} | tree_fields(tree))))
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ps = list(prompts)
     if eng.graphs is not None:
@@ -215,9 +216,8 @@ def round_timelines(cfg: EngineBenchConfig, target, head, prompts) -> dict:
     in-round cuts: on for CPU, off for CUDA), the same with the cuts the other way
     (`cost_cuts_on` / `cost_cuts_off`), and the cost policy learning on its worker thread
     (`serve --plan-ahead`), and with `timeline_tree` that static tree, each one timed run of the
-    same prompts: the stage timeline of its
-    rounds (and on CUDA the GPU's idle share from a profile), its tokens/s, and whether its output
-    equals the static K's (greedy fp32: it must)."""
+    same prompts: the stage timeline of its rounds (and on CUDA the GPU's idle share from a
+    profile), its tokens/s, and whether its output equals the static K's (greedy fp32: it must)."""
     from online_spec.controller import StaticSteps
     from serving.calibrate import engine_cost_policy
     from serving.policy_planner import PlannedPolicy

@@ -3,8 +3,8 @@
 The window's effect (less contention for the interpreter lock on a GPU host) is measured by
 `bench e2e --device cuda` (docs/results.md); these tests hold its mechanics: the publisher's
 sender and the planner's worker start their work only inside a window (or after the wait
-bound), an engine opens windows around its read-backs and decides and outputs exactly as
-without them, and the planner never stalls an engine that waits for it.
+bound), an engine opens windows around its read-backs and still outputs plain decoding's
+tokens, and the planner never stalls an engine that waits for it.
 """
 
 from __future__ import annotations
