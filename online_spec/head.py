@@ -23,6 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 from online_spec.kvcache import AttentionBatch, KVCache
+from online_spec.tree import select_nodes
 
 
 @dataclass
@@ -206,6 +207,53 @@ class EagleHead(nn.Module):
             toks.append(self.draft_to_target[d])
             probs.append(pr.gather(1, d[:, None])[:, 0])
         return torch.stack(toks, 1), torch.stack(probs, 1)
+
+    def draft_tree(self, embed, rope, cache: KVCache, logits: torch.Tensor, hidden: torch.Tensor,
+                   base: torch.Tensor, root: torch.Tensor, shape, batch_at):
+        """A draft tree of `shape` (online_spec/tree.py: `TreeShape`), all on the device with no
+        read-back: the `topk` best tokens of `logits` [B, Vd] (the head's output at each row's last
+        committed position, `hidden` [B, H] beside it) are depth 1; each later step runs `step` over
+        the `topk` frontier nodes of every request, written to the cache's scratch rows base[b] +
+        (i - 1) * topk + j past the committed rows (base [B], a device tensor), roped at base + i - 1,
+        each seeing the committed rows and its own ancestors (`batch_at(write, positions, visible)`
+        gives the attention batch), and keeps the `topk` best children (summed draft
+        log-probability) as the next frontier. `select_nodes` keeps the best `num_draft_tokens - 1`
+        candidates under root [B] (the last committed token). -> (tokens, parents, depth, probs,
+        visible) as `select_nodes` gives them. The engine runs it eagerly, or on a GPU captured as
+        one CUDA graph (serving/cuda_tree.py)."""
+        B, k, d2t = logits.shape[0], shape.topk, self.draft_to_target
+        dev = logits.device
+        S = max(shape.scratch_rows, 1)
+        top_lp, top_id = torch.log_softmax(logits.float(), -1).topk(k, -1)  # [B, k] depth-1 candidates
+        ar_k = torch.arange(k, device=dev)
+        toks, pars, scores, lps = [top_id], [torch.full((B, k), -1, dtype=torch.long, device=dev)], [top_lp], [top_lp]
+        front_tok, front_score, front_cid = top_id, top_lp, ar_k.expand(B, k)
+        front_hidden = hidden[:, None].expand(B, k, hidden.shape[-1])
+        front_vis = torch.zeros(B, k, S, dtype=torch.bool, device=dev)
+        n_cand = k
+        for i in range(1, shape.num_steps):
+            w = (i - 1) * k  # the frontier's scratch rows
+            vis = front_vis.clone()
+            vis[:, ar_k, w + ar_k] = True
+            batch = batch_at(base[:, None] + w + ar_k, (base + i - 1)[:, None].expand(B, k), vis)
+            lg, hid = self.step(embed(d2t[front_tok]), front_hidden, batch, cache, rope)  # [B,k,Vd], [B,k,H]
+            c_lp, c_id = torch.log_softmax(lg.float(), -1).topk(k, -1)  # [B, k, k]
+            c_score = (front_score[:, :, None] + c_lp).reshape(B, k * k)
+            c_id = c_id.reshape(B, k * k)
+            toks.append(c_id)
+            pars.append(front_cid[:, :, None].expand(B, k, k).reshape(B, k * k))
+            scores.append(c_score)
+            lps.append(c_lp.reshape(B, k * k))
+            if i + 1 < shape.num_steps:
+                front_score, best = c_score.topk(k, -1)  # [B, k] the next frontier
+                par = best // k
+                front_tok = c_id.gather(1, best)
+                front_hidden = hid.gather(1, par[:, :, None].expand(B, k, hid.shape[-1]))
+                front_vis = vis.gather(1, par[:, :, None].expand(B, k, vis.shape[-1]))
+                front_cid = n_cand + best
+            n_cand += k * k
+        return select_nodes(d2t[torch.cat(toks, 1)], torch.cat(pars, 1), torch.cat(scores, 1),
+                            torch.cat(lps, 1).exp(), root, shape.num_draft_tokens, shape.num_steps)
 
 
 def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int,

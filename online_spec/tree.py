@@ -103,14 +103,7 @@ class DraftTree:
 
     def visible(self) -> torch.Tensor:
         """[B, N, N] bool: node n may attend to node m (m is n or one of its ancestors)."""
-        B, N = self.tokens.shape
-        vis = torch.zeros(B, N, N, dtype=torch.bool)
-        vis[:, 0, 0] = True
-        ar = torch.arange(B)
-        for n in range(1, N):
-            vis[:, n] = vis[ar, self.parents[:, n]]
-            vis[:, n, n] = True
-        return vis
+        return tree_layout(self.parents, int(self.depth.max()))[1]
 
     def children(self) -> list[list[list[int]]]:
         """Per request, per node, its children's columns in drafting order."""
@@ -123,30 +116,80 @@ class DraftTree:
         return out
 
 
-def select_tree(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
-                cand_probs: torch.Tensor, root_tokens: torch.Tensor, num_draft_tokens: int) -> DraftTree:
-    """The best `num_draft_tokens - 1` candidates of each request, as a tree under its root.
+def select_nodes(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
+                 cand_probs: torch.Tensor, root_tokens: torch.Tensor, num_draft_tokens: int, num_steps: int):
+    """The best `num_draft_tokens - 1` candidates of each request, as a tree under its root, on
+    the candidates' device with no read-back (it runs inside a CUDA graph).
 
     cand_* [B, C] in drafting order (a parent before its children): target token ids, parent
     candidate index (-1 = the root), summed draft log-probability of the path, the head's
-    probability of the token given its parent. root_tokens [B]."""
+    probability of the token given its parent. root_tokens [B]. Every kept candidate's parent is
+    kept: a child's score never exceeds its parent's, and a stable sort puts the parent (a smaller
+    index) first on a tie. -> (tokens, parents, depth, probs, visible) as in `DraftTree`, visible
+    [B, N, N]."""
     B, C = cand_tokens.shape
+    dev = cand_tokens.device
     n = min(num_draft_tokens - 1, C)
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :n]
     keep = torch.sort(order, dim=1).values  # [B, n] candidate indices in drafting order
-    column = torch.full((B, C), -1, dtype=torch.long)
-    column.scatter_(1, keep, torch.arange(1, n + 1).expand(B, n))
+    column = torch.full((B, C), -1, dtype=torch.long, device=dev)
+    column.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(B, n))
     par = cand_parents.gather(1, keep)
     par_col = torch.where(par < 0, torch.zeros_like(par), column.gather(1, par.clamp_min(0)))
-    if bool((par_col < 0).any()):
-        raise AssertionError("select_tree: a kept candidate's parent was not kept")
-    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long), par_col], dim=1)
-    depth = torch.zeros(B, n + 1, dtype=torch.long)
-    ar = torch.arange(B)
-    for j in range(1, n + 1):
-        depth[:, j] = depth[ar, parents[:, j]] + 1
+    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), par_col], dim=1)
     tokens = torch.cat([root_tokens.reshape(B, 1).long(), cand_tokens.gather(1, keep)], dim=1)
-    probs = torch.cat([torch.ones(B, 1), cand_probs.gather(1, keep).float()], dim=1)
+    probs = torch.cat([torch.ones(B, 1, device=dev), cand_probs.gather(1, keep).float()], dim=1)
+    depth, visible = tree_layout(parents, num_steps)
+    return tokens, parents, depth, probs, visible
+
+
+def tree_layout(parents: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, N] (-1 at the root, trees at most `num_steps` deep) -> (depth [B, N], visible
+    [B, N, N]: node n may attend to node m, m being n or one of its ancestors). A fixed number of
+    device ops (one walk up per level), no read-back."""
+    B, N = parents.shape
+    dev = parents.device
+    anc = torch.arange(N, device=dev).expand(B, N).contiguous()
+    visible = torch.zeros(B, N, N, dtype=torch.bool, device=dev)
+    visible.scatter_(2, anc[..., None], True)
+    depth = torch.zeros(B, N, dtype=torch.long, device=dev)
+    for _ in range(num_steps):
+        up = parents.gather(1, anc)  # -1 once the walk is at the root
+        depth += up >= 0
+        anc = up.clamp_min(0)
+        visible.scatter_(2, anc[..., None], True)
+    return depth, visible
+
+
+def greedy_path(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, choice: torch.Tensor,
+                num_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`accept_greedy` for a whole batch on the device, no read-back: choice [B, N] the target's
+    argmax at each node. A node is on the accepted path when its token and every ancestor's is the
+    argmax at its parent; siblings carry distinct tokens, so at most one node per depth is, and the
+    deepest is the path's end. -> (accepted length [B], path [B, num_steps] node columns in path
+    order (0 past the accepted length), bonus token [B]: the argmax at the path's end)."""
+    B, N = tokens.shape
+    dev = tokens.device
+    par = parents.clamp_min(0)
+    ok = tokens == choice.gather(1, par)
+    ok[:, 0] = True
+    for _ in range(num_steps - 1):
+        ok = ok & ok.gather(1, par)
+    end = (depth * ok).argmax(1, keepdim=True)  # the root (column 0) when no draft is accepted
+    path = torch.zeros(B, num_steps + 1, dtype=torch.long, device=dev)  # column num_steps: a dump
+    cur = end
+    for _ in range(num_steps):
+        d = depth.gather(1, cur)
+        path.scatter_(1, torch.where(d > 0, d - 1, num_steps), cur)
+        cur = par.gather(1, cur)
+    return depth.gather(1, end)[:, 0], path[:, :num_steps], choice.gather(1, end)[:, 0]
+
+
+def select_tree(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
+                cand_probs: torch.Tensor, root_tokens: torch.Tensor, num_draft_tokens: int) -> DraftTree:
+    """`select_nodes` as a `DraftTree` (host tensors in, host tensors out)."""
+    tokens, parents, depth, probs, _ = select_nodes(cand_tokens, cand_parents, cand_scores, cand_probs,
+                                                    root_tokens, num_draft_tokens, cand_tokens.shape[1])
     return DraftTree(tokens, parents, depth, probs)
 
 

@@ -1,8 +1,8 @@
 """CUDA graphs for the engine's fixed-shape forwards: target decode (b, 1), target verify
 (b, K+1), the head's draft step (b, 1), a greedy batch's K chained draft steps with their
-argmaxes in one graph (b, K), and the head's per-round catch-up (b, T <= K+2); for tree rounds
-the head's step over a frontier (b, topk) and the target's verify of a tree (b, num_draft_tokens),
-both over a draft-tree layout (`StaticTreeBatch`).
+argmaxes in one graph (b, K), and the head's per-round catch-up (b, T <= K+2); the prefill
+chunks (serving/cuda_prefill.py) and a tree round's drafting and verify (serving/cuda_tree.py)
+are mixed in. The batches the graphs replay over are in serving/static_batch.py.
 
 On a GPU a small model's eager step is launch-bound: each of the ~30 layers launches a dozen
 kernels, and HF-style Python around them costs more than the arithmetic. A CUDA graph records a
@@ -43,9 +43,10 @@ import gc
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from serving.cuda_prefill import PrefillGraphs
+from serving.cuda_tree import TreeGraphs
+from serving.static_batch import SlotBatch, StaticBatch, StaticTreeBatch
 
 log = logging.getLogger(__name__)
 
@@ -56,91 +57,6 @@ HEAD_CACHES = 2  # draft caches whose head graphs are kept: the live one and a s
 def buckets_for(max_batch: int) -> list[int]:
     """Batch sizes that get a graph: powers of two below max_batch, then max_batch itself."""
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
-
-
-class StaticBatch:
-    """`AttentionBatch`'s interface (positions, rope_bound, attend) over a fixed (B, T) and the
-    whole cache length, with positions in a device buffer the caller fills before each replay."""
-
-    def __init__(self, B: int, T: int, max_len: int, device):
-        self.B, self.T, self.kv_len, self.rope_bound = B, T, max_len, max_len
-        self.positions = torch.zeros(B, T, dtype=torch.long, device=device)
-        self.b_idx = torch.arange(B, device=device)[:, None].expand(B, T)
-        self._keys = torch.arange(max_len, device=device)
-        self.mask = None
-
-    def build_mask(self) -> None:
-        """Causal mask [B,1,T,max_len] from the current positions (runs inside the graph)."""
-        self.mask = self._keys[None, None, None, :] <= self.positions[:, None, :, None]
-
-    def attend(self, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ck, cv = cache.k[layer], cache.v[layer]
-        ck[self.b_idx, :, self.positions] = k.transpose(1, 2)
-        cv[self.b_idx, :, self.positions] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, self.rows_of(ck), self.rows_of(cv), attn_mask=self.mask,
-                                             enable_gqa=q.shape[1] != ck.shape[1])
-        return out.transpose(1, 2).reshape(self.B, self.T, -1)
-
-    def rows_of(self, c: torch.Tensor) -> torch.Tensor:
-        """The batch's slots of a cache tensor: slots 0..B-1."""
-        return c[:self.B]
-
-
-class SlotBatch(StaticBatch):
-    """A `StaticBatch` of T rows of one slot chosen per replay (`slot`, a device buffer the
-    caller fills, like the positions): one graph serves every slot (serving/cuda_prefill.py)."""
-
-    def __init__(self, T: int, max_len: int, device):
-        super().__init__(1, T, max_len, device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.b_idx = self.slot[:, None].expand(1, T)  # a view: it follows the slot buffer
-
-    def rows_of(self, c: torch.Tensor) -> torch.Tensor:
-        return c.index_select(0, self.slot)
-
-
-class StaticTreeBatch(StaticBatch):
-    """`TreeAttentionBatch`'s interface over a fixed (B, T, scratch) and the whole cache length:
-    row (b, t) is written at cache row write[b, t], roped at positions[b, t], and attends to every
-    committed row (< base[b]) and the scratch rows base[b] + j with visible[b, t, j]. All four
-    are device buffers the caller fills before each replay; the mask is built inside the graph."""
-
-    def __init__(self, B: int, T: int, max_len: int, scratch: int, device):
-        super().__init__(B, T, max_len, device)
-        self.scratch = scratch
-        self.base = torch.zeros(B, dtype=torch.long, device=device)
-        self.write = torch.zeros(B, T, dtype=torch.long, device=device)
-        self.visible = torch.zeros(B, T, scratch, dtype=torch.bool, device=device)
-
-    def build_mask(self) -> None:
-        off = self._keys[None, :] - self.base[:, None]  # [B, L]: each key's offset into the scratch region
-        in_scratch = (off >= 0) & (off < self.scratch)
-        seen = self.visible.gather(2, off.clamp(0, self.scratch - 1)[:, None, :].expand(self.B, self.T, self.kv_len))
-        self.mask = ((off < 0)[:, None, :] | (in_scratch[:, None, :] & seen))[:, None]  # [B,1,T,L]
-
-    def attend(self, cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ck, cv = cache.k[layer], cache.v[layer]
-        ck[self.b_idx, :, self.write] = k.transpose(1, 2)
-        cv[self.b_idx, :, self.write] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, ck[:self.B], cv[:self.B], attn_mask=self.mask,
-                                             enable_gqa=q.shape[1] != ck.shape[1])
-        return out.transpose(1, 2).reshape(self.B, self.T, -1)
-
-    def fill(self, B: int, base: torch.Tensor, write: torch.Tensor, positions: torch.Tensor,
-             visible: torch.Tensor) -> None:
-        """The real rows' layout into the buffers; padding rows (free slots) write rows 0..T-1 of
-        their own slot, each seeing only itself."""
-        T, S = self.T, self.scratch
-        self.base.zero_()
-        self.base[:B].copy_(base)
-        pad = torch.arange(T, device=self.write.device)
-        self.write.copy_(pad.expand(self.B, T))
-        self.write[:B].copy_(write)
-        self.positions.copy_(pad.expand(self.B, T))
-        self.positions[:B].copy_(positions)
-        self.visible.zero_()
-        self.visible[B:, pad, pad.clamp_max(S - 1)] = True
-        self.visible[:B].copy_(visible)
 
 
 class GraphHead:
@@ -189,7 +105,7 @@ class _Graph:
         self.fn = None
 
 
-class CudaGraphs(PrefillGraphs):
+class CudaGraphs(PrefillGraphs, TreeGraphs):
     """Captures and replays the engine's forwards; one per engine (it holds the target cache's
     graphs; the head's follow the live head)."""
 
@@ -283,51 +199,14 @@ class CudaGraphs(PrefillGraphs):
         g.inputs["hidden"][:B].copy_(hidden)
         return self._replay(g, B, starts)
 
-    @torch.inference_mode()
-    def tree_target_forward(self, tokens: torch.Tensor, base: torch.Tensor, write: torch.Tensor,
-                            positions: torch.Tensor, visible: torch.Tensor, cache):
-        """A target forward over draft-tree nodes (tokens [B,N]; `TreeAttentionBatch`'s layout as
-        device tensors: base [B], write/positions [B,N], visible [B,N,S]) -> (logits, features,
-        final hidden), as `TargetModel.forward(tokens, TreeAttentionBatch(...), cache)`."""
-        B, T = tokens.shape
-        S = visible.shape[-1]
-        key = ("ttarget", self.bucket(B), T, S)
-        g = self._get(key, (cache,), lambda Bp: {"tokens": torch.zeros(Bp, T, dtype=torch.long, device=self.device)},
-                      lambda ins, sb: self.target.forward(ins["tokens"], sb, cache), scratch=S)
-        g.inputs["tokens"][:B].copy_(tokens)
-        g.batch.fill(B, base, write, positions, visible)
-        return self._run(g, B)
-
-    @torch.inference_mode()
-    def tree_head_step(self, head, cache, embeds: torch.Tensor, hidden: torch.Tensor, base: torch.Tensor,
-                       write: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
-        """The head over draft-tree nodes (embeds [B,T,H], hidden [B,T,W]; layout as in
-        `tree_target_forward`) -> (draft logits [B,T,Vd], output hidden [B,T,H]), as `head.step`."""
-        B, T, W = hidden.shape
-        S = visible.shape[-1]
-        head = self._head_module(head, cache)
-        key = ("thead", self.bucket(B), T, W, S)
-        rope = self.target.rope
-
-        def make(Bp):
-            return {"embeds": torch.zeros(Bp, T, embeds.shape[-1], dtype=embeds.dtype, device=self.device),
-                    "hidden": torch.zeros(Bp, T, W, dtype=hidden.dtype, device=self.device)}
-
-        g = self._get(key, (head, cache), make,
-                      lambda ins, sb: head.step(ins["embeds"], ins["hidden"], sb, cache, rope), scratch=S)
-        g.inputs["embeds"][:B].copy_(embeds)
-        g.inputs["hidden"][:B].copy_(hidden)
-        g.batch.fill(B, base, write, positions, visible)
-        return self._run(g, B)
-
     def warm_rounds(self, tcache, head, caches: list, max_steps: int, trees=()) -> int:
         """Capture now every graph a round can replay, so none is captured while serving: the
         prefill chunks and the head's fill chunks (serving/cuda_prefill.py); per batch bucket, the
         target's verify of T = 1..max_steps+1 tokens (T = 1: plain decode) and, with a head, per
         draft cache in `caches`, its catch-up over T = 1..max_steps+1 rows (features in), its
         one-row step over its own hidden (sampling batches) and the greedy chain of K =
-        1..max_steps steps; for each tree shape in `trees` (a static tree's), its
-        frontier step and its verify. Dummy rows at positions 0..T-1 of every slot: call it
+        1..max_steps steps; for each tree shape in `trees` (a static tree's, a policy's
+        candidates), its drafting (per draft cache) and its two verifies (serving/cuda_tree.py). Dummy rows at positions 0..T-1 of every slot: call it
         while no request is running (a prefill rewrites a slot from row 0). Returns the graphs
         captured."""
         before = self.captures
@@ -355,24 +234,6 @@ class CudaGraphs(PrefillGraphs):
             torch.cuda.synchronize(dev)
         return self.captures - before
 
-    def _warm_tree(self, shape, Bp: int, tcache, head, caches: list) -> None:
-        """A tree shape's graphs at bucket Bp: the head over a frontier of topk nodes (per draft
-        cache; depth > 1 only) and the target's verify of num_draft_tokens nodes."""
-        dev, dt, H = self.device, self.target.dtype, self.target.info.hidden_size
-        base = torch.zeros(Bp, dtype=torch.long, device=dev)
-        if shape.num_steps > 1:
-            k, S = shape.topk, max(shape.scratch_rows, 1)
-            write = torch.arange(k, device=dev).expand(Bp, k)
-            for cache in caches:
-                self.tree_head_step(head, cache, torch.zeros(Bp, k, H, dtype=dt, device=dev),
-                                    torch.zeros(Bp, k, head.cfg.hidden_size, dtype=dt, device=dev), base, write,
-                                    torch.zeros(Bp, k, dtype=torch.long, device=dev),
-                                    torch.zeros(Bp, k, S, dtype=torch.bool, device=dev))
-        N = shape.num_draft_tokens
-        zeros = torch.zeros(Bp, N, dtype=torch.long, device=dev)  # the tokens, and every node's depth
-        self.tree_target_forward(zeros, base, torch.arange(N, device=dev).expand(Bp, N), zeros,
-                                 torch.eye(N, dtype=torch.bool, device=dev).expand(Bp, N, N), tcache)
-
     def bind_head(self, head) -> None:
         """`head` goes live: its weights into the graphs' module (in place: the captured graphs
         stay valid), or a new module when it does not fit, whose graphs are then captured anew.
@@ -383,7 +244,7 @@ class CudaGraphs(PrefillGraphs):
     def drop_head_graphs(self, cache=None) -> None:
         """Drop the head graphs (of one draft cache only, when given)."""
         for k in [k for k, g in self._graphs.items()
-                  if k[0] in ("head", "thead", "chain", "hfill") and (cache is None or g.owners[1] is cache)]:
+                  if k[0] in ("head", "dtree", "chain", "hfill") and (cache is None or g.owners[1] is cache)]:
             del self._graphs[k]
         self._head_caches = [] if cache is None else [c for c in self._head_caches if c is not cache]
 

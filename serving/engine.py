@@ -90,7 +90,6 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
         self._swap_unreported = False
         self.timeline: RoundTimeline | NoTimeline = NO_TIMELINE  # a bench's RoundTimeline marks round stages
-        self._d2t_host: tuple[torch.Tensor, torch.Tensor] | None = None  # (live head's map, its host copy)
 
     # -- public API -----------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:

@@ -4,25 +4,25 @@
 `topk > 1` (online_spec/tree.py: `TreeShape`, SGLang's `num_steps`, `topk`,
 `num_draft_tokens`):
 
-1) draft (`_draft_tree`): the draft cache is caught up on committed rows as for a chain; the
-   head's distribution after the last committed row gives the `topk` depth-1 candidates. Each
-   later step runs the head once over the `topk` frontier nodes of every request (rows written
-   to the draft cache's scratch region past the committed rows, each attending to the committed
-   rows and its own ancestors: `TreeAttentionBatch`), expands each into its `topk` children and
-   keeps the `topk` best children (summed draft log-probability) as the next frontier.
-   `select_tree` keeps the best `num_draft_tokens - 1` candidates, a tree under the root.
-2) verify (`_verify_tree`): one target forward over [root, nodes] per request, rows at the
-   target cache's positions L..L+N-1, rope at L + depth, a tree attention mask.
-3) accept: greedy or exact multi-candidate rejection sampling (online_spec/tree.py).
+1) draft (`_draft_tree`): the draft cache is caught up on committed rows as for a chain; then
+   `EagleHead.draft_tree` expands the tree step by step (the `topk` best children of each of the
+   `topk` best frontier nodes, frontier rows in the draft cache's scratch region past the
+   committed rows, each attending to the committed rows and its own ancestors) and keeps the best
+   `num_draft_tokens - 1` candidates under the root, laid out for the verify (depth, visibility),
+   all on the device.
+2) verify: one target forward over [root, nodes] per request, rows at the target cache's
+   positions L..L+N-1, rope at L + depth, a tree attention mask.
+3) accept: greedy (a batch of greedy requests: on the device, `verify_greedy`) or exact
+   multi-candidate rejection sampling on the host (online_spec/tree.py).
 4) commit: the accepted path's target K/V moves to consecutive rows (`KVCache.gather_rows`);
    nothing else of the tree stays in either cache (the draft cache's committed length is reset,
    as after a chain round, and its scratch rows are rewritten next round).
 5) capture: the committed path's rows, exactly like a chain round's record (contract 1); its
    drafts are the path's accepted nodes and, at the first rejection, the first child tried.
 
-On CUDA the head's frontier steps and the verify replay CUDA graphs (serving/cuda_graphs.py,
-`StaticTreeBatch`), and the candidates stay on the device until the tree is selected (one
-device-to-host copy a round); on a CPU both run eagerly. A policy must declare `tree_rounds`.
+On CUDA the drafting is one graph replay and a greedy batch's verify, walk and K/V commit one
+more (serving/cuda_tree.py); the host reads the round back once (path, bonus and the tree, in a
+host window). On a CPU the same functions run eagerly. A policy must declare `tree_rounds`.
 """
 
 from __future__ import annotations
@@ -32,115 +32,120 @@ import torch
 from online_spec.capture import CaptureRecord
 from online_spec.kvcache import TreeAttentionBatch
 from online_spec.sampling import probs_from_logits
-from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, select_tree
+from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path
+
+
+def verify_greedy(target, cache, tokens: torch.Tensor, batch, base: torch.Tensor, parents: torch.Tensor,
+                  depth: torch.Tensor, num_steps: int):
+    """A greedy batch's tree verified, walked and committed on the device, no read-back: the
+    target's forward over tokens [B, N] (`batch`: the tree's attention layout), its argmax, the
+    accepted path (`greedy_path`), the path's K/V moved from its tree rows base + column to
+    base + 1.. (`KVCache.gather_rows`; past the path, the root's row onto itself). -> (accepted
+    [B], bonus [B], path [B, num_steps] columns, features and final hidden [B, num_steps + 1, .]
+    of the committed rows: the root's, then the path's)."""
+    logits, feats, final = target.forward(tokens, batch, cache)
+    a, path, bonus = greedy_path(tokens, parents, depth, logits.argmax(-1), num_steps)
+    j = torch.arange(num_steps, device=tokens.device)
+    valid = j[None] < a[:, None]
+    on_path = torch.where(valid, path, 0)
+    cache.gather_rows(base[:, None] + on_path, base[:, None] + torch.where(valid, j + 1, 0))
+    rows = torch.cat([torch.zeros_like(path[:, :1]), on_path], 1)[..., None]
+    return (a, bonus, path, feats.gather(1, rows.expand(-1, -1, feats.shape[-1])),
+            final.gather(1, rows.expand(-1, -1, final.shape[-1])))
 
 
 class TreeRounds:
     """Drafting, verifying and committing draft trees; mixed into `Engine`."""
 
-    def _draft_tree(self, reqs, tlen: list[int], shape: TreeShape) -> DraftTree:
+    def _draft_tree(self, reqs, tlen: list[int], shape: TreeShape):
+        """1) -> the selected tree on the device: (tokens, parents, depth, probs, visible)."""
         head, dev = self.head, self.target.device
-        B, k, S = len(reqs), shape.topk, shape.scratch_rows
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] after the last committed row
-        d2t = head.draft_to_target
-        # the candidates stay on the device until the tree is selected: one device-to-host copy a round
-        lp = torch.log_softmax(logits.float(), -1)
-        top_lp, top_id = lp.topk(k, -1)  # [B, k] depth-1 candidates
-        ar_k = torch.arange(k, device=dev)
-        toks, pars, scores, lps = [top_id], [torch.full((B, k), -1, dtype=torch.long, device=dev)], [top_lp], [top_lp]
-        front_tok, front_score, front_cid = top_id, top_lp, ar_k.expand(B, k)
-        front_hidden = hidden[:, None].expand(B, k, hidden.shape[-1])
-        front_vis = torch.zeros(B, k, max(S, 1), dtype=torch.bool, device=dev)
+        root = self.tok_buf[:len(tlen)].gather(1, torch.tensor(tlen)[:, None])[:, 0].to(dev)
         base = torch.tensor(tlen, device=dev)
-        n_cand = k
-        for i in range(1, shape.num_steps):
-            # step i: the frontier (depth-i nodes) through the head, at rope position tlen + i - 1
-            w = (i - 1) * k
-            vis = front_vis.clone()
-            vis[:, ar_k, w + ar_k] = True
-            emb = self.target.embed_tokens(d2t[front_tok.to(d2t.device)].to(dev))  # [B, k, H]
-            lg, hid = self._tree_head(emb, front_hidden, tlen, base, base[:, None] + w + ar_k,
-                                      (base + i - 1)[:, None].expand(B, k), vis)  # [B,k,Vd], [B,k,H]
-            c_lp, c_id = torch.log_softmax(lg.float(), -1).topk(k, -1)  # [B, k, k]
-            c_score = (front_score[:, :, None] + c_lp).reshape(B, k * k)
-            c_id = c_id.reshape(B, k * k)
-            toks.append(c_id)
-            pars.append(front_cid[:, :, None].expand(B, k, k).reshape(B, k * k))
-            scores.append(c_score)
-            lps.append(c_lp.reshape(B, k * k))
-            if i + 1 < shape.num_steps:
-                front_score, best = c_score.topk(k, -1)  # [B, k] the next frontier
-                par = best // k
-                front_tok = c_id.gather(1, best)
-                front_hidden = hid.gather(1, par[:, :, None].expand(B, k, hid.shape[-1]))
-                front_vis = vis.gather(1, par[:, :, None].expand(B, k, vis.shape[-1]))
-                front_cid = n_cand + best
-            n_cand += k * k
-        for b in range(B):  # scratch rows are dropped; the next extend rewrites from tlen
-            self.dcache.lengths[b] = tlen[b]
-        # one read-back for the whole tree (in a host window on a GPU): the draft ids and parents,
-        # exact in float32 (below 2^24), beside the float32 scores and probabilities
-        host = self._host(torch.cat([torch.cat(toks, 1).float(), torch.cat(pars, 1).float(),
-                                     torch.cat(scores, 1), torch.cat(lps, 1).exp()], 1))
-        ids, par, score, prob = host.split(n_cand, 1)
-        root = self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None])[:, 0]
-        return select_tree(self._host_map(d2t)[ids.long()], par.long(), score, prob, root, shape.num_draft_tokens)
-
-    def _host_map(self, d2t: torch.Tensor) -> torch.Tensor:
-        """The live head's draft-to-target id map on the host, copied once per map, not every round."""
-        kept = self._d2t_host
-        if kept is None or kept[0] is not d2t:  # the map itself is kept, so its identity is never reused
-            kept = self._d2t_host = (d2t, d2t.cpu())
-        return kept[1]
-
-    def _tree_head(self, emb, hid, tlen: list[int], base, write, positions, visible):
-        """The head over tree nodes (emb [B,T,H], hid [B,T,H]) written at `write`, roped at
-        `positions`, seeing `visible` of the scratch rows: a CUDA graph's replay where there are graphs."""
         if self.graphs is not None:
-            return self.graphs.tree_head_step(self.head, self.dcache, emb, hid, base, write, positions, visible)
-        batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), self.target.device)
-        return self.head.step(emb, hid, batch, self.dcache, self.target.rope)
-
-    def _verify_tree(self, reqs, tlen: list[int], tree: DraftTree, shape: TreeShape):
-        """3) accept, 4) commit, 5) capture for a tree. Returns (accepted, records, outputs)."""
-        B, N = tree.tokens.shape
-        dev = self.target.device
-        base = torch.tensor(tlen)
-        write, positions, visible = base[:, None] + torch.arange(N), base[:, None] + tree.depth, tree.visible()
-        # one lm_head pass over all N rows: on a CPU it reads the 49k x 576 weights once, where a
-        # pass per depth of the walk (only the nodes reached) read them depth + 1 times and was slower
-        if self.graphs is not None:
-            logits, feats, final = self.graphs.tree_target_forward(
-                tree.tokens.to(dev), base.to(dev), write.to(dev), positions.to(dev), visible.to(dev), self.tcache)
+            tree = self.graphs.draft_tree(head, self.dcache, logits, hidden, base, root, shape)
         else:
-            batch = TreeAttentionBatch(tlen, write, positions, visible, dev)
-            logits, feats, final = self.target.forward(tree.tokens.to(dev), batch, self.tcache)  # [B, N, V]
-        self.timeline.mark("verify")
-        kids = tree.children()
-        tokens = tree.tokens.tolist()
-        greedy_choice = self._host(logits.argmax(-1)).tolist() if any(r.params.greedy for r in reqs) else None
-        paths, bonus = [], []
-        for b, r in enumerate(reqs):
-            if r.params.greedy:
-                path, nxt = accept_greedy(tokens[b], kids[b], greedy_choice[b])
+            def at(write, positions, visible):
+                return TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), dev)
+
+            tree = head.draft_tree(self.target.embed_tokens, self.target.rope, self.dcache, logits, hidden, base,
+                                   root, shape, at)
+        for b in range(len(tlen)):  # scratch rows are dropped; the next extend rewrites from tlen
+            self.dcache.lengths[b] = tlen[b]
+        return tree
+
+    def _verify_tree(self, reqs, tlen: list[int], tree, shape: TreeShape):
+        """2) verify, 3) accept, 4) commit, 5) capture for a tree. Returns (accepted, records, outputs)."""
+        tokens, parents, depth, probs, visible = tree
+        B, N = tokens.shape
+        dev, steps = self.target.device, shape.num_steps
+        base = torch.tensor(tlen, device=dev)
+        write, positions = base[:, None] + torch.arange(N, device=dev), base[:, None] + depth
+        if all(r.params.greedy for r in reqs):
+            if self.graphs is not None:
+                out = self.graphs.tree_verify_greedy(tokens, parents, depth, visible, base, steps, self.tcache)
             else:
-                path, nxt = accept_sampled(tokens[b], kids[b], probs_from_logits(logits[b], r.params), r.gen)
-            paths.append(path)
-            bonus.append(nxt)
-        # the accepted path's target K/V into consecutive rows L+1..L+a (padding: the root onto itself)
-        amax = max(len(p) for p in paths)
-        if amax:
-            src = torch.tensor([[tlen[b] + c for c in p] + [tlen[b]] * (amax - len(p)) for b, p in enumerate(paths)])
-            dst = torch.tensor([[tlen[b] + 1 + j for j in range(len(p))] + [tlen[b]] * (amax - len(p))
-                                for b, p in enumerate(paths)])
-            self.tcache.gather_rows(src.to(dev), dst.to(dev))
+                batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), dev)
+                out = verify_greedy(self.target, self.tcache, tokens, batch, base, parents, depth, steps)
+            self.timeline.mark("verify")
+            a, bonus, path, feats, final = out
+            # one read-back (in a host window on a GPU): ids are exact in float32 (below 2^24)
+            host = self._host(torch.cat([a[:, None].float(), bonus[:, None].float(), path.float(),
+                                         tokens.float(), parents.float(), depth.float(), probs], 1))
+            head_cols = host[:, :2 + steps].long()
+            tok_h, par_h, dep_h, prob_h = host[:, 2 + steps:].split(N, 1)
+            paths = [head_cols[b, 2:2 + int(head_cols[b, 0])].tolist() for b in range(B)]
+            bonus_h = head_cols[:, 1].tolist()
+            rows = [(feats[b, :len(p) + 1], final[b, :len(p) + 1]) for b, p in enumerate(paths)]
+            host_tree = DraftTree(tok_h.long(), par_h.long(), dep_h.long(), prob_h)
+        else:
+            if self.graphs is not None:
+                logits, feats, final = self.graphs.tree_target_forward(tokens, base, write, positions, visible,
+                                                                       self.tcache)
+            else:
+                batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), dev)
+                logits, feats, final = self.target.forward(tokens, batch, self.tcache)  # [B, N, V]
+            self.timeline.mark("verify")
+            host = self._host(torch.cat([tokens.float(), parents.float(), depth.float(), probs,
+                                         logits.argmax(-1).float()], 1))
+            tok_h, par_h, dep_h, prob_h, choice_h = host.split(N, 1)
+            host_tree = DraftTree(tok_h.long(), par_h.long(), dep_h.long(), prob_h)
+            kids, tok_l, choice_l = host_tree.children(), host_tree.tokens.tolist(), choice_h.long().tolist()
+            paths, bonus_h = [], []
+            for b, r in enumerate(reqs):
+                if r.params.greedy:
+                    path, nxt = accept_greedy(tok_l[b], kids[b], choice_l[b])
+                else:
+                    path, nxt = accept_sampled(tok_l[b], kids[b], probs_from_logits(logits[b], r.params), r.gen)
+                paths.append(path)
+                bonus_h.append(nxt)
+            # the accepted path's target K/V into consecutive rows L+1..L+a (padding: the root onto itself)
+            amax = max(len(p) for p in paths)
+            if amax:
+                src = torch.tensor([[tlen[b] + c for c in p] + [tlen[b]] * (amax - len(p)) for b, p in enumerate(paths)])
+                dst = torch.tensor([[tlen[b] + 1 + j for j in range(len(p))] + [tlen[b]] * (amax - len(p))
+                                    for b, p in enumerate(paths)])
+                self.tcache.gather_rows(src.to(dev), dst.to(dev))
+            rows = []
+            for b, p in enumerate(paths):
+                idx = torch.tensor([0] + p, device=dev)
+                rows.append((feats[b, idx], final[b, idx]))
+        return self._commit_tree(reqs, tlen, host_tree, paths, bonus_h, rows, steps)
+
+    def _commit_tree(self, reqs, tlen: list[int], tree: DraftTree, paths: list[list[int]], bonus: list[int],
+                     rows: list, steps: int):
+        """4) commit each request's accepted path and bonus (host bookkeeping; the K/V moved
+        already), 5) capture. rows[b]: features and final hidden of its committed rows."""
+        kids = tree.children() if any(r.capture for r in reqs) else None
+        tokens = tree.tokens.tolist()
         accepted, records, outs = [], [], []
         for b, r in enumerate(reqs):
             path, a, L = paths[b], len(paths[b]), tlen[b]
-            rows = torch.tensor([0] + path)
             new = [tokens[b][c] for c in path] + [bonus[b]]
+            feats, final = rows[b]
             self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
-            self.feat_buf[b, L:L + a + 1] = feats[b, rows.to(dev)]
+            self.feat_buf[b, L:L + a + 1] = feats
             self.tcache.lengths[b] = L + a + 1
             accepted.append(a)
             if r.capture:
@@ -148,9 +153,8 @@ class TreeRounds:
                 drafted = path + kids[b][u][:1]  # the accepted path, then the first child rejected
                 records.append(CaptureRecord(
                     request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
-                    features=feats[b, rows.to(dev)], final_hidden=final[b, rows.to(dev)],
-                    draft_tokens=tree.tokens[b, drafted].clone(), draft_probs=tree.probs[b, drafted].clone(),
-                    accept_len=a, num_steps=len(drafted), batch_size=B, draft_version=self.head_version,
-                    tag=r.tag))
-            outs.append(self._commit_output(r, new, a, shape.num_steps))
+                    features=feats, final_hidden=final, draft_tokens=tree.tokens[b, drafted].clone(),
+                    draft_probs=tree.probs[b, drafted].clone(), accept_len=a, num_steps=len(drafted),
+                    batch_size=len(reqs), draft_version=self.head_version, tag=r.tag))
+            outs.append(self._commit_output(r, new, a, steps))
         return accepted, records, outs

@@ -19,7 +19,8 @@ from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
-from serving.cuda_graphs import CudaGraphs, GraphHead, StaticBatch, buckets_for
+from serving.cuda_graphs import CudaGraphs, GraphHead, buckets_for
+from serving.static_batch import StaticBatch
 from serving.engine import Engine, EngineConfig
 from serving.requests import Request
 
@@ -227,7 +228,7 @@ def test_static_tree_batch_matches_eager_tree_attention():
     tree mask built from device buffers) computes what `TreeAttentionBatch` does, and padding
     rows write only into their own free slot."""
     from online_spec.kvcache import TreeAttentionBatch
-    from serving.cuda_graphs import StaticTreeBatch
+    from serving.static_batch import StaticTreeBatch
     target = tiny_target()
     lens, N = [7, 12, 3], 5
     parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0]])
@@ -275,7 +276,7 @@ def test_tree_rounds_through_the_graph_path_equal_plain_decoding(device, steps, 
         eng.graphs.disabled = True
     assert eng.generate(prompts, sp) == plain
     kinds = {k[0] for k in eng.graphs._graphs}
-    assert {"thead", "ttarget"} <= kinds
+    assert {"dtree", "tgreedy"} <= kinds
     if device == "cuda":
         assert eng.graphs.captures > 0 and eng.graphs.capture_failures == 0
 
@@ -460,7 +461,7 @@ def test_warm_graphs_covers_a_static_tree():
     eng.graphs.bind_head(head)
     eng.warm_graphs()
     warmed = set(eng.graphs._graphs)
-    assert {k[0] for k in warmed} >= {"thead", "ttarget"}
+    assert {k[0] for k in warmed} >= {"dtree", "ttarget", "tgreedy"}
     for n in (1, 2, 4):
         assert eng.generate(prompts[:n], sp) == plain[:n]
     assert set(eng.graphs._graphs) == warmed

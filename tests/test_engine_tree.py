@@ -27,7 +27,8 @@ from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch, TreeAttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import tiny_target
-from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, select_tree
+from online_spec.tree import (DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path, select_nodes,
+                              select_tree)
 from serving.engine import Engine, EngineConfig, _SlotView
 from bench.heads import SHIPPED_HEAD
 from bench.lossless import CyclingSteps, wrong_head
@@ -81,6 +82,58 @@ def test_select_tree_keeps_a_tree_of_the_best_candidates(k, steps, n):
     vis = tree.visible()
     assert bool(vis[:, torch.arange(tree.num_nodes), torch.arange(tree.num_nodes)].all())
     assert bool(vis[:, :, 0].all())  # everything sees the root
+
+
+def _reference_visible(parents: torch.Tensor) -> torch.Tensor:
+    """Node n sees itself and what its parent sees (parents numbered first)."""
+    B, N = parents.shape
+    vis = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        for n in range(N):
+            if n:
+                vis[b, n] = vis[b, int(parents[b, n])]
+            vis[b, n, n] = True
+    return vis
+
+
+@pytest.mark.parametrize("k, steps, n", [(2, 3, 6), (4, 5, 8), (4, 4, 16), (8, 6, 32)])
+def test_device_selection_and_greedy_path_match_the_host_walk(k, steps, n):
+    """`select_nodes` (what a graphed round runs: no read-back) lays out the tree `select_tree`
+    keeps, its visibility that of a node-by-node walk; `greedy_path` accepts what `accept_greedy`
+    accepts, on random target choices that follow the tree for a random number of levels."""
+    rng = random.Random(k * 10 + steps)
+    B = 6
+    toks, pars, scores = _random_candidates(rng, B, k, steps)
+    tokens, parents, depth, probs, visible = select_nodes(toks, pars, scores, scores.exp(), torch.arange(B), n, steps)
+    tree = select_tree(toks, pars, scores, scores.exp(), torch.arange(B), n)
+    assert torch.equal(tokens, tree.tokens) and torch.equal(parents, tree.parents) and torch.equal(depth, tree.depth)
+    assert torch.equal(visible, _reference_visible(parents))
+    kids = tree.children()
+    seen = set()
+    for trial in range(40):
+        # the target agrees along a random branch for a random number of levels, then disagrees;
+        # off that branch it often agrees with a child of a node the walk never reaches (only a
+        # walk that checks every ancestor ignores those)
+        choice = torch.randint(1000, 2000, (B, tokens.shape[1]))
+        for b in range(B):
+            for u in range(tokens.shape[1]):
+                if kids[b][u] and rng.random() < 0.5:
+                    choice[b, u] = tokens[b, rng.choice(kids[b][u])]
+            u, levels = 0, rng.randrange(steps + 1)
+            for _ in range(levels):
+                if not kids[b][u]:
+                    break
+                c = rng.choice(kids[b][u])
+                choice[b, u] = tokens[b, c]
+                u = c
+        a, path, bonus = greedy_path(tokens, parents, depth, choice, steps)
+        for b in range(B):
+            want_path, want_bonus = accept_greedy(tokens[b].tolist(), kids[b], choice[b].tolist())
+            assert path[b, :int(a[b])].tolist() == want_path and int(bonus[b]) == want_bonus
+            assert not path[b, int(a[b]):].any()
+            seen.add(int(a[b]))
+    assert len(seen) >= 3  # the trials reached several path lengths, the empty path included
+    assert 0 in seen
 
 
 def test_tree_shape_validates_and_caps():
@@ -300,9 +353,9 @@ def test_tree_heads_swapped_mid_generation_keep_output(smol_fp32, shipped, promp
 
 
 def test_a_tree_round_maps_drafts_through_the_live_heads_map():
-    """The draft-to-target map is read back once per map, not every round, and a swapped-in head
-    with another map is drafted through its own: every drafted target id of a tree round lies in
-    the live head's map (a stale map would draft other ids, and the output would stay lossless)."""
+    """A swapped-in head with another draft-to-target map is drafted through its own: every
+    drafted target id of a tree round lies in the live head's map (a stale map would draft other
+    ids, and the output would stay lossless)."""
     t = tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3).float()
     first, second = new_head(t, draft_vocab_size=16, seed=1), new_head(t, draft_vocab_size=16, seed=2)
     second.draft_to_target.copy_(torch.arange(40, 56))  # ids the first head never drafts
@@ -317,11 +370,10 @@ def test_a_tree_round_maps_drafts_through_the_live_heads_map():
 
         def spy(reqs, tlen, shape):
             tree = original(reqs, tlen, shape)
-            drafted.extend(tree.tokens[:, 1:].flatten().tolist())
+            drafted.extend(tree[0][:, 1:].flatten().tolist())  # (tokens, parents, depth, probs, visible)
             return tree
 
         eng._draft_tree = spy
         eng.generate([[1, 2, 3, 4], [5, 6, 7]], sp)
         del eng._draft_tree
         assert drafted and set(drafted) <= set(head.draft_to_target.tolist())
-        assert eng._d2t_host[0] is head.draft_to_target
