@@ -233,8 +233,8 @@ class EagleHead(nn.Module):
         n_cand = k
         for i in range(1, shape.num_steps):
             w = (i - 1) * k  # the frontier's scratch rows
-            vis = front_vis.clone()
-            vis[:, ar_k, w + ar_k] = True
+            # each frontier node sees its own row (a scatter of a scalar: no host tensor in a graph)
+            vis = front_vis.scatter(2, (w + ar_k).view(1, k, 1).expand(B, k, 1), True)
             batch = batch_at(base[:, None] + w + ar_k, (base + i - 1)[:, None].expand(B, k), vis)
             lg, hid = self.step(embed(d2t[front_tok]), front_hidden, batch, cache, rope)  # [B,k,Vd], [B,k,H]
             c_lp, c_id = torch.log_softmax(lg.float(), -1).topk(k, -1)  # [B, k, k]

@@ -62,3 +62,17 @@ def follow(part: object, window: HostWindow | None) -> None:
     fn = getattr(part, "follow_window", None)
     if callable(fn):
         fn(window)
+
+
+def upload(t, device):
+    """A host tensor (or a list of ints) on `device` without waiting for the device: on a GPU a
+    copy from pageable memory first waits for every kernel already queued on the stream (a hidden
+    read-back's stall), so the host could not queue the next stage while the device ran this one;
+    from pinned memory the copy is queued like a kernel."""
+    import torch
+
+    t = torch.as_tensor(t)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+

@@ -74,8 +74,9 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         $P/whl/*.whl || exit 5
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
-    [ -d $P/head ] && mkdir -p $CODE/online_spec/pretrained && cp -r $P/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
-    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/*.jsonl $W/ && cp $P/engine_prompts.json $W/ 2>/dev/null
+    rm -rf $W && mkdir -p $W && cp $P/tokens.json $P/*.jsonl $W/; cp $P/engine_prompts.json $W/ 2>/dev/null
+    [ -d $P/head ] && cp -r $P/head $W/head  # kept for the `code` stage
+    [ -d $W/head ] && mkdir -p $CODE/online_spec/pretrained && cp -r $W/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
     cd $CODE || exit 4
     python3 -c "from pathlib import Path; from online_spec.target import prepare_smollm2; \
 print(prepare_smollm2(src=Path('/tmp/g')))" 2>&1 | grep -v "Loading weights" || exit 6
@@ -112,6 +113,7 @@ script)  # SCRIPT ARGS...: a script of the checkout on the set-up machine (its J
     ;;
 code)  # the call's checkout replaces the set-up machine's code (a fix between calls; nothing reinstalled)
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
+    [ -d $W/head ] && mkdir -p $CODE/online_spec/pretrained && cp -r $W/head/sharegpt-chat-h100 $CODE/online_spec/pretrained/
     ls $CODE/online_spec/pretrained
     ;;
 ranks)  # bench ranks again on the machine a `run` call set up (DSCONFIGS, BATCH_TOKENS, MODES, STEPS, REPEATS)

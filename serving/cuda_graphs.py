@@ -44,6 +44,7 @@ import logging
 
 import torch
 
+from online_spec.host_window import upload
 from serving.cuda_prefill import PrefillGraphs
 from serving.cuda_tree import TreeGraphs
 from serving.static_batch import SlotBatch, StaticBatch, StaticTreeBatch
@@ -145,7 +146,7 @@ class CudaGraphs(PrefillGraphs, TreeGraphs):
         key = ("target", self.bucket(B), T)
         g = self._get(key, (cache,), lambda Bp: {"tokens": torch.zeros(Bp, T, dtype=torch.long, device=self.device)},
                       lambda ins, sb: self.target.forward(ins["tokens"], sb, cache))
-        g.inputs["tokens"][:B].copy_(tokens)
+        g.inputs["tokens"][:B].copy_(upload(tokens, self.device))
         return self._replay(g, B, starts)
 
     @torch.inference_mode()
@@ -272,7 +273,7 @@ class CudaGraphs(PrefillGraphs, TreeGraphs):
         return st[:, None] + torch.arange(T)[None]
 
     def _replay(self, g: _Graph, B: int, starts: list[int]):
-        g.batch.positions.copy_(self._positions(g.batch.B, g.batch.T, starts))
+        g.batch.positions.copy_(upload(self._positions(g.batch.B, g.batch.T, starts), self.device))
         return self._run(g, B)
 
     def _run(self, g: _Graph, B: int):

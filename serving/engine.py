@@ -37,7 +37,7 @@ from online_spec.capture import CaptureRecord
 from online_spec.config import ConfigError
 from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
-from online_spec.host_window import HostWindow, follow
+from online_spec.host_window import HostWindow, follow, upload
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import TargetModel
@@ -331,7 +331,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 torch.cuda.synchronize(dev)  # rare (long catch-ups only): the clock must see the GPU work
             self._catchup_s = time.perf_counter() - t0
         lg, hd = self._head_rows(dlen, max(need))
-        idx = torch.tensor([n - 1 for n in need], device=dev)
+        idx = upload([n - 1 for n in need], dev)
         ar = torch.arange(B, device=dev)
         out_logits, out_hidden = lg[ar, idx], hd[ar, idx]
         for b in range(B):
@@ -356,8 +356,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         pos = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # [B, T]
         sl = torch.arange(len(starts))[:, None]
         nxt = self.tok_buf[sl, (pos + 1).clamp_max(self.cfg.max_len)]
-        hid = self.feat_buf[sl.to(dev), pos.clamp_max(self.cfg.max_len - 1).to(dev)]
-        emb = self.target.embed_tokens(nxt.to(dev))
+        hid = self.feat_buf[upload(sl, dev), upload(pos.clamp_max(self.cfg.max_len - 1), dev)]
+        emb = self.target.embed_tokens(upload(nxt, dev))
         if self.graphs is not None:
             return self.graphs.head_step(self.head, self.dcache, emb, hid, starts)
         batch = AttentionBatch(starts, T, dev)

@@ -63,6 +63,11 @@ class StaticTreeBatch(StaticBatch):
         self.base = torch.zeros(B, dtype=torch.long, device=device)
         self.write = torch.zeros(B, T, dtype=torch.long, device=device)
         self.visible = torch.zeros(B, T, scratch, dtype=torch.bool, device=device)
+        # a padding row's visibility (itself only), kept on the device: setting it with a host
+        # value every replay would wait for the device (a copy from pageable memory)
+        pad = torch.arange(T, device=device)
+        self._pad_visible = torch.zeros(T, scratch, dtype=torch.bool, device=device)
+        self._pad_visible[pad, pad.clamp_max(scratch - 1)] = True
 
     def build_mask(self) -> None:
         off = self._keys[None, :] - self.base[:, None]  # [B, L]: each key's offset into the scratch region
@@ -82,7 +87,7 @@ class StaticTreeBatch(StaticBatch):
              visible: torch.Tensor) -> None:
         """The real rows' layout into the buffers; padding rows (free slots) write rows 0..T-1 of
         their own slot, each seeing only itself."""
-        T, S = self.T, self.scratch
+        T = self.T
         self.base.zero_()
         self.base[:B].copy_(base)
         pad = torch.arange(T, device=self.write.device)
@@ -90,6 +95,5 @@ class StaticTreeBatch(StaticBatch):
         self.write[:B].copy_(write)
         self.positions.copy_(pad.expand(self.B, T))
         self.positions[:B].copy_(positions)
-        self.visible.zero_()
-        self.visible[B:, pad, pad.clamp_max(S - 1)] = True
+        self.visible.copy_(self._pad_visible.expand_as(self.visible))
         self.visible[:B].copy_(visible)

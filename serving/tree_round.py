@@ -27,9 +27,12 @@ host window). On a CPU the same functions run eagerly. A policy must declare `tr
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from online_spec.capture import CaptureRecord
+from online_spec.host_window import upload
 from online_spec.kvcache import TreeAttentionBatch
 from online_spec.sampling import probs_from_logits
 from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path
@@ -54,15 +57,27 @@ def verify_greedy(target, cache, tokens: torch.Tensor, batch, base: torch.Tensor
             final.gather(1, rows.expand(-1, -1, final.shape[-1])))
 
 
+class DeviceTree(NamedTuple):
+    """A drafted tree on the device (`select_nodes`' layout), and base [B]: each request's
+    committed length, where the tree's rows start in the target cache."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    probs: torch.Tensor
+    visible: torch.Tensor
+    base: torch.Tensor
+
+
 class TreeRounds:
     """Drafting, verifying and committing draft trees; mixed into `Engine`."""
 
-    def _draft_tree(self, reqs, tlen: list[int], shape: TreeShape):
-        """1) -> the selected tree on the device: (tokens, parents, depth, probs, visible)."""
+    def _draft_tree(self, reqs, tlen: list[int], shape: TreeShape) -> "DeviceTree":
+        """1) -> the selected tree on the device."""
         head, dev = self.head, self.target.device
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] after the last committed row
-        root = self.tok_buf[:len(tlen)].gather(1, torch.tensor(tlen)[:, None])[:, 0].to(dev)
-        base = torch.tensor(tlen, device=dev)
+        root = upload(self.tok_buf[:len(tlen)].gather(1, torch.tensor(tlen)[:, None])[:, 0], dev)
+        base = upload(tlen, dev)
         if self.graphs is not None:
             tree = self.graphs.draft_tree(head, self.dcache, logits, hidden, base, root, shape)
         else:
@@ -73,14 +88,13 @@ class TreeRounds:
                                    root, shape, at)
         for b in range(len(tlen)):  # scratch rows are dropped; the next extend rewrites from tlen
             self.dcache.lengths[b] = tlen[b]
-        return tree
+        return DeviceTree(*tree, base)
 
     def _verify_tree(self, reqs, tlen: list[int], tree, shape: TreeShape):
         """2) verify, 3) accept, 4) commit, 5) capture for a tree. Returns (accepted, records, outputs)."""
-        tokens, parents, depth, probs, visible = tree
+        tokens, parents, depth, probs, visible, base = tree
         B, N = tokens.shape
         dev, steps = self.target.device, shape.num_steps
-        base = torch.tensor(tlen, device=dev)
         write, positions = base[:, None] + torch.arange(N, device=dev), base[:, None] + depth
         if all(r.params.greedy for r in reqs):
             if self.graphs is not None:
