@@ -72,7 +72,7 @@ def upload(t, device):
     import torch
 
     t = torch.as_tensor(t)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
