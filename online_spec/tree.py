@@ -6,7 +6,7 @@ SGLang's names and meaning (`TreeShape`): `num_steps` = depth, `topk` = branchin
 
 Drafting (serving/tree_round.py) expands, at each of `num_steps` draft steps, the `topk`
 children of each of the `topk` best frontier nodes; every child is a candidate scored by its
-path's summed draft log-probability. `select_tree` keeps the `num_draft_tokens - 1` best
+path's summed draft log-probability. `select_nodes` keeps the `num_draft_tokens - 1` best
 candidates. A child's score never exceeds its parent's and its index is larger, so a stable
 sort by score keeps every kept node's parent: the kept set is a tree rooted at the last
 committed token. Nodes are numbered in candidate order (depth first, then score), so a
@@ -165,8 +165,9 @@ def greedy_path(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor
                 num_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`accept_greedy` for a whole batch on the device, no read-back: choice [B, N] the target's
     argmax at each node. A node is on the accepted path when its token and every ancestor's is the
-    argmax at its parent; siblings carry distinct tokens, so at most one node per depth is, and the
-    deepest is the path's end. -> (accepted length [B], path [B, num_steps] node columns in path
+    argmax at its parent; siblings carry distinct tokens (the draft-to-target map is one-to-one),
+    so at most one node per depth is, and the deepest is the path's end (were two, either path
+    would commit the target's own greedy tokens). -> (accepted length [B], path [B, num_steps] node columns in path
     order (0 past the accepted length), bonus token [B]: the argmax at the path's end)."""
     B, N = tokens.shape
     dev = tokens.device
@@ -183,14 +184,6 @@ def greedy_path(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor
         path.scatter_(1, torch.where(d > 0, d - 1, num_steps), cur)
         cur = par.gather(1, cur)
     return depth.gather(1, end)[:, 0], path[:, :num_steps], choice.gather(1, end)[:, 0]
-
-
-def select_tree(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
-                cand_probs: torch.Tensor, root_tokens: torch.Tensor, num_draft_tokens: int) -> DraftTree:
-    """`select_nodes` as a `DraftTree` (host tensors in, host tensors out)."""
-    tokens, parents, depth, probs, _ = select_nodes(cand_tokens, cand_parents, cand_scores, cand_probs,
-                                                    root_tokens, num_draft_tokens, cand_tokens.shape[1])
-    return DraftTree(tokens, parents, depth, probs)
 
 
 def greedy_step(tokens: list[int], children: list[int], choice: int) -> int | None:

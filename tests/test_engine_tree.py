@@ -1,7 +1,7 @@
 """Draft trees (topk > 1): the tree bookkeeping, the tree attention against a naive reference,
 exact acceptance, and the lossless invariant on the real SmolLM2 with the shipped head.
 
-- `select_tree` keeps a tree (every kept node's parent kept, parents numbered first) and the
+- `select_nodes` keeps a tree (every kept node's parent kept, parents numbered first) and the
   best-scoring candidates, checked against a plain-Python reference on random candidates.
 - A tree verify (one forward, `TreeAttentionBatch`) gives every node the logits and features of
   the chain root -> node run on its own (`AttentionBatch`), on a tiny model.
@@ -27,8 +27,7 @@ from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch, TreeAttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import tiny_target
-from online_spec.tree import (DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path, select_nodes,
-                              select_tree)
+from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path, select_nodes
 from serving.engine import Engine, EngineConfig, _SlotView
 from bench.heads import SHIPPED_HEAD
 from bench.lossless import CyclingSteps, wrong_head
@@ -62,28 +61,6 @@ def _random_candidates(rng, B, k, steps):
     return torch.tensor(toks), torch.tensor(pars), torch.tensor(scores)
 
 
-@pytest.mark.parametrize("k, steps, n", [(2, 3, 6), (4, 5, 8), (4, 4, 16), (8, 6, 32), (3, 2, 12)])
-def test_select_tree_keeps_a_tree_of_the_best_candidates(k, steps, n):
-    rng = random.Random(k * 100 + steps)
-    toks, pars, scores = _random_candidates(rng, 4, k, steps)
-    tree = select_tree(toks, pars, scores, scores.exp(), torch.arange(4), n)
-    C = toks.shape[1]
-    assert tree.tokens.shape == (4, min(n, C + 1))
-    for b in range(4):
-        # reference: the best n-1 by score, ties to the earlier candidate
-        want = sorted(sorted(range(C), key=lambda c: (-float(scores[b, c]), c))[:n - 1])
-        assert tree.tokens[b, 1:].tolist() == [int(toks[b, c]) for c in want]
-        for col, c in enumerate(want, 1):
-            p = int(pars[b, c])
-            pcol = int(tree.parents[b, col])
-            assert pcol < col
-            assert (p < 0 and pcol == 0) or (pcol > 0 and want[pcol - 1] == p)
-            assert int(tree.depth[b, col]) == int(tree.depth[b, pcol]) + 1
-    vis = tree.visible()
-    assert bool(vis[:, torch.arange(tree.num_nodes), torch.arange(tree.num_nodes)].all())
-    assert bool(vis[:, :, 0].all())  # everything sees the root
-
-
 def _reference_visible(parents: torch.Tensor) -> torch.Tensor:
     """Node n sees itself and what its parent sees (parents numbered first)."""
     B, N = parents.shape
@@ -96,18 +73,44 @@ def _reference_visible(parents: torch.Tensor) -> torch.Tensor:
     return vis
 
 
+def _select(toks, pars, scores, n, steps) -> tuple[DraftTree, torch.Tensor]:
+    tokens, parents, depth, probs, visible = select_nodes(toks, pars, scores, scores.exp(),
+                                                          torch.arange(toks.shape[0]), n, steps)
+    return DraftTree(tokens, parents, depth, probs), visible
+
+
+@pytest.mark.parametrize("k, steps, n", [(2, 3, 6), (4, 5, 8), (4, 4, 16), (8, 6, 32), (3, 2, 12)])
+def test_select_nodes_keeps_a_tree_of_the_best_candidates(k, steps, n):
+    """`select_nodes` (what a graphed round runs: no read-back) keeps the best candidates as a
+    tree under the root, with each node's depth and a visibility that of a node-by-node walk."""
+    rng = random.Random(k * 100 + steps)
+    toks, pars, scores = _random_candidates(rng, 4, k, steps)
+    tree, visible = _select(toks, pars, scores, n, steps)
+    C = toks.shape[1]
+    assert tree.tokens.shape == (4, min(n, C + 1))
+    for b in range(4):
+        # reference: the best n-1 by score, ties to the earlier candidate
+        want = sorted(sorted(range(C), key=lambda c: (-float(scores[b, c]), c))[:n - 1])
+        assert tree.tokens[b, 1:].tolist() == [int(toks[b, c]) for c in want]
+        for col, c in enumerate(want, 1):
+            p = int(pars[b, c])
+            pcol = int(tree.parents[b, col])
+            assert pcol < col
+            assert (p < 0 and pcol == 0) or (pcol > 0 and want[pcol - 1] == p)
+            assert int(tree.depth[b, col]) == int(tree.depth[b, pcol]) + 1
+    assert torch.equal(visible, _reference_visible(tree.parents))
+    assert torch.equal(tree.visible(), visible)
+
+
 @pytest.mark.parametrize("k, steps, n", [(2, 3, 6), (4, 5, 8), (4, 4, 16), (8, 6, 32)])
-def test_device_selection_and_greedy_path_match_the_host_walk(k, steps, n):
-    """`select_nodes` (what a graphed round runs: no read-back) lays out the tree `select_tree`
-    keeps, its visibility that of a node-by-node walk; `greedy_path` accepts what `accept_greedy`
-    accepts, on random target choices that follow the tree for a random number of levels."""
+def test_greedy_path_matches_the_host_walk(k, steps, n):
+    """`greedy_path` (a greedy batch's walk on the device) accepts what `accept_greedy` accepts,
+    on random target choices that follow the tree for a random number of levels."""
     rng = random.Random(k * 10 + steps)
     B = 6
     toks, pars, scores = _random_candidates(rng, B, k, steps)
-    tokens, parents, depth, probs, visible = select_nodes(toks, pars, scores, scores.exp(), torch.arange(B), n, steps)
-    tree = select_tree(toks, pars, scores, scores.exp(), torch.arange(B), n)
-    assert torch.equal(tokens, tree.tokens) and torch.equal(parents, tree.parents) and torch.equal(depth, tree.depth)
-    assert torch.equal(visible, _reference_visible(parents))
+    tree, _ = _select(toks, pars, scores, n, steps)
+    tokens, parents, depth = tree.tokens, tree.parents, tree.depth
     kids = tree.children()
     seen = set()
     for trial in range(40):
