@@ -17,7 +17,9 @@ not to mutate them after submitting), and sends each record's frames with `zmq.N
 the GIL, and each hand-over stalls the engine's thread: per-record encoding cost an H100 engine
 18 % of its tokens/s at batch 1 and 31 % at batch 16 (docs/collector.md). For the same reason,
 given the engine's host window (`follow_window`: a GPU engine's), the sender starts each round's
-work when the engine's thread next waits on the device (online_spec/host_window.py).
+work when the engine's thread next waits on the device (online_spec/host_window.py). An engine on
+a CPU has the publisher encode and send on its own thread instead (`send_inline`), between
+forwards, where the work costs only its own time.
 
 Why XPUB with `XPUB_NODROP`, bound by the publisher:
 - a plain PUB socket never blocks but also drops silently at its high-water mark, so drops
@@ -141,7 +143,7 @@ class CapturePublisher:
         self._topics: set[bytes] = set()
         self._closed = False
         self._last_warn: dict[str, float] = {}
-        # Each counter has one writer: the caller's thread or the sender thread.
+        # Each counter has one writer: the caller's thread or the sender thread (inline: the caller's).
         self.requests_seen = 0
         self.requests_captured = 0
         self.submitted = 0
@@ -159,6 +161,8 @@ class CapturePublisher:
         self._ends_done = 0  # the sender's: markers it has sent or dropped
         self.send_errors = 0
         self._window: HostWindow | None = None
+        self._inline = False  # rounds encoded and sent on the caller's thread (`send_inline`)
+        self._sock_lock = threading.Lock()  # the socket is used by one thread at a time
         self._thread = threading.Thread(target=self._run, name="capture-publisher", daemon=True)
         self._thread.start()
 
@@ -184,8 +188,13 @@ class CapturePublisher:
             records = records[:max(room, 0)]
         if records:
             self._records_in += len(records)
+            item = list(records) if isinstance(records, list) else records
+            if self._inline:
+                self._records_out += len(records)
+                self._deliver(item)
+                return
             # another sequence goes as it is: a `CaptureRound` builds its records when the sender reads it
-            self._queue.put_nowait(list(records) if isinstance(records, list) else records)
+            self._queue.put_nowait(item)
 
     def end_request(self, request_id: str) -> None:
         """The request finished; queue an end-of-request marker if it was sampled."""
@@ -196,12 +205,27 @@ class CapturePublisher:
             return
         self._ends_queued += 1
         self._records_in += 1
+        if self._inline:
+            self._records_out += 1
+            self._deliver(EndOfRequest(request_id, time.time()))
+            return
         self._queue.put_nowait(EndOfRequest(request_id, time.time()))
 
     def follow_window(self, window: HostWindow | None) -> None:
         """Start each queued round's work when the engine's thread next waits on the device (at
         most the window's `wait_s` later; online_spec/host_window.py)."""
         self._window = window
+
+    def send_inline(self, on: bool = True) -> None:
+        """Encode and send each round on the caller's thread (the engine's), not the sender
+        thread's. For an engine on a CPU whose cores its torch threads fill: there the sender
+        thread's work preempts a torch worker mid-operation and the whole operation waits for it
+        (2-core AVX512-BF16 CPU, batch 1: capture at 100 % cost 33 % of tokens/s threaded, 16 %
+        inline; docs/collector.md), while on the engine's thread it takes only its own time, between
+        forwards. Call before the first `submit`; anything already queued is sent first."""
+        if on and not self._inline:
+            self.drain(10.0)
+        self._inline = bool(on)
 
     def stats(self) -> dict[str, Any]:
         names = ("requests_seen", "requests_captured", "submitted", "sent", "dropped_queue_full", "dropped_hwm",
@@ -273,7 +297,8 @@ class CapturePublisher:
                 try:
                     item = self._queue.get(timeout=0.1)
                 except queue.Empty:  # idle: keep `subscribed` fresh for stats()
-                    self._read_subscriptions()
+                    with self._sock_lock:
+                        self._read_subscriptions()
                     continue
                 if item is _STOP:
                     break
@@ -281,15 +306,21 @@ class CapturePublisher:
                 if window is not None:
                     window.wait()
                 self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)
-                try:
-                    self._send_item(item)
-                except Exception:  # keep serving: one bad record must not stop the stream
-                    self.send_errors += 1
-                    log.exception("capture publisher: failed to send a message; continuing")
-                finally:
-                    self._ends_done += isinstance(item, EndOfRequest)
+                self._deliver(item)
         finally:
-            self._sock.close()
+            with self._sock_lock:
+                self._sock.close()
+
+    def _deliver(self, item: list[CaptureRecord] | EndOfRequest) -> None:
+        """Send one item (the sender thread's, or the caller's when inline); never raises."""
+        try:
+            with self._sock_lock:
+                self._send_item(item)
+        except Exception:  # keep serving: one bad record must not stop the stream
+            self.send_errors += 1
+            log.exception("capture publisher: failed to send a message; continuing")
+        finally:
+            self._ends_done += isinstance(item, EndOfRequest)
 
     def _send_item(self, item: list[CaptureRecord] | EndOfRequest) -> None:
         self._read_subscriptions()

@@ -64,6 +64,23 @@ def follow(part: object, window: HostWindow | None) -> None:
         fn(window)
 
 
+class SendsInline(Protocol):
+    """A part that can do its background work on the engine's own thread (the capture publisher)."""
+
+    def send_inline(self, on: bool = True) -> None: ...
+
+
+def run_inline(part: object) -> None:
+    """Have `part` (the capture publisher) do its work on the engine's own thread if it can: on a
+    CPU, where the engine's torch threads fill the cores, a background thread's work preempts a
+    torch worker mid-operation and every thread of that operation waits for it; on the engine's
+    thread, between forwards, the work costs only its own time (collector/publisher.py:
+    `send_inline`)."""
+    fn = getattr(part, "send_inline", None)
+    if callable(fn):
+        fn(True)
+
+
 def upload(t, device):
     """A host tensor (or a list of ints) on `device` without waiting for the device: on a GPU a
     copy from pageable memory first waits for every kernel already queued on the stream (a hidden

@@ -37,7 +37,7 @@ from online_spec.capture import CaptureRecord
 from online_spec.config import ConfigError
 from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
-from online_spec.host_window import HostWindow, follow, upload
+from online_spec.host_window import HostWindow, follow, run_inline, upload
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import TargetModel
@@ -60,7 +60,6 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.target, self.cfg = target, cfg or EngineConfig()
         self.policy = policy or StaticSteps(self.cfg.num_steps)
         self._check_policy(self.policy)
-        self.publisher = publisher
         c, info = self.cfg, target.info
         S, L = c.max_batch, c.max_len
         self.tcache = target.new_cache(S, L)
@@ -71,7 +70,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         # opened around the round's blocking read-backs; the publisher and a planned policy start
         # their Python there (online_spec/host_window.py)
         self.window = HostWindow() if c.windows_on(target.device) else None
-        follow(publisher, self.window)
+        self.publisher = publisher
         follow(self.policy, self.window)
         self.head: EagleHead | None = None
         self.dcache = None
@@ -92,6 +91,19 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.timeline: RoundTimeline | NoTimeline = NO_TIMELINE  # a bench's RoundTimeline marks round stages
 
     # -- public API -----------------------------------------------------------------------
+    @property
+    def publisher(self) -> CaptureSink | None:
+        return self._publisher
+
+    @publisher.setter
+    def publisher(self, pub: CaptureSink | None) -> None:
+        """The capture sink; its work placed where it costs serving least (online_spec/host_window.py):
+        in the host windows on a GPU, on the engine's own thread on a CPU."""
+        self._publisher = pub
+        follow(pub, self.window)
+        if self.window is None and self.target.device.type == "cpu":
+            run_inline(pub)
+
     def add_request(self, req: Request) -> Request:
         """Queue a request; raises EngineFull / PromptTooLong / ValueError without side effects."""
         if not req.prompt_ids:

@@ -4,7 +4,8 @@ The window's effect (less contention for the interpreter lock on a GPU host) is 
 `bench e2e --device cuda` (docs/results.md); these tests hold its mechanics: the publisher's
 sender and the planner's worker start their work only inside a window (or after the wait
 bound), an engine opens windows around its read-backs and still outputs plain decoding's
-tokens, and the planner never stalls an engine that waits for it.
+tokens, and the planner never stalls an engine that waits for it. An engine on a CPU has the
+publisher send on its own thread instead (measured by `bench collector`, docs/results.md).
 """
 
 from __future__ import annotations
@@ -115,3 +116,63 @@ def test_host_windows_default_to_cuda_devices_only():
     assert not EngineConfig(host_windows="off").windows_on(torch.device("cuda"))
     with pytest.raises(ConfigError):
         EngineConfig(host_windows="sometimes")
+
+
+def _thread_spy(pub: CapturePublisher) -> list[str]:
+    """The names of the threads that send the publisher's items, in order."""
+    names: list[str] = []
+    send = pub._send_item
+
+    def spy(item):
+        names.append(threading.current_thread().name)
+        send(item)
+
+    pub._send_item = spy
+    return names
+
+
+def test_a_cpu_engine_has_the_publisher_send_on_its_own_thread(tmp_path):
+    """On a CPU (no host windows) every round's records and every end marker are encoded and sent
+    on the engine's thread, before `submit` / the round returns: nothing is left queued for the
+    sender thread, the subscriber gets every record, and the output is plain decoding's. An engine
+    with windows leaves the sending to the sender thread (it follows the windows), and a
+    publisher handed over later is placed the same way."""
+    target = tiny_target(num_layers=2)
+    prompts = [list(range(3 + i, 30 + 4 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=3, max_len=128, num_steps=0)).generate(prompts, params)
+    received = []
+    for n, windows in enumerate(("off", "on", "off")):
+        with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap{n}.sock")) as pub, \
+                CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=received.append).start() as sub:
+            assert pub.wait_for_subscriber(10.0)
+            names = _thread_spy(pub)
+            cfg = EngineConfig(max_batch=3, max_len=128, num_steps=3, host_windows=windows)
+            if n < 2:
+                eng = Engine(target, new_head(target, seed=2), cfg, publisher=pub)
+            else:  # handed over after the engine was built
+                eng = Engine(target, new_head(target, seed=2), cfg)
+                eng.publisher = pub
+            if eng.window is not None:
+                eng.window.wait_s = 0.001
+            assert eng.generate(prompts, params) == plain
+            eng.step()  # releases the requests of the last round: their end markers
+            stats = pub.stats()
+            if windows == "off":
+                # sent as the rounds ran: counted before any drain, and by the engine's thread only
+                assert stats["submitted"] > 0 and stats["sent"] == stats["submitted"]
+                assert stats["end_markers_sent"] == len(prompts)
+                assert set(names) == {threading.current_thread().name}
+            else:
+                assert pub.drain(10.0)
+                assert set(names) == {"capture-publisher"}
+            assert wait_until(lambda: sub.records >= stats["submitted"])
+
+
+def wait_until(cond, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
