@@ -25,6 +25,7 @@ from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
 from serving.engine import Engine, EngineConfig
 from serving.policy_planner import PlannedPolicy
+from test_collector_stream import wait_until
 from test_policy_planner import bare_policy
 
 
@@ -167,12 +168,3 @@ def test_a_cpu_engine_has_the_publisher_send_on_its_own_thread(tmp_path):
                 assert pub.drain(10.0)
                 assert set(names) == {"capture-publisher"}
             assert wait_until(lambda: sub.records >= stats["submitted"])
-
-
-def wait_until(cond, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
