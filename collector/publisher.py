@@ -220,9 +220,8 @@ class CapturePublisher:
         """Encode and send each round on the caller's thread (the engine's), not the sender
         thread's. For an engine on a CPU whose cores its torch threads fill: there the sender
         thread's work preempts a torch worker mid-operation and the whole operation waits for it
-        (2-core AVX512-BF16 CPU, batch 1: capture at 100 % cost 33 % of tokens/s threaded, 16 %
-        inline; docs/collector.md), while on the engine's thread it takes only its own time, between
-        forwards. Call before the first `submit`; anything already queued is sent first."""
+        (the figures: docs/collector.md), while on the engine's thread it takes only its own time,
+        between forwards. Call before the first `submit`; anything already queued is sent first."""
         if on and not self._inline:
             self.drain(10.0)
         self._inline = bool(on)
