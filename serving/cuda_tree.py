@@ -84,11 +84,12 @@ class TreeGraphs:
 
     @torch.inference_mode()
     def tree_verify_greedy(self, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
-                           visible: torch.Tensor, base: torch.Tensor, num_steps: int, cache):
+                           base: torch.Tensor, write: torch.Tensor, positions: torch.Tensor,
+                           visible: torch.Tensor, num_steps: int, cache):
         """`verify_greedy` (serving/tree_round.py) in one replay: the tree (tokens, parents,
-        depth [B, N], visible [B, N, N], base [B], device tensors) verified, walked and its path's
-        K/V committed -> (accepted [B], bonus [B], path [B, num_steps], features and final hidden
-        of the committed rows [B, num_steps + 1, .])."""
+        depth [B, N]; its layout as in `tree_target_forward`, device tensors) verified, walked and
+        its path's K/V committed -> (accepted [B], bonus [B], path [B, num_steps], features and
+        final hidden of the committed rows [B, num_steps + 1, .])."""
         B, N = tokens.shape
         key = ("tgreedy", self.bucket(B), N, num_steps)
         dev = self.device
@@ -105,8 +106,7 @@ class TreeGraphs:
         g.inputs["parents"][:B].copy_(parents)
         g.inputs["depth"].zero_()
         g.inputs["depth"][:B].copy_(depth)
-        ar = torch.arange(N, device=dev)
-        g.batch.fill(B, base, base[:, None] + ar, base[:, None] + depth, visible)
+        g.batch.fill(B, base, write, positions, visible)
         return self._run(g, B)
 
     def _warm_tree(self, shape, Bp: int, tcache, head, caches: list) -> None:
@@ -121,4 +121,5 @@ class TreeGraphs:
         eye = torch.eye(N, dtype=torch.bool, device=dev).expand(Bp, N, N)
         self.tree_target_forward(zeros, base, torch.arange(N, device=dev).expand(Bp, N), zeros, eye, tcache)
         parents = torch.full((Bp, N), -1, dtype=torch.long, device=dev)
-        self.tree_verify_greedy(zeros, parents, zeros, eye, base, shape.num_steps, tcache)
+        self.tree_verify_greedy(zeros, parents, zeros, base, torch.arange(N, device=dev).expand(Bp, N), zeros, eye,
+                                shape.num_steps, tcache)

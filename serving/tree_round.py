@@ -96,11 +96,13 @@ class TreeRounds:
         B, N = tokens.shape
         dev, steps = self.target.device, shape.num_steps
         write, positions = base[:, None] + torch.arange(N, device=dev), base[:, None] + depth
+        if self.graphs is None:  # the eager forward's attention batch
+            batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), dev)
         if all(r.params.greedy for r in reqs):
             if self.graphs is not None:
-                out = self.graphs.tree_verify_greedy(tokens, parents, depth, visible, base, steps, self.tcache)
+                out = self.graphs.tree_verify_greedy(tokens, parents, depth, base, write, positions, visible, steps,
+                                                     self.tcache)
             else:
-                batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), dev)
                 out = verify_greedy(self.target, self.tcache, tokens, batch, base, parents, depth, steps)
             self.timeline.mark("verify")
             a, bonus, path, feats, final = out
@@ -118,7 +120,6 @@ class TreeRounds:
                 logits, feats, final = self.graphs.tree_target_forward(tokens, base, write, positions, visible,
                                                                        self.tcache)
             else:
-                batch = TreeAttentionBatch(tlen, write.cpu(), positions.cpu(), visible.cpu(), dev)
                 logits, feats, final = self.target.forward(tokens, batch, self.tcache)  # [B, N, V]
             self.timeline.mark("verify")
             host = self._host(torch.cat([tokens.float(), parents.float(), depth.float(), probs,
