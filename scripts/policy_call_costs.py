@@ -7,6 +7,7 @@ alternating; prints per call the median microseconds and per round the mean. Not
 
     python scripts/policy_call_costs.py          # batch 1
     B=4 python scripts/policy_call_costs.py
+    DTYPE=bfloat16 python scripts/policy_call_costs.py   # the serving dtype of a CPU with native bf16
 """
 import collections, statistics, sys, time, os
 import torch
@@ -22,7 +23,7 @@ from serving.engine import Engine, EngineConfig
 from serving.policy_planner import PlannedPolicy
 
 B = int(os.environ.get("B", "1"))
-target = load_target(dtype=torch.float32)
+target = load_target(dtype=os.environ.get("DTYPE", "float32"))
 head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
 convs = sharegpt_conversations(limit=40, seed=3, split="heldout", max_prompt_tokens=160, tokenizer=target.tokenizer)
 prompts = [target.encode_chat(c[:1]) for c in convs][:max(4, B)]
@@ -40,6 +41,7 @@ class Rec:
     def update(self, *a, **k): return self._t("update", *a, **k)
     def predict_round_s(self, *a): return self.p.predict_round_s(*a)
     def tree_for(self, *a): return None
+    def tree_shapes(self): return []
     def rewarm(self): self.p.rewarm()
     def info(self): return self.p.info()
     def state_dict(self): return self.p.state_dict()
