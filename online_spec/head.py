@@ -23,7 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 from online_spec.kvcache import AttentionBatch, KVCache
-from online_spec.tree import select_nodes
+from online_spec.tree import select_nodes, wide_topk
 
 
 @dataclass
@@ -237,7 +237,7 @@ class EagleHead(nn.Module):
             vis = front_vis.scatter(2, (w + ar_k).view(1, k, 1).expand(B, k, 1), True)
             batch = batch_at(base[:, None] + w + ar_k, (base + i - 1)[:, None].expand(B, k), vis)
             lg, hid = self.step(embed(d2t[front_tok]), front_hidden, batch, cache, rope)  # [B,k,Vd], [B,k,H]
-            c_lp, c_id = torch.log_softmax(lg.float(), -1).topk(k, -1)  # [B, k, k]
+            c_lp, c_id = wide_topk(torch.log_softmax(lg.float(), -1), k)  # [B, k, k]
             c_score = (front_score[:, :, None] + c_lp).reshape(B, k * k)
             c_id = c_id.reshape(B, k * k)
             toks.append(c_id)

@@ -116,6 +116,21 @@ class DraftTree:
         return out
 
 
+def wide_topk(x: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, -1)` over a wide last dimension in two passes: the k best of each of `chunks`
+    equal chunks, then the k best of those. The same values, sorted (equal values may come in
+    another order, with their own indices). On an H100 one pass over a drafting step's [1, 8, 8192]
+    log-probabilities took 41 us (one thread block per row); a dimension too narrow for the
+    chunks, or not divisible by them, takes the one pass."""
+    n = x.shape[-1]
+    if n % chunks or n < 4 * chunks * k:
+        return x.topk(k, -1)
+    v1, i1 = x.unflatten(-1, (chunks, n // chunks)).topk(k, -1)  # [..., chunks, k]
+    i1 = i1 + torch.arange(0, n, n // chunks, device=x.device)[:, None]
+    v2, i2 = v1.flatten(-2).topk(k, -1)
+    return v2, i1.flatten(-2).gather(-1, i2)
+
+
 def select_nodes(cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_scores: torch.Tensor,
                  cand_probs: torch.Tensor, root_tokens: torch.Tensor, num_draft_tokens: int, num_steps: int):
     """The best `num_draft_tokens - 1` candidates of each request, as a tree under its root, on

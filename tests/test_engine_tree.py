@@ -27,7 +27,8 @@ from online_spec.head import new_head
 from online_spec.kvcache import AttentionBatch, TreeAttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import tiny_target
-from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path, select_nodes
+from online_spec.tree import (DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path, select_nodes,
+                               wide_topk)
 from serving.engine import Engine, EngineConfig, _SlotView
 from bench.heads import SHIPPED_HEAD
 from bench.lossless import CyclingSteps, wrong_head
@@ -100,6 +101,23 @@ def test_select_nodes_keeps_a_tree_of_the_best_candidates(k, steps, n):
             assert int(tree.depth[b, col]) == int(tree.depth[b, pcol]) + 1
     assert torch.equal(visible, _reference_visible(tree.parents))
     assert torch.equal(tree.visible(), visible)
+
+
+@pytest.mark.parametrize("shape, k", [((1, 8, 8192), 8), ((3, 4, 8192), 4), ((2, 8192), 1), ((5, 1000), 8),
+                                      ((2, 3, 4096), 16)])
+def test_wide_topk_gives_topks_values_and_their_indices(shape, k):
+    """The drafting step's two-pass top-k: the values `topk` gives, in order, and indices that
+    point at them; the best of a row may sit in any chunk (a planted maximum in the last chunk).
+    Duplicated values (bf16 log-probabilities tie) keep their count."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(shape, generator=g).mul(4).round()  # many ties
+    x[..., -1] = 100.0
+    v, i = wide_topk(x, k)
+    want_v, _ = x.topk(k, -1)
+    assert torch.equal(v, want_v)
+    assert torch.equal(x.gather(-1, i), v)
+    assert bool((i[..., 0] == shape[-1] - 1).all())
+    assert all(len(set(row)) == k for row in i.reshape(-1, k).tolist())  # k distinct entries a row
 
 
 @pytest.mark.parametrize("k, steps, n", [(2, 3, 6), (4, 5, 8), (4, 4, 16), (8, 6, 32)])

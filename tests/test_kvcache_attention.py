@@ -55,3 +55,47 @@ def test_attention_batch_attends_its_slots_only():
             w = torch.softmax((q[b, :, t, None] * ks).sum(-1) / 8 ** 0.5, -1)  # [6, n]
             want = (w[..., None] * vs).sum(1).reshape(-1)
             torch.testing.assert_close(out[b, t], want, rtol=1e-10, atol=1e-10)
+
+
+def _filled_cache(layers=3, slots=3, L=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(layers, slots, 2, L, 4, torch.float64)
+    for layer in range(layers):  # through the per-layer views, as the forwards write
+        cache.k[layer].copy_(torch.randn(slots, 2, L, 4, generator=g, dtype=torch.float64))
+        cache.v[layer].copy_(torch.randn(slots, 2, L, 4, generator=g, dtype=torch.float64))
+    return cache
+
+
+def test_gather_rows_moves_every_layers_rows_and_nothing_else():
+    """A tree round's commit: row src[b, j] of slot b lands on row dst[b, j] in every layer's
+    keys and values (a path onto consecutive rows; past the path a row onto itself); every other
+    row and slot keeps its values. The reference is the per-layer copy."""
+    cache = _filled_cache()
+    before_k = [k.clone() for k in cache.k]
+    before_v = [v.clone() for v in cache.v]
+    src = torch.tensor([[7, 9, 4], [5, 5, 5]])  # slot 0: a path at scratch rows 7, 9; slot 1: nothing accepted
+    dst = torch.tensor([[5, 6, 4], [5, 5, 5]])
+    cache.gather_rows(src, dst)
+    for layer in range(3):
+        for c, before in ((cache.k, before_k), (cache.v, before_v)):
+            want = before[layer].clone()
+            for b in range(2):
+                for j in range(3):
+                    want[b, :, dst[b, j]] = before[layer][b, :, src[b, j]]
+            assert torch.equal(c[layer], want), f"layer {layer}"
+            assert not torch.equal(c[layer], before[layer])  # it moved something
+    assert torch.equal(cache.k[2][2], before_k[2][2])  # slot 2 is not in the batch
+
+
+def test_move_slot_copies_every_layer_up_to_the_length():
+    cache = _filled_cache()
+    before = {"k": [k.clone() for k in cache.k], "v": [v.clone() for v in cache.v]}
+    cache.lengths[2] = 6
+    cache.move_slot(2, 0)
+    assert cache.lengths == [6, 0, 0]
+    for name, now in (("k", cache.k), ("v", cache.v)):
+        for layer in range(3):
+            was = before[name][layer]
+            assert torch.equal(now[layer][0, :, :6], was[2, :, :6]), (name, layer)
+            assert torch.equal(now[layer][0, :, 6:], was[0, :, 6:])  # past the length: untouched
+            assert torch.equal(now[layer][1], was[1])
