@@ -23,6 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 from online_spec.kvcache import AttentionBatch, KVCache
+from online_spec.target import rms_norm
 from online_spec.tree import select_nodes, wide_topk
 
 
@@ -81,15 +82,23 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
 
 
+class RMSNorm(LlamaRMSNorm):
+    """HF's Llama RMSNorm (its parameter and checkpoint key `weight`) computed by torch's fused
+    rms_norm (online_spec/target.py: `rms_norm`): a draft step runs four of them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self, x)
+
+
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         c = cfg.as_llama_like()
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = LlamaMLP(c)
-        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class EagleHead(nn.Module):
@@ -98,7 +107,7 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
-        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))

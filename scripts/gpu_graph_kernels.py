@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -85,26 +86,41 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", type=int, default=3, help="the static chain's K")
     ap.add_argument("--tree", default="6,8,32", help="the static tree 'num_steps,topk,num_draft_tokens'")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=8, help="prompts served (at most --batch at a time)")
     ap.add_argument("--reps", type=int, default=50, help="replays timed per graph")
+    ap.add_argument("--fused-norm", action="store_true",
+                    help="what-if: every RMSNorm (target and head) as torch's F.rms_norm instead of HF's composite")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    if a.fused_norm:
+        from transformers.models.llama import modeling_llama
+
+        def rms_norm(self, x):
+            return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+
+        modeling_llama.LlamaRMSNorm.forward = rms_norm
     if not torch.cuda.is_available():
         print("gpu_graph_kernels: no CUDA device (the probe times CUDA graphs)", file=sys.stderr)
         return 2
     target = load_target(device="cuda")
     head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
     head = head.to(target.device)
-    prompts = json.loads(Path(a.prompts_file).read_text())[a.data][:a.batch]
+    prompts = json.loads(Path(a.prompts_file).read_text())[a.data][:max(a.batch, a.requests)]
     tree = TreeShape.parse(a.tree, "tree")
     sp = SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)
     out: dict = {"device": torch.cuda.get_device_name(), "batch": a.batch, "k": a.k, "tree": a.tree,
-                 "torch": torch.__version__, "configs": {}}
+                 "torch": torch.__version__, "fused_norm": a.fused_norm, "configs": {}}
     for name, h, fields in (("plain", None, {"num_steps": 0}), (f"chain_{a.k}", head, {"num_steps": a.k}),
                             (f"tree_{a.tree.replace(',', '_')}", head, tree_fields(tree))):
         eng = Engine(target, h, EngineConfig(max_batch=a.batch, max_len=1024, **fields))
         eng.generate(list(prompts), sp)  # captures the graphs
-        graphs = {}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = sum(len(o) for o in eng.generate(list(prompts), sp))
+        torch.cuda.synchronize()
+        graphs = {"tokens_per_s": n / (time.perf_counter() - t0)}
+        print(f"{name}: {graphs['tokens_per_s']:.1f} tokens/s", flush=True)
         for key, g in eng.graphs._graphs.items():
             if g.graph in (None, False) or key[1] != eng.graphs.bucket(a.batch):
                 continue
