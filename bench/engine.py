@@ -272,6 +272,24 @@ def prompt_sets(cfg: EngineBenchConfig, target) -> dict[str, list[list[int]]]:
     return sets
 
 
+def grid_best(row: dict) -> dict:
+    """The fastest chain and tree of one grid row ({shape name: {"tokens_per_s", "accept_length"}},
+    plain included) and their ratios; `tree_round_in_plain_steps`: the best tree's round time in
+    plain decode steps (accept length x plain tokens/s / its tokens/s), so the tree serves N x
+    plain once its accept length reaches N times this (the aims' ceiling, measured in the run)."""
+    chains = {n: v for n, v in row.items() if n.startswith("chain_")}
+    trees = {n: v for n, v in row.items() if n.startswith("tree_")}
+    best_chain = max(chains, key=lambda n: chains[n]["tokens_per_s"]) if chains else None
+    best_tree = max(trees, key=lambda n: trees[n]["tokens_per_s"]) if trees else None
+    plain = row["plain"]["tokens_per_s"]
+    tree = trees[best_tree] if best_tree else None
+    return {"chain": best_chain, "tree": best_tree,
+            "tree_vs_chain": tree["tokens_per_s"] / chains[best_chain]["tokens_per_s"] if best_chain and tree else None,
+            "tree_vs_plain": tree["tokens_per_s"] / plain if tree else None,
+            "chain_vs_plain": chains[best_chain]["tokens_per_s"] / plain if best_chain else None,
+            "tree_round_in_plain_steps": tree["accept_length"] * plain / tree["tokens_per_s"] if tree else None}
+
+
 def shape_grid(cfg: EngineBenchConfig, target, head, prompt_set: dict[str, list[list[int]]]) -> dict:
     """Tokens/s and accepted drafts per request-round of plain decode, every chain K and every
     tree, per traffic and batch size; shapes interleaved within each repeat (drift in machine
@@ -291,16 +309,7 @@ def shape_grid(cfg: EngineBenchConfig, target, head, prompt_set: dict[str, list[
                           "accept_length": statistics.median(x[1] for x in v),
                           "accepted_drafts_per_round": statistics.median(x[1] for x in v) - 1.0}
                    for name, v in runs.items()}
-            chains = {n: v for n, v in row.items() if n.startswith("chain_")}
-            trees = {n: v for n, v in row.items() if n.startswith("tree_")}
-            best_chain = max(chains, key=lambda n: chains[n]["tokens_per_s"]) if chains else None
-            best_tree = max(trees, key=lambda n: trees[n]["tokens_per_s"]) if trees else None
-            plain = row["plain"]["tokens_per_s"]
-            row["best"] = {"chain": best_chain, "tree": best_tree,
-                           "tree_vs_chain": (trees[best_tree]["tokens_per_s"] / chains[best_chain]["tokens_per_s"]
-                                             if best_chain and best_tree else None),
-                           "tree_vs_plain": trees[best_tree]["tokens_per_s"] / plain if best_tree else None,
-                           "chain_vs_plain": chains[best_chain]["tokens_per_s"] / plain if best_chain else None}
+            row["best"] = grid_best(row)
             log.info("grid %s batch %d: %s", data, b, row["best"])
             per_batch[str(b)] = row
         out[data] = per_batch

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from online_spec.head import new_head
-from bench.engine import run_prompts, tokens_per_s
+from bench.engine import grid_best, run_prompts, tokens_per_s
 
 
 def test_run_prompts_cover_several_prompts_and_rotate_per_repeat():
@@ -56,3 +56,19 @@ def test_prompts_file_replaces_the_datasets(tmp_path):
     f.write_text(json.dumps({"all": [[1]], "chat": [[4]]}))
     with pytest.raises(ValueError, match=r"no prompts for \['code'\]"):
         prompt_sets(cfg, target=None)
+
+
+def test_grid_best_picks_the_fastest_shapes_and_prices_the_tree_round():
+    """A tree at 3 tokens a round serving 1.5x plain takes 2 plain steps a round: it would serve
+    2.5x plain only at 5 tokens a round (the ceiling the aims are read against)."""
+    row = {"plain": {"tokens_per_s": 100.0, "accept_length": 1.0},
+           "chain_1": {"tokens_per_s": 120.0, "accept_length": 1.6},
+           "chain_3": {"tokens_per_s": 125.0, "accept_length": 2.1},
+           "tree_4_4_12": {"tokens_per_s": 150.0, "accept_length": 3.0},
+           "tree_6_8_32": {"tokens_per_s": 140.0, "accept_length": 3.3}}
+    best = grid_best(row)
+    assert (best["chain"], best["tree"]) == ("chain_3", "tree_4_4_12")
+    assert best["tree_vs_chain"] == pytest.approx(1.2) and best["tree_vs_plain"] == pytest.approx(1.5)
+    assert best["chain_vs_plain"] == pytest.approx(1.25)
+    assert best["tree_round_in_plain_steps"] == pytest.approx(2.0)
+    assert grid_best({"plain": row["plain"], "chain_3": row["chain_3"]})["tree"] is None
