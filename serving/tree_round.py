@@ -31,11 +31,12 @@ from typing import NamedTuple
 
 import torch
 
-from online_spec.capture import CaptureRecord
+from online_spec.capture import CaptureRound, RoundRow
 from online_spec.host_window import upload
 from online_spec.kvcache import TreeAttentionBatch
 from online_spec.sampling import probs_from_logits
 from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path
+from serving.capture_rows import stage_rows
 
 
 def verify_greedy(target, cache, tokens: torch.Tensor, batch, base: torch.Tensor, parents: torch.Tensor,
@@ -113,7 +114,6 @@ class TreeRounds:
             tok_h, par_h, dep_h, prob_h = host[:, 2 + steps:].split(N, 1)
             paths = [head_cols[b, 2:2 + int(head_cols[b, 0])].tolist() for b in range(B)]
             bonus_h = head_cols[:, 1].tolist()
-            rows = [(feats[b, :len(p) + 1], final[b, :len(p) + 1]) for b, p in enumerate(paths)]
             host_tree = DraftTree(tok_h.long(), par_h.long(), dep_h.long(), prob_h)
         else:
             if self.graphs is not None:
@@ -142,34 +142,45 @@ class TreeRounds:
                 dst = torch.tensor([[tlen[b] + 1 + j for j in range(len(p))] + [tlen[b]] * (amax - len(p))
                                     for b, p in enumerate(paths)])
                 self.tcache.gather_rows(src.to(dev), dst.to(dev))
-            rows = []
-            for b, p in enumerate(paths):
-                idx = torch.tensor([0] + p, device=dev)
-                rows.append((feats[b, idx], final[b, idx]))
-        return self._commit_tree(reqs, tlen, host_tree, paths, bonus_h, rows, steps)
+            # each request's committed rows (the root's, then its path's) in one gather, padded
+            cols = torch.tensor([[0] + p + [0] * (amax - len(p)) for p in paths], device=dev)[..., None]
+            feats = feats.gather(1, cols.expand(-1, -1, feats.shape[-1]))
+            final = final.gather(1, cols.expand(-1, -1, final.shape[-1]))
+        return self._commit_tree(reqs, tlen, host_tree, paths, bonus_h, feats, final, steps)
 
     def _commit_tree(self, reqs, tlen: list[int], tree: DraftTree, paths: list[list[int]], bonus: list[int],
-                     rows: list, steps: int):
+                     feats: torch.Tensor, final: torch.Tensor, steps: int):
         """4) commit each request's accepted path and bonus (host bookkeeping; the K/V moved
-        already), 5) capture. rows[b]: features and final hidden of its committed rows."""
-        kids = tree.children() if any(r.capture for r in reqs) else None
+        already), 5) capture. feats / final [B, R, .]: row t of request b is its t-th committed
+        row (the root's, then its path's; padding past it), fresh tensors of this round. The
+        capture is a chain round's (`CaptureRound`, serving/capture_rows.py: the rows gathered
+        on the device and copied to pinned memory asynchronously, the records built on the
+        publisher's thread); its drafts are the accepted path, then the first child rejected."""
+        B, R = feats.shape[:2]
+        capture = any(r.capture for r in reqs)
+        kids = tree.children() if capture else None
         tokens = tree.tokens.tolist()
-        accepted, records, outs = [], [], []
+        drafts = torch.zeros(B, steps + 1, dtype=torch.long) if capture else None
+        draft_probs = torch.zeros(B, steps + 1) if capture else None
+        accepted, rows, index, outs = [], [], [], []
         for b, r in enumerate(reqs):
             path, a, L = paths[b], len(paths[b]), tlen[b]
             new = [tokens[b][c] for c in path] + [bonus[b]]
-            feats, final = rows[b]
-            self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
-            self.feat_buf[b, L:L + a + 1] = feats
-            self.tcache.lengths[b] = L + a + 1
-            accepted.append(a)
             if r.capture:
                 u = path[-1] if path else 0
-                drafted = path + kids[b][u][:1]  # the accepted path, then the first child rejected
-                records.append(CaptureRecord(
-                    request_id=r.request_id, first_pos=L, tokens=self.tok_buf[b, L:L + a + 2].clone(),
-                    features=feats, final_hidden=final, draft_tokens=tree.tokens[b, drafted].clone(),
-                    draft_probs=tree.probs[b, drafted].clone(), accept_len=a, num_steps=len(drafted),
-                    batch_size=len(reqs), draft_version=self.head_version, tag=r.tag))
+                drafted = path + kids[b][u][:1]
+                drafts[b, :len(drafted)] = tree.tokens[b, drafted]
+                draft_probs[b, :len(drafted)] = tree.probs[b, drafted]
+                rows.append(RoundRow(r.request_id, L, b, [int(self.tok_buf[b, L])] + new, a, len(drafted), r.tag))
+                index.extend(range(b * R, b * R + a + 1))
+            self.tok_buf[b, L + 1:L + a + 2] = torch.tensor(new)
+            self.feat_buf[b, L:L + a + 1] = feats[b, :a + 1]
+            self.tcache.lengths[b] = L + a + 1
+            accepted.append(a)
             outs.append(self._commit_output(r, new, a, steps))
+        records = []
+        if rows:
+            f, h, row_index, ready = stage_rows(feats, final, index)
+            records = CaptureRound(rows, f, h, row_index=row_index, drafts=drafts, draft_probs=draft_probs,
+                                   batch_size=B, draft_version=self.head_version, ready=ready)
         return accepted, records, outs

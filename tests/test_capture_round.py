@@ -1,7 +1,8 @@
-"""A chain round's capture: the engine hands the round over unbuilt (`CaptureRound`), the reader
+"""A chain or tree round's capture: the engine hands the round over unbuilt (`CaptureRound`), the reader
 builds the records, and they equal what a teacher-forced pass of the final sequences gives
 (tiny fp32 target, a stand-in for SmolLM2 that runs the same engine code)."""
 
+import pytest
 import torch
 
 from online_spec.capture import CaptureRecord, CaptureRound, RoundRow, adjacency_error
@@ -54,18 +55,28 @@ class _Sink:
         pass
 
 
-def test_engine_chain_rounds_capture_what_teacher_forcing_gives():
+@pytest.mark.parametrize("tree, sampled", [(False, False), (True, False), (True, True)])
+def test_engine_rounds_capture_what_teacher_forcing_gives(tree, sampled):
+    """Chain and tree rounds (a greedy batch's tree on the device path, a batch with a sampling
+    request on the host path) hand over `CaptureRound`s whose rows are the teacher-forced ones."""
     torch.manual_seed(0)
     target = tiny8()
+    shape = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if tree else {}
     eng = Engine(target, new_head(target, draft_vocab_size=256, seed=3),
-                 EngineConfig(max_batch=4, max_len=256, num_steps=3), publisher=(sink := _Sink()))
+                 EngineConfig(max_batch=4, max_len=256, num_steps=3, **shape), publisher=(sink := _Sink()))
     prompts = {"r0": [5, 9, 33, 7], "r1": [1, 2, 3, 4, 5, 6], "skip": [100, 200, 300]}
     for rid, p in prompts.items():
-        eng.add_request(Request(p, SamplingParams(max_tokens=20, ignore_eos=True), request_id=rid))
+        params = SamplingParams(max_tokens=20, ignore_eos=True, **({"temperature": 0.8, "seed": 7}
+                                                                    if sampled and rid == "r1" else {}))
+        eng.add_request(Request(p, params, request_id=rid))
     outs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    topks = set()
     while eng.has_work():
         for o in eng.step():
             outs[o.request_id] += o.new_token_ids
+        if eng.last_round is not None and eng.last_round.num_steps:
+            topks.add(eng.last_round.topk)
+    assert topks == ({2} if tree else {1})
     assert sink.rounds and all(r._records is None for r in sink.rounds)  # the engine built none
     records = [rec for rnd in sink.rounds for rec in rnd]
     assert {r.request_id for r in records} == {"r0", "r1"}  # an unsampled request sends nothing
