@@ -1,8 +1,9 @@
 """Slot KV cache shared by the target model and the draft head.
 
 Each running request owns a slot; keys/values live in one preallocated tensor each,
-`[num_layers, num_slots, kv_heads, max_len, head_dim]`, and `k[layer]` / `v[layer]` are its per-layer
-views, so what moves rows of every layer (`gather_rows`, `move_slot`) is one copy, not one per layer. A forward writes its new positions at
+`[num_layers, num_slots, kv_heads, max_len, head_dim]`, and `k[layer]` / `v[layer]` are its
+per-layer views, so what moves rows of every layer (`gather_rows`, `move_slot`) is one copy, not
+one per layer. A forward writes its new positions at
 `start[b] .. start[b] + T - 1` and attends to everything before them; rolling back past a
 rejected draft is just lowering `lengths[b]` (entries beyond are garbage and masked out).
 Active requests occupy slots `0 .. B-1` so a batch is a view, never a gather; when one leaves,
