@@ -159,6 +159,8 @@ class TargetModel(nn.Module):
         self._capture_at = [i + 1 for i in self.info.aux_layer_ids]
         self._rope_len = 0
         self._cos = self._sin = None
+        self._fused: list[tuple] = []  # per layer (qkv weight, qkv bias, gate/up weight, gate/up bias)
+        self._fused_key: tuple | None = None
         self.eos_token_ids = self._eos_ids()
 
     # -- properties -------------------------------------------------------------------------
@@ -212,6 +214,33 @@ class TargetModel(nn.Module):
             ids = ids["input_ids"]
         return list(ids)
 
+    def _projections(self) -> list[tuple]:
+        """Per layer, q/k/v stacked into one [(nh + 2 kvh) hd, H] weight and gate/up into one [2 I, H]
+        (and their biases, if any): one matmul each where HF's modules run three and two. On this
+        2-core CPU a one-row forward went 38.7 -> 34.8 ms with them, 12 rows 58.5 -> 50.2 (bf16
+        logits identical); on a GPU it is 3 kernels a layer fewer. Copies beside HF's modules
+        (+~140 MB for SmolLM2), which stay as they are for HF's own calls and `save_pretrained`;
+        built on first use and again when the weights move or change dtype (`.to()`); whoever
+        writes the target's weights in place calls `refresh_projections()`."""
+        layers = self.hf.model.layers
+        w0 = layers[0].self_attn.q_proj.weight
+        key = (w0.data_ptr(), w0.dtype)  # checked every forward: a key over every weight cost ~0.9 ms
+        if key != self._fused_key:
+            def stack(*mods):
+                biases = [m.bias for m in mods]
+                return (torch.cat([m.weight for m in mods]).detach(),
+                        None if all(b is None for b in biases) else torch.cat(
+                            [b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for m, b in zip(mods, biases)]))
+            with torch.no_grad():
+                self._fused = [(*stack(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj),
+                                *stack(la.mlp.gate_proj, la.mlp.up_proj)) for la in layers]
+            self._fused_key = key
+        return self._fused
+
+    def refresh_projections(self) -> None:
+        """Rebuild the stacked projections on the next forward (after an in-place weight write)."""
+        self._fused_key = None
+
     # -- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: AttentionBatch, cache: KVCache,
@@ -230,18 +259,19 @@ class TargetModel(nn.Module):
         cos, sin = self.rope(batch.positions, batch.rope_bound)
         cos, sin = cos.squeeze(1), sin.squeeze(1)
         feats: list[torch.Tensor | None] = [None, None, None]
-        for li, layer in enumerate(m.layers):
+        nq, nk = i.num_heads * i.head_dim, i.kv_heads * i.head_dim
+        for li, (layer, (qkv_w, qkv_b, gu_w, gu_b)) in enumerate(zip(m.layers, self._projections())):
             for j, at in enumerate(self._capture_at):
                 if at == li:
                     feats[j] = h
-            x = rms_norm(layer.input_layernorm, h)
-            a = layer.self_attn
-            q = a.q_proj(x).view(B, T, i.num_heads, i.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(B, T, i.kv_heads, i.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(B, T, i.kv_heads, i.head_dim).transpose(1, 2)
+            qkv = F.linear(rms_norm(layer.input_layernorm, h), qkv_w, qkv_b)
+            q = qkv[..., :nq].view(B, T, i.num_heads, i.head_dim).transpose(1, 2)
+            k = qkv[..., nq:nq + nk].view(B, T, i.kv_heads, i.head_dim).transpose(1, 2)
+            v = qkv[..., nq + nk:].view(B, T, i.kv_heads, i.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            h = h + a.o_proj(batch.attend(cache, li, q, k, v))
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + layer.self_attn.o_proj(batch.attend(cache, li, q, k, v))
+            gate, up = F.linear(rms_norm(layer.post_attention_layernorm, h), gu_w, gu_b).chunk(2, dim=-1)
+            h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         for j, at in enumerate(self._capture_at):
             if at == len(m.layers):  # tiny models: "entering" the layer after the last
                 feats[j] = h
