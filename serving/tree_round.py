@@ -135,15 +135,14 @@ class TreeRounds:
                     path, nxt = accept_sampled(tok_l[b], kids[b], probs_from_logits(logits[b], r.params), r.gen)
                 paths.append(path)
                 bonus_h.append(nxt)
-            # the accepted path's target K/V into consecutive rows L+1..L+a (padding: the root onto itself)
+            # each request's committed columns: the root's, then its path's (padding: the root's)
             amax = max(len(p) for p in paths)
-            if amax:
-                src = torch.tensor([[tlen[b] + c for c in p] + [tlen[b]] * (amax - len(p)) for b, p in enumerate(paths)])
-                dst = torch.tensor([[tlen[b] + 1 + j for j in range(len(p))] + [tlen[b]] * (amax - len(p))
-                                    for b, p in enumerate(paths)])
-                self.tcache.gather_rows(src.to(dev), dst.to(dev))
-            # each request's committed rows (the root's, then its path's) in one gather, padded
-            cols = torch.tensor([[0] + p + [0] * (amax - len(p)) for p in paths], device=dev)[..., None]
+            cols = torch.tensor([[0] + p + [0] * (amax - len(p)) for p in paths])  # [B, amax + 1]
+            if amax:  # the path's target K/V into consecutive rows L+1..L+a (padding: the root onto itself)
+                base, j = torch.tensor(tlen)[:, None], torch.arange(1, amax + 1)
+                on_path = j[None] <= torch.tensor([len(p) for p in paths])[:, None]
+                self.tcache.gather_rows((base + cols[:, 1:]).to(dev), (base + torch.where(on_path, j, 0)).to(dev))
+            cols = cols.to(dev)[..., None]  # their features and final hidden in one gather
             feats = feats.gather(1, cols.expand(-1, -1, feats.shape[-1]))
             final = final.gather(1, cols.expand(-1, -1, final.shape[-1]))
         return self._commit_tree(reqs, tlen, host_tree, paths, bonus_h, feats, final, steps)
