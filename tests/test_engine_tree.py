@@ -352,6 +352,20 @@ def test_tree_greedy_fp32_token_identical(smol_fp32, shipped, prompts, reference
 
 
 @pytest.mark.slow
+def test_tree_host_path_keeps_a_greedy_request_beside_a_sampled_one(smol_fp32, shipped, prompts, reference):
+    """A batch with a sampling request verifies on the host path (acceptance, K/V commit, rows
+    gathered there): the greedy requests beside it still get the target's greedy tokens."""
+    eng = Engine(smol_fp32, shipped, EngineConfig(max_batch=4, max_len=512, num_steps=5, max_steps=7,
+                                                  speculative_eagle_topk=4, speculative_num_draft_tokens=8))
+    rounds = []
+    eng.on_round.append(lambda s, o: rounds.append(s))
+    sampled = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=11)
+    outs = eng.generate(prompts[:3], [GREEDY, sampled, GREEDY])
+    assert [outs[0], outs[2]] == [reference[0], reference[2]]
+    assert sum(sum(s.accepted) for s in rounds) > len(rounds)  # paths were accepted and committed
+
+
+@pytest.mark.slow
 def test_tree_heads_swapped_mid_generation_keep_output(smol_fp32, shipped, prompts, reference):
     heads = [shipped, wrong_head(smol_fp32), None, new_head(smol_fp32, seed=12)]
     eng = Engine(smol_fp32, heads[0], EngineConfig(max_batch=8, max_len=512, max_steps=6, swap_fill_rows=0,
