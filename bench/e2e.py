@@ -64,6 +64,8 @@ live from each phase's first token and paid nothing to train would:
   tokens/s   sum_p tokens_p / sum_p (tokens_p / max_h tokens/s_{h,p})   (tokens_p: the
              adaptive configuration's; the same weighting gives the reference its own figure)
   ceiling_vs_static_sglang_adaptive   that over static + SGLang adaptive weighted alike
+  ceiling_capture     (online-spec - static + SGLang adaptive) / (ceiling - static + SGLang
+                      adaptive), tokens/s weighted alike; per phase in `best_per_phase` (target 0.8)
   ceiling_speedup_vs_plain_bs1        the best head's batch-1 tokens/s over plain's
 A head better than these (one trained on the very replies the trace repeats) is not bounded.
 
@@ -443,26 +445,45 @@ def return_figures(configs: dict) -> dict:
             "ratio_online_spec_over_static": _ratio(ratio, static)}
 
 
+CEILING_CAPTURE_TARGET = 0.8  # of the gain the ceiling had over static + SGLang adaptive (issue 30)
+
+
+def capture(online: float, ref: float, ceiling: float) -> float | None:
+    """(online - ref) / (ceiling - ref): the share of the ceiling's gain over the reference that
+    online-spec took (1: all of it; < 0: slower than the reference); None where the ceiling has
+    no gain to take."""
+    return None if ceiling <= ref else (online - ref) / (ceiling - ref)
+
+
 def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
     """The per-phase ceiling of `--ceiling-heads` (module doc): the fastest head per phase among
     `cost_policy` (the static head) and the `ceiling_<head>` configurations, weighted by the
-    adaptive configuration's tokens per phase, and the best head's batch-1 speedup over plain."""
+    adaptive configuration's tokens per phase; online-spec weighted alike, and the share of the
+    ceiling's gain it took (`ceiling_capture`, overall and per phase); the best head's batch-1
+    speedup over plain."""
     heads = ["cost_policy"] + [n for n in configs if n.startswith("ceiling_")]
     ref = configs["sglang_adaptive"]["phases"]
-    best, ceiling_s, ref_s, tokens = {}, 0.0, 0.0, 0
+    online = configs["online_spec"]["phases"]
+    best, ceiling_s, ref_s, online_s, tokens = {}, 0.0, 0.0, 0.0, 0
     for p in phases:
         rates = {h: (configs[h]["phases"].get(p) or {}).get("tokens_per_s") for h in heads}
         n, ref_tps = (ref.get(p) or {}).get("completion_tokens"), (ref.get(p) or {}).get("tokens_per_s")
-        if not n or not ref_tps or not all(rates.values()):
+        online_tps = (online.get(p) or {}).get("tokens_per_s")
+        if not n or not ref_tps or not online_tps or not all(rates.values()):
             return {"error": f"phase {p!r} lacks tokens/s in some configuration: no ceiling"}
         h = max(rates, key=rates.get)
-        best[p] = {"head": h, "tokens_per_s": rates[h]}
+        best[p] = {"head": h, "tokens_per_s": rates[h],
+                   "ceiling_capture": capture(online_tps, ref_tps, rates[h])}
         ceiling_s += n / rates[h]
         ref_s += n / ref_tps
+        online_s += n / online_tps
         tokens += n
     bs1_best = max((n for n in bs1 if n.startswith("ceiling_")), key=lambda n: bs1[n]["tokens_per_s"] or 0)
     return {"best_per_phase": best, "tokens_per_s": tokens / ceiling_s,
             "static_sglang_adaptive_tokens_per_s": tokens / ref_s,
+            "online_spec_tokens_per_s": tokens / online_s,
+            "ceiling_capture": capture(tokens / online_s, tokens / ref_s, tokens / ceiling_s),
+            "ceiling_capture_target": CEILING_CAPTURE_TARGET,
             "ceiling_vs_static_sglang_adaptive": ref_s / ceiling_s,
             "bs1_best": bs1_best,
             "ceiling_speedup_vs_plain_bs1": _ratio(bs1[bs1_best]["tokens_per_s"], bs1["plain"]["tokens_per_s"])}

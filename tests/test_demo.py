@@ -234,19 +234,25 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
                            "code": {"tokens_per_s": code, "completion_tokens": code_tokens}}}
 
     configs = {"sglang_adaptive": conf(10.0, 5.0, 100, 200), "cost_policy": conf(12.0, 5.0),
-               "ceiling_code": conf(8.0, 10.0), "online_spec": conf(50.0, 50.0)}  # online-spec is no ceiling head
+               "ceiling_code": conf(8.0, 10.0), "online_spec": conf(11.0, 8.0)}  # online-spec is no ceiling head
     bs1 = {"plain": {"tokens_per_s": 10.0}, "online_spec": {"tokens_per_s": 30.0},
            "ceiling_code": {"tokens_per_s": 19.0}}
     out = ceiling_figures(configs, bs1, ["chat", "code"])
-    assert out["best_per_phase"] == {"chat": {"head": "cost_policy", "tokens_per_s": 12.0},
-                                     "code": {"head": "ceiling_code", "tokens_per_s": 10.0}}
-    # 300 tokens in 100/12 + 200/10 s against 100/10 + 200/5 s
+    assert out["best_per_phase"] == {"chat": {"head": "cost_policy", "tokens_per_s": 12.0, "ceiling_capture": 0.5},
+                                     "code": {"head": "ceiling_code", "tokens_per_s": 10.0,
+                                              "ceiling_capture": pytest.approx(0.6)}}
+    # 300 tokens in 100/12 + 200/10 s against 100/10 + 200/5 s; online-spec's 100/11 + 200/8 s
     assert out["tokens_per_s"] == pytest.approx(300 / (100 / 12 + 20))
     assert out["static_sglang_adaptive_tokens_per_s"] == pytest.approx(300 / 50)
+    ceiling, ref, online = 300 / (100 / 12 + 20), 300 / 50, 300 / (100 / 11 + 25)
+    assert out["online_spec_tokens_per_s"] == pytest.approx(online)
+    assert out["ceiling_capture"] == pytest.approx((online - ref) / (ceiling - ref))
     assert out["ceiling_vs_static_sglang_adaptive"] == pytest.approx(50 / (100 / 12 + 20))
     assert out["bs1_best"] == "ceiling_code" and out["ceiling_speedup_vs_plain_bs1"] == pytest.approx(1.9)
     configs["ceiling_code"]["phases"]["code"]["tokens_per_s"] = None
     assert "error" in ceiling_figures(configs, bs1, ["chat", "code"])
+    configs["ceiling_code"]["phases"]["code"]["tokens_per_s"] = 4.0  # no head beats the reference on code
+    assert ceiling_figures(configs, bs1, ["chat", "code"])["best_per_phase"]["code"]["ceiling_capture"] is None
 
 
 @pytest.mark.parametrize("heads", ["code,code", "runs/a/head,runs/b/head", "day0"])

@@ -40,6 +40,7 @@ from trainer.daemon import DaemonConfig, TrainerDaemon
 from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig
 from trainer.loss import LossConfig
+from trainer.seeds import eval_copy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,7 +230,7 @@ def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
                           SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
                           ReplayConfig(root=str(tmp_path / sub / "replay"), heldout_every=1),
                           DistillConfig(), LossConfig(ttt_steps=3), GateConfig(min_anchors=10), head=candidate)
-        d.live_head = d._live_head_from(live)
+        d.live_head = eval_copy(live, target)
         for r in recs:
             d.on_span(served(r))
         return d
@@ -284,7 +285,7 @@ def test_gate_scores_generated_rows_and_counts_the_live_head_once_per_version(tm
         d.on_span(served(r))
     c2, lv2, _ = d._gate_scores(d._gate_sample(), {3: 1})
     assert counted == [(False, 3), (True, 3), (False, 5), (True, 2)]  # the live head: only the 2 new spans
-    d.live_head = d._live_head_from(d.distiller.head)  # a swap: the new live head is counted afresh
+    d.live_head = eval_copy(d.distiller.head, target)  # a swap: the new live head is counted afresh
     d._gate_scores(d._gate_sample(), {3: 1})
     assert counted[-1] == (True, 5)
 
@@ -315,7 +316,7 @@ def test_gate_refuses_a_head_that_learned_the_new_tag_and_forgot_the_old(tmp_pat
                           SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
                           ReplayConfig(root=str(tmp_path / sub / "replay"), heldout_every=1), DistillConfig(),
                           LossConfig(ttt_steps=3), GateConfig(min_anchors=10, tag_regress=tag_regress), head=cand)
-        d.live_head = d._live_head_from(live)
+        d.live_head = eval_copy(live, target)
         for r in chat + code:  # code arrives last: the newest held-out traffic is code only
             d.on_span(served(r))
         return d.evaluate_and_publish()

@@ -38,7 +38,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -48,16 +48,17 @@ from collector.replay import ReplayBuffer, ReplayConfig
 from collector.span import CaptureSpan
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
 from online_spec.checkpoint import META, load_head
-from online_spec.config import check, doc
 from online_spec.head import EagleHead, new_head
 from online_spec.starvation import KINDS as STARVATION_KINDS
 from online_spec.starvation import StarvationConfig
 from trainer.batch import collate
+from trainer.daemon_config import DaemonConfig
 from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.duty import DutyCycle
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
+from trainer.seeds import SeedConfig, SeedWatch, eval_copy
 from trainer.server_head import ServerHeadWatch, server_live_version
 from trainer.starvation_watch import StarvationWatch
 
@@ -72,52 +73,14 @@ class HeadPublisher(Protocol):
     # published versions after it; `request("trainer_alert", alert_dict)`, the trainer's own alerts
 
 
-@dataclass
-class DaemonConfig:
-    run_dir: str = doc("run directory: state, optimizer, replay buffer, published checkpoints", "runs/trainer")
-    init_head: str = doc("head checkpoint to start from (the server's live head); empty = random day-0 head", "")
-    batch_tokens: int = doc("rows of traffic per training step", 512)
-    min_buffer_tokens: int = doc("rows the buffer must hold before training starts", 256)
-    eval_every_steps: int = doc("evaluate the candidate every N optimizer steps", 20)
-    eval_every_s: float = doc("... or every T seconds, whichever comes first", 60.0)
-    eval_tokens: int = doc("held-out rows the gate evaluates on: the newest held-out requests serving drafted on, "
-                           "each with its prompt (the head's context) and at most --eval-generated-rows "
-                           "generated rows, whose drafts alone are scored (what serving drafts on; prompt rows "
-                           "would count user text the engine never drafts)", 1024)
-    eval_generated_rows: int = doc("most generated rows one held-out request gives the gate sample, so that a "
-                                   "long generation does not fill it alone", 128)
-    eval_max_steps: int = doc("draft steps simulated by the gate", 7)
-    save_every_steps: int = doc("save the resumable state every N steps", 10)
-    idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
-    max_duty: float = doc("most of the wall time the daemon spends training and evaluating (1 = back to back): "
-                          "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
-                          "core or GPU time to the server it shares the machine with", 1.0)
-    idle_duty: float = doc("the duty cycle while the server's control `info` (read every 0.5-2 s) shows no running "
-                           "or waiting request: lulls go to training; --max-duty while it serves", 1.0)
-    drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
-    specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
-                           "so the live head may specialise on the traffic of now (the bank brings the other head "
-                           "back when its traffic returns); off: every published head keeps every stored tag's "
-                           "acceptance", False)
-
-    def __post_init__(self):
-        check(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
-        check(self.eval_every_steps >= 1, "eval_every_steps", "must be >= 1")
-        check(self.eval_every_s > 0, "eval_every_s", "must be > 0")
-        check(self.eval_tokens >= 1, "eval_tokens", "must be >= 1")
-        check(self.eval_generated_rows >= 1, "eval_generated_rows", "must be >= 1")
-        check(self.save_every_steps >= 1, "save_every_steps", "must be >= 1")
-        check(0.0 < self.max_duty <= 1.0, "max_duty", f"must be in (0, 1], got {self.max_duty!r}")
-        check(0.0 < self.idle_duty <= 1.0, "idle_duty", f"must be in (0, 1], got {self.idle_duty!r}")
-
-
 class TrainerDaemon:
     def __init__(self, cfg: DaemonConfig, target, publisher: HeadPublisher | None,
                  subscriber_cfg: SubscriberConfig, replay_cfg: ReplayConfig | None = None,
                  distill_cfg: DistillConfig | None = None, loss_cfg: LossConfig | None = None,
                  gate_cfg: GateConfig | None = None, wandb_run=None, head: EagleHead | None = None,
-                 starvation_cfg: StarvationConfig | None = None):
+                 starvation_cfg: StarvationConfig | None = None, seed_cfg: SeedConfig | None = None):
         self.cfg, self.target, self.publisher, self.wandb = cfg, target, publisher, wandb_run
+        self.seeds = SeedWatch(seed_cfg or SeedConfig(), target, cfg.eval_max_steps)  # trainer/seeds.py
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
         self.gate_cfg = gate_cfg or GateConfig()
@@ -126,7 +89,7 @@ class TrainerDaemon:
         self.live = LiveAcceptance()
         self.state = {"step": 0, "next_version": 1, "live_version": 0, "previous_version": None,
                       "initial_version": 0, "published": [], "rolled_back": [], "swaps": 0, "refused_swaps": 0,
-                      "evals": 0}
+                      "evals": 0, "seeds_adopted": [], "seed_checks": 0, "seed_seconds": 0.0}
         self._init_meta: dict = {}
         day0 = head is None and not cfg.init_head  # a random head: nothing the anchor should keep
         if head is None:
@@ -135,7 +98,7 @@ class TrainerDaemon:
             # a fresh run continues the live head's numbering: versions stay unique and monotonic
             v0 = self._starting_version()
             self.state.update(live_version=v0, initial_version=v0, next_version=v0 + 1)
-        self.live_head = self._live_head_from(head)
+        self.live_head = eval_copy(head, self.target)
         self.buffer = ReplayBuffer(replay_cfg or ReplayConfig(root=str(self.run_dir / "replay")))
         if self._saved_buffer:  # its spans reload from disk; its counters from the state file
             self.buffer.load_state_dict(self._saved_buffer)
@@ -147,6 +110,9 @@ class TrainerDaemon:
         if (self.run_dir / "distiller.pt").exists():
             self.distiller.load_state(self.run_dir / "distiller.pt")
             log.info("resumed at step %d", self.distiller.step)
+        if self.seeds and self.distiller.world_size > 1:
+            log.warning("--seed-heads ignored: a trainer of %d ranks cannot start over from a seed",
+                        self.distiller.world_size)
         # sockets are opened only by run(): a daemon that never runs owns none (a zmq context
         # garbage-collected with open sockets blocks its finalizer forever)
         self.subscriber_cfg = subscriber_cfg
@@ -178,6 +144,7 @@ class TrainerDaemon:
             self._refuse("stream", span, problem)
             return
         self.buffer.add(span)
+        self.seeds.observe(span, time.monotonic())
         self.live.observe_rows(span.accepted.tolist(), span.num_steps.tolist(), span.draft_version.tolist(),
                                span.batch_size.tolist(), getattr(span, "tag", ""))
 
@@ -208,6 +175,7 @@ class TrainerDaemon:
                 else:
                     self.rest_after(time.monotonic() - t0)
                 self.watch_rollback()
+                self.watch_seeds()
                 self.watch_starvation()
                 self.watch_server_head()
         finally:
@@ -339,6 +307,7 @@ class TrainerDaemon:
     def live_head(self, head: EagleHead) -> None:
         self._live_head = head
         self._live = LiveCounts(head, self.target, self.cfg.eval_max_steps)  # counted afresh per live head
+        self._live_since = time.monotonic()  # the seeds are scored on traffic from here on
 
     def publish(self) -> int | None:
         """Write the candidate as a new version and swap it into the server."""
@@ -360,10 +329,32 @@ class TrainerDaemon:
         self.state.update(previous_version=prev, live_version=version, swaps=self.state["swaps"] + 1)
         self.state["published"].append({"version": version, "digest": digest, "step": self.distiller.step,
                                         "time": time.time()})
-        self.live_head = self._live_head_from(self.distiller.head)
+        self.live_head = eval_copy(self.distiller.head, self.target)
         self._log({"swap/version": version, "swap/count": self.state["swaps"]})
         log.info("published v%d (digest %s)", version, digest[:12])
         self.save_state()
+        return version
+
+    def watch_seeds(self, now: float | None = None) -> int | None:
+        """When due, score the seed heads against the live head on the traffic since it went live
+        (trainer/seeds.py); adopt and publish a seed that beats it by the margin."""
+        now = time.monotonic() if now is None else now
+        if not self.seeds.due(now, now < self._drift_until) or self.distiller.world_size > 1:
+            return None
+        pick = self.seeds.check(self._live_since, self._live, dict(self.live.k_counts))
+        self.state.update(seed_checks=self.seeds.checks, seed_seconds=round(self.seeds.seconds, 3))
+        self._log({f"seeds/{k}": v for k, v in self.seeds.last.items()})
+        if pick is None:
+            return None
+        log.info("seed %r drafts today's traffic better than the live v%d (%.3f vs %.3f over %d anchors): "
+                 "training goes on from it", pick.seed.label, self.state["live_version"], pick.score, pick.live,
+                 pick.anchors)
+        self.distiller.set_weights(pick.seed.master, re_anchor=True)
+        version = self.publish()
+        self.state["seeds_adopted"].append({"seed": pick.seed.label, "version": version, "step": self.distiller.step,
+                                            "score": round(pick.score, 4), "live": round(pick.live, 4),
+                                            "time": time.time()})
+        self.write_state()
         return version
 
     def watch_rollback(self) -> None:
@@ -380,7 +371,7 @@ class TrainerDaemon:
                 return
         self.state["rolled_back"].append(bad)
         self.state.update(live_version=prev, previous_version=None)
-        self.live_head = self._live_head_from(self._load_version(prev))
+        self.live_head = eval_copy(self._load_version(prev), self.target)
         self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
         self.save_state()
 
@@ -402,7 +393,7 @@ class TrainerDaemon:
             return None
         self.rollbacks.start_from(self.live, v, prev)
         self.state.update(previous_version=prev, live_version=v)
-        self.live_head = self._live_head_from(head)
+        self.live_head = eval_copy(head, self.target)
         self.server_head.adopted += 1
         self._log({"swap/adopted_server_head": v})
         log.info("the server made v%d live (it was v%d): training continues from it", v, prev)
@@ -460,12 +451,6 @@ class TrainerDaemon:
             return head
         return init_from_target(new_head(self.target).float(), self.target)
 
-    def _live_head_from(self, head: EagleHead) -> EagleHead:
-        copy = EagleHead(head.cfg)
-        copy.load_state_dict(head.state_dict())
-        copy.set_vocab_map(head.d2t.cpu(), head.t2d.cpu())
-        return copy.to(dtype=self.target.dtype, device=self.target.device).eval()
-
     def _log(self, metrics: dict) -> None:
         if self.wandb is not None:
             try:
@@ -488,7 +473,9 @@ class TrainerDaemon:
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
                 "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,
-                "adopted_server_heads": self.server_head.adopted}
+                "adopted_server_heads": self.server_head.adopted,
+                "seeds": {"checks": self.seeds.checks, "seconds": round(self.seeds.seconds, 3),
+                          "last": self.seeds.last, "adopted": self.state["seeds_adopted"]}}
 
 
 def install_signal_handlers(daemon) -> None:

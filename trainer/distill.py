@@ -285,18 +285,35 @@ class Distiller:
         """ZeRO 1-2 over several ranks: each rank holds its own part of the optimizer state."""
         return self.world_size > 1 and self.zero_stage >= 1
 
-    def set_weights(self, head: EagleHead) -> None:
+    def set_weights(self, head: EagleHead, re_anchor: bool = False) -> None:
         """Train on from `head`'s weights (the server's live head changed under the trainer: its
-        head bank swapped back a head it had before); optimizer moments, schedule and counters go
-        on. ZeRO keeps its own fp32 copy of the weights: refreshed from the new ones. One rank
-        only (several would each need the same weights: `trainer/ranks.py` does not follow)."""
+        head bank swapped back a head it had before; or a seed head, trainer/seeds.py); optimizer
+        moments, schedule and counters go on. A head with another draft vocabulary brings its map
+        (and the target rows the loss scores against). `re_anchor`: the anchor (if on) pulls
+        toward `head` from now on, not toward the starting head. ZeRO keeps its own fp32 copy of
+        the weights: refreshed from the new ones. One rank only (several would each need the
+        same weights: `trainer/ranks.py` does not follow)."""
         check(self.world_size == 1, "set_weights", f"one rank only, this trainer has {self.world_size}")
         new = head.state_dict()
         with torch.no_grad():
             for name, p in self.head.named_parameters():
                 p.copy_(new[name].to(device=p.device, dtype=p.dtype))
+            if not torch.equal(self.head.d2t.cpu(), head.d2t.cpu()) or not torch.equal(self.head.t2d.cpu(),
+                                                                                      head.t2d.cpu()):
+                self.head.set_vocab_map(head.d2t.to(self.head.d2t.device), head.t2d.to(self.head.t2d.device))
+            self._sync_vocab()
+            if re_anchor and self._anchor:
+                self._anchor = [p.detach().clone() for p in self.head.parameters()]
         if self.zero_stage >= 1:
             self.optimizer.refresh_fp32_params()
+
+    def _sync_vocab(self) -> None:
+        """After the head's vocabulary map changed (a seed adopted, or a resumed state): its
+        draft-to-target ids and the target rows of its draft vocabulary follow."""
+        h = self.head
+        if not torch.equal(h.draft_to_target.cpu(), torch.arange(h.cfg.draft_vocab_size) + h.d2t.cpu()):
+            h.set_vocab_map(h.d2t.clone(), h.t2d.clone())
+        self.shared = SharedTarget.build(self.target, h)
 
     def state_dict(self) -> dict:
         """Weights, optimizer, scheduler, counters; partitioned, the optimizer is this rank's part."""
@@ -307,6 +324,7 @@ class Distiller:
 
     def load_state_dict(self, state: dict) -> None:
         self.head.load_state_dict(state["head"])
+        self._sync_vocab()
         self._load_optimizer(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
@@ -361,6 +379,7 @@ class Distiller:
                 "schedule and step resume, the optimizer moments start afresh", *saved, self.world_size,
                 self.zero_stage)
             self.head.load_state_dict(state["head"])
+            self._sync_vocab()
             self.scheduler.load_state_dict(state["scheduler"])
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
             return

@@ -9,8 +9,9 @@ Across N data-parallel ranks (`trainer/ranks.py`), started from the same one com
     online-spec train --ranks 2 --device cuda --trainer-devices 1,2 --run-dir runs/trainer ...
 
 Flags come from `DaemonConfig`, `GateConfig`, `DistillConfig` (prefix `--distill-`),
-`LossConfig` (`--loss-`), `ReplayConfig` (`--replay-`), `SubscriberConfig` (`--capture-`) and
-`RankConfig` (`--ranks`, `--trainer-devices`, ...).
+`LossConfig` (`--loss-`), `ReplayConfig` (`--replay-`), `SubscriberConfig` (`--capture-`),
+`StarvationConfig` (`--starvation-`), `SeedConfig` (`--seed-`) and `RankConfig` (`--ranks`,
+`--trainer-devices`, ...).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from trainer.gate import GateConfig
 from trainer.launch import command_line, launch, world_from_env
 from trainer.loss import LossConfig
 from trainer.ranks import RankConfig, RankLoop, RankZeroDaemon, follower_distiller, rank_device
+from trainer.seeds import SeedConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, SubscriberConfig, prefix="capture_")
     add_config_args(parser, RankConfig)
     add_config_args(parser, StarvationConfig, prefix="starvation_")
+    add_config_args(parser, SeedConfig, prefix="seed_")
     proc = parser.add_argument_group("process (where it connects, runs and logs)")
     proc.add_argument("--control-run-dir", type=Path, default=None, metavar="DIR",
                       help="the server's run directory (control endpoint + token); omit: train, never publish")
@@ -86,7 +89,8 @@ def build_daemon(args: argparse.Namespace, daemon_cls: type[TrainerDaemon] = Tra
     return daemon_cls(cfg, target, publisher, subscriber, replay, distill_config(args),
                       config_from_args(LossConfig, args, prefix="loss_"),
                       config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run,
-                      starvation_cfg=config_from_args(StarvationConfig, args, prefix="starvation_"))
+                      starvation_cfg=config_from_args(StarvationConfig, args, prefix="starvation_"),
+                      seed_cfg=config_from_args(SeedConfig, args, prefix="seed_"))
 
 
 def distill_config(args: argparse.Namespace) -> DistillConfig:

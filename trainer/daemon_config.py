@@ -1,0 +1,48 @@
+"""The trainer daemon's settings (`DaemonConfig`, flags of `online-spec train`): its run
+directory, batch and evaluation cadence, duty cycle and drift boost; trainer/daemon.py runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from online_spec.config import check, doc
+
+
+@dataclass
+class DaemonConfig:
+    run_dir: str = doc("run directory: state, optimizer, replay buffer, published checkpoints", "runs/trainer")
+    init_head: str = doc("head checkpoint to start from (the server's live head); empty = random day-0 head", "")
+    batch_tokens: int = doc("rows of traffic per training step", 512)
+    min_buffer_tokens: int = doc("rows the buffer must hold before training starts", 256)
+    eval_every_steps: int = doc("evaluate the candidate every N optimizer steps", 20)
+    eval_every_s: float = doc("... or every T seconds, whichever comes first", 60.0)
+    eval_tokens: int = doc("held-out rows the gate evaluates on: the newest held-out requests serving drafted on, "
+                           "each with its prompt (the head's context) and at most --eval-generated-rows "
+                           "generated rows, whose drafts alone are scored (what serving drafts on; prompt rows "
+                           "would count user text the engine never drafts)", 1024)
+    eval_generated_rows: int = doc("most generated rows one held-out request gives the gate sample, so that a "
+                                   "long generation does not fill it alone", 128)
+    eval_max_steps: int = doc("draft steps simulated by the gate", 7)
+    save_every_steps: int = doc("save the resumable state every N steps", 10)
+    idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
+    max_duty: float = doc("most of the wall time the daemon spends training and evaluating (1 = back to back): "
+                          "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
+                          "core or GPU time to the server it shares the machine with", 1.0)
+    idle_duty: float = doc("the duty cycle while the server's control `info` (read every 0.5-2 s) shows no running "
+                           "or waiting request: lulls go to training; --max-duty while it serves", 1.0)
+    drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
+    specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
+                           "so the live head may specialise on the traffic of now (the bank brings the other head "
+                           "back when its traffic returns); off: every published head keeps every stored tag's "
+                           "acceptance", False)
+
+    def __post_init__(self):
+        check(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
+        check(self.eval_every_steps >= 1, "eval_every_steps", "must be >= 1")
+        check(self.eval_every_s > 0, "eval_every_s", "must be > 0")
+        check(self.eval_tokens >= 1, "eval_tokens", "must be >= 1")
+        check(self.eval_generated_rows >= 1, "eval_generated_rows", "must be >= 1")
+        check(self.save_every_steps >= 1, "save_every_steps", "must be >= 1")
+        check(0.0 < self.max_duty <= 1.0, "max_duty", f"must be in (0, 1], got {self.max_duty!r}")
+        check(0.0 < self.idle_duty <= 1.0, "idle_duty", f"must be in (0, 1], got {self.idle_duty!r}")

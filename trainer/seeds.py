@@ -1,0 +1,177 @@
+"""Seed heads: pretrained heads the trainer starts over from when today's traffic is theirs.
+
+Training a head toward new traffic takes thousands of tokens of it (issue 30: the first useful
+swap after chat -> code came 1,400-4,200 tokens in, and the gain stayed far below a head trained
+for code). A deployment often has such heads already: the packaged code head, a head per
+product. With `--seed-heads code,/path/to/head` the daemon keeps them beside its own line and,
+every `--seed-check-s` (every `--seed-boost-check-s` after a drift alert), scores each of them
+and the live head on the traffic that arrived since the live head went live: the newest
+`--seed-rows` generated rows of every captured span (held-out or not: no seed and not the live
+head has trained on them; spans from before the live head's publication are left out, since a
+published candidate may have trained on those). A seed whose simulated accept length at the live
+K mix beats the live head's by `--seed-margin` (relative) on at least `--seed-min-anchors`
+drafted positions is adopted: the distiller takes its weights and vocabulary map (training goes
+on from it, the anchor re-aimed at it), and it is published through the usual path (a new
+version, swapped in over the control endpoint, watched by the rollback monitor).
+
+Only the traffic of now decides, not the gate's per-tag check on stored traffic: a seed is a
+specialist, and earlier traffic gets its own head back when it returns (from the server's head
+bank, or from this same check, which scores every seed, the starting head included if it is
+listed). Every span is scored once per head (`LiveCounts` caches per span; the live head's cache
+is the gate's), so a check costs the spans that arrived since the last one (`seconds`, in the
+daemon's summary).
+
+    seeds = SeedWatch(SeedConfig(heads="code"), target, max_steps=7)
+    seeds.observe(span, now)                          # subscriber thread, every stored span
+    if seeds.due(now, boosted):
+        pick = seeds.check(now, live_counts, live_since, k_counts)   # -> SeedPick or None
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from online_spec.config import check, doc
+from online_spec.head import EagleHead
+from trainer.evaluate import LiveCounts, acceptance_from_counts
+from trainer.gate import k_mix_score
+
+log = logging.getLogger(__name__)
+
+RECENT_SPANS = 256  # most spans the window keeps (a span of 64 rows of SmolLM2 features: ~0.2 MB)
+
+
+@dataclass
+class SeedConfig:
+    heads: str = doc("pretrained heads the trainer may start over from (comma-separated: shipped, code, or "
+                     "checkpoint directories) when one drafts today's traffic better than the live head; "
+                     "empty = none", "")
+    check_s: float = doc("seconds between checks of the seed heads against the live head", 10.0)
+    boost_check_s: float = doc("... while a drift alert's boost lasts (--drift-boost-s)", 5.0)
+    rows: int = doc("newest generated rows (of spans since the live head went live) a check scores", 512)
+    min_anchors: int = doc("drafted positions a check needs before it decides", 128)
+    margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
+
+    def __post_init__(self):
+        check(self.check_s > 0, "check_s", "must be > 0")
+        check(self.boost_check_s > 0, "boost_check_s", "must be > 0")
+        check(self.rows >= 1, "rows", "must be >= 1")
+        check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
+        check(self.margin >= 0, "margin", "must be >= 0")
+
+    @property
+    def names(self) -> list[str]:
+        return [s.strip() for s in self.heads.split(",") if s.strip()]
+
+
+@dataclass
+class Seed:
+    label: str
+    master: EagleHead  # fp32 on the CPU: what the distiller takes on adoption
+    counts: LiveCounts  # its per-span simulated counts (an eval copy in the target's dtype and device)
+
+
+@dataclass
+class SeedPick:
+    seed: Seed
+    score: float
+    live: float
+    anchors: int
+    scores: dict  # label -> score, every seed's
+
+
+def eval_copy(head: EagleHead, target) -> EagleHead:
+    """`head` as the gate scores it: a copy in the target's dtype and device, eval mode."""
+    copy = EagleHead(head.cfg)
+    copy.load_state_dict(head.state_dict())
+    copy.set_vocab_map(head.d2t.cpu(), head.t2d.cpu())
+    return copy.to(dtype=target.dtype, device=target.device).eval()
+
+
+def load_seeds(cfg: SeedConfig, target, max_steps: int) -> list[Seed]:
+    """Each seed of `cfg.heads`, loaded and fitted to `target` (ConfigError naming --seed-heads
+    when one does not fit or does not exist)."""
+    from online_spec.heads import load_draft
+
+    seeds = []
+    for name in cfg.names:
+        head, _, path = load_draft(name, target, dtype=torch.float32, field="seed-heads")
+        check(bool(path), "seed-heads", "day0 is no seed (a random head drafts nothing)")
+        label = name if "/" not in name else Path(path).name
+        seeds.append(Seed(label, head.float().cpu(), LiveCounts(eval_copy(head, target), target, max_steps)))
+    return seeds
+
+
+class SeedWatch:
+    """The recent spans and the seed heads scored on them; see the module docstring."""
+
+    def __init__(self, cfg: SeedConfig, target, max_steps: int, seeds: list[Seed] | None = None):
+        self.cfg, self.max_steps = cfg, max_steps
+        self.seeds = seeds if seeds is not None else load_seeds(cfg, target, max_steps)
+        self._recent: deque = deque(maxlen=RECENT_SPANS)  # (arrival time, span), oldest first
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self.checks = 0
+        self.seconds = 0.0  # spent scoring, all checks
+        self.last: dict = {}  # the last check's scores (summary, W&B)
+
+    def __bool__(self) -> bool:
+        return bool(self.seeds)
+
+    def observe(self, span, now: float) -> None:
+        if self.seeds:
+            with self._lock:
+                self._recent.append((now, span))
+
+    def due(self, now: float, boosted: bool) -> bool:
+        if not self.seeds or now < self._next:
+            return False
+        self._next = now + (self.cfg.boost_check_s if boosted else self.cfg.check_s)
+        return True
+
+    def window(self, since: float) -> list:
+        """The newest spans that arrived at or after `since`, newest first, up to `cfg.rows`
+        generated rows (the span that crosses the limit included)."""
+        with self._lock:
+            recent = list(self._recent)
+        out, rows = [], 0
+        for t, span in reversed(recent):
+            if t < since or rows >= self.cfg.rows:
+                break
+            out.append(span)
+            rows += int((~span.is_prefill).sum())
+        return out
+
+    def check(self, since: float, live: LiveCounts, k_counts: dict) -> SeedPick | None:
+        """Score the live head and every seed on `window(since)`; the best seed if it beats the
+        live head by the margin on enough anchors, else None."""
+        t0 = time.perf_counter()
+        spans = self.window(since)
+        if not spans:
+            return None
+        ks = list(range(1, self.max_steps + 1))
+
+        def score(counts: LiveCounts) -> tuple[float, int]:
+            hits, eligible = counts.counts(spans)
+            acc = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
+            return k_mix_score(acc["accept_length"], k_counts), acc["anchors"]
+
+        live_score, anchors = score(live)
+        if anchors < self.cfg.min_anchors:
+            return None
+        self.checks += 1
+        scores = {s.label: score(s.counts)[0] for s in self.seeds}
+        self.seconds += time.perf_counter() - t0
+        self.last = {"live": live_score, "anchors": anchors, "spans": len(spans), **scores,
+                     "seconds": time.perf_counter() - t0}
+        best = max(self.seeds, key=lambda s: scores[s.label])
+        if scores[best.label] < live_score * (1 + self.cfg.margin) or scores[best.label] <= live_score:
+            return None
+        return SeedPick(best, scores[best.label], live_score, anchors, scores)
