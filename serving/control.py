@@ -18,7 +18,9 @@ Commands (args):
     swap          {"dir": PATH, "version"?: int, "digest"?: sha256}
                   {"config": {config.json}, "tensors": [{"name", "dtype", "shape"}...],
                    "version": int, "digest": tensors_digest}        + one frame per tensor
-    rollback      {}                            reinstall the previous head, bit-identical
+    rollback      {version?}                    reinstall the previous head, bit-identical; with
+                                                `version`, only while that version is live (refused
+                                                once another head replaced it)
     set_adaptive  {"config": {SGLang adaptive JSON}}  a new EmaTierPolicy, between rounds
 
 Security: the run directory is made 0700 before anything is written into it; the token (64 hex
@@ -223,7 +225,10 @@ class ControlServer:
         return self.swapper.swap_tensors(args.get("config"), tensors, args.get("version"), args["digest"])
 
     def _cmd_rollback(self, args: dict, frames: list) -> dict:
-        return self.swapper.rollback()
+        version = args.get("version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+            raise SwapError(f"rollback: version must be a non-negative integer, got {version!r}")
+        return self.swapper.rollback(version)
 
     def _cmd_trainer_alert(self, args: dict, frames: list) -> dict:
         """An alert the trainer raised about itself (`online_spec.starvation`): checked, then kept

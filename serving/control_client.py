@@ -92,8 +92,9 @@ class ControlClient:
                                      "digest": tensors_digest(tensors)},
                             [tensor_bytes(tensors[n]) for n in names])
 
-    def rollback(self) -> dict:
-        return self.request("rollback")
+    def rollback(self, version: int | None = None) -> dict:
+        """Reinstall the previous head; `version`: only if that version is still the live one."""
+        return self.request("rollback", {} if version is None else {"version": version})
 
     def set_adaptive(self, config: dict) -> dict:
         return self.request("set_adaptive", {"config": config})

@@ -215,10 +215,15 @@ class HeadSwapper:
                 raise SwapError("the banked head is already live (or none)")
             return self._install(banked, t0)
 
-    def rollback(self) -> dict:
-        """Reinstall the previous head (the very module, weights untouched); live becomes previous."""
+    def rollback(self, version: int | None = None) -> dict:
+        """Reinstall the previous head (the very module, weights untouched); live becomes previous.
+        `version`: roll back only while that version is live. A caller that judged version v bad
+        must not reinstall v: after another swap (the head bank's, an operator's) the previous
+        head may be v itself."""
         t0 = time.perf_counter()
         with self._lock:
+            if version is not None and self.live.version != version:
+                raise SwapError(f"v{version} is not live (v{self.live.version} is): nothing to roll back")
             if self.previous is None:
                 raise SwapError("no previous head to roll back to")
             return self._install(self.previous, t0, rollback=True)

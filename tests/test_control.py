@@ -212,11 +212,20 @@ def test_good_swap_lands_between_rounds_and_rollback_is_exact(served, client, sm
     live = head_tensors(server.engine.head)
     assert all(torch.equal(live[k], v) for k, v in head_tensors(new).items())
 
-    back = client.rollback()
+    # a rollback that names a version acts only while that version is live: a trainer that judged
+    # v5 bad after another swap replaced it must not reinstall v5 (the previous head by then)
+    for bad in (4, -1, True, "5"):
+        with pytest.raises(ControlError, match="not live|non-negative integer"):
+            client.rollback(bad)
+    assert server.engine.head_version == 5
+    back = client.rollback(5)
     assert back["version"] == old_version and back["rollback"] and back["landed"]
     assert server.engine.head is old_head and server.engine.head_version == old_version
     restored = head_tensors(server.engine.head)
     assert all(torch.equal(restored[k], v) for k, v in old_weights.items())
+    with pytest.raises(ControlError, match="v5 is not live"):
+        client.rollback(5)  # v5 is the previous head now: named, it is not brought back
+    assert server.engine.head is old_head
 
 
 def test_inline_tensor_swap_and_set_adaptive(served, client, smol_fp32):

@@ -343,7 +343,9 @@ class FakeServer:
         self.history.append(version)
         return {"version": version}
 
-    def rollback(self):
+    def rollback(self, version=None):
+        if version is not None and version != self.version:
+            raise RuntimeError(f"v{version} is not live (v{self.version} is): nothing to roll back")
         self.history.append(self.history[-2])
         self.version = self.history[-1]
         return {"version": self.version}
@@ -379,6 +381,29 @@ def test_published_versions_continue_after_the_live_head(tmp_path):
     assert torch.equal(d2._load_version(12).fc.weight, d2._initial_head().fc.weight)
     d3 = daemon("unreachable", FakeServer(3, with_info=False))
     assert d3.state["live_version"] == 7
+
+
+def test_a_rollback_of_a_head_the_server_already_replaced_reinstalls_nothing(tmp_path):
+    """The trainer judged v1 bad, but the server's head bank had swapped v0 back in meanwhile: an
+    unnamed rollback would reinstall the server's previous head, v1 itself (seen on an H100,
+    2026-11-28). The daemon names v1; the server refuses; the daemon adopts the server's v0."""
+    from online_spec.checkpoint import save_head
+    from trainer.gate import RollbackDecision
+
+    target = tiny8()
+    start = tmp_path / "start"
+    save_head(new_head(target, 256, seed=0), start, version=0)
+    server = FakeServer(0)
+    d = TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / "d"), init_head=str(start)), target, server,
+                      SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                      ReplayConfig(root=str(tmp_path / "d" / "replay")), DistillConfig(), LossConfig(ttt_steps=1))
+    assert d.publish() == 1 and server.history == [0, 1]
+    server.version = 0  # the bank brought v0 back
+    server.history.append(0)
+    d.rollbacks.update = lambda live: RollbackDecision("rollback", "v1 drafts worse than v0")
+    d.watch_rollback()
+    assert server.history == [0, 1, 0] and server.version == 0  # v1 was not reinstalled
+    assert d.watch_server_head(now=1e9) == 0 and d.state["live_version"] == 0
 
 
 def test_anchor_is_kept_for_a_starting_head_and_dropped_for_a_random_one(tmp_path):

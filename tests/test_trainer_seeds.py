@@ -115,19 +115,25 @@ class Span:
 class Counts:
     """`LiveCounts` as the check sees it: fixed per-position hits of `alpha` on every span."""
 
-    def __init__(self, alpha):
-        self.alpha = alpha
+    def __init__(self, alpha, head=None):
+        self.alpha, self.head = alpha, head
 
     def counts(self, spans):
         eligible = torch.full((len(spans), 3), 10.0)
         return eligible * torch.tensor(self.alpha), eligible
 
 
+LIVE = object()  # the live head of the pure tests: its counts are `Counts(LIVE_ALPHA)`
+LIVE_ALPHA = [0.5, 0.5, 0.5]
+
+
 def watch_with(alphas, **cfg):
     from trainer.seeds import Seed
 
     seeds = [Seed(label, None, Counts(a)) for label, a in alphas.items()]
-    return SeedWatch(SeedConfig(heads="given", **cfg), None, 3, seeds=seeds)
+    w = SeedWatch(SeedConfig(heads="given", **cfg), None, seeds=seeds)
+    w._live = Counts(LIVE_ALPHA, head=LIVE)
+    return w
 
 
 def test_the_window_holds_the_newest_spans_since_the_live_head_up_to_the_rows():
@@ -140,18 +146,17 @@ def test_the_window_holds_the_newest_spans_since_the_live_head_up_to_the_rows():
 
 
 def test_a_seed_must_beat_the_live_head_by_the_margin_on_enough_anchors():
-    live = Counts([0.5, 0.5, 0.5])
     w = watch_with({"near": [0.52, 0.52, 0.52], "far": [0.7, 0.7, 0.7]}, min_anchors=20, margin=0.1)
     w.observe(Span("a", 8), now=1.0)
-    assert w.check(0.0, live, {3: 1}) is None and w.checks == 0  # 10 anchors < 20: no decision
+    assert w.check(0.0, LIVE) is None and w.checks == 0  # 10 anchors < 20: no decision
     w.observe(Span("b", 8), now=2.0)
-    pick = w.check(0.0, live, {3: 1})
+    pick = w.check(0.0, LIVE)
     assert pick.seed.label == "far" and pick.anchors == 20 and pick.score > 1.1 * pick.live
     assert w.last["near"] == pytest.approx(0.52 + 0.52 ** 2 + 0.52 ** 3)
     w = watch_with({"near": [0.52, 0.52, 0.52]}, min_anchors=20, margin=0.1)
     for i in range(3):
         w.observe(Span(f"r{i}", 8), now=float(i))
-    assert w.check(0.0, live, {3: 1}) is None and w.checks == 1  # within the margin: the live head stays
+    assert w.check(0.0, LIVE) is None and w.checks == 1  # within the margin: the live head stays
 
 
 def test_due_every_check_s_and_sooner_after_a_drift_alert():
@@ -164,6 +169,6 @@ def test_due_every_check_s_and_sooner_after_a_drift_alert():
 def test_a_seed_that_does_not_exist_or_is_day0_is_refused_by_name(world, tmp_path):
     target = world[0]
     with pytest.raises(ConfigError, match="seed-heads"):
-        SeedWatch(SeedConfig(heads=str(tmp_path / "missing")), target, 3)
+        SeedWatch(SeedConfig(heads=str(tmp_path / "missing")), target)
     with pytest.raises(ConfigError, match="seed-heads"):
-        SeedWatch(SeedConfig(heads="day0"), target, 3)
+        SeedWatch(SeedConfig(heads="day0"), target)

@@ -68,7 +68,7 @@ class HeadPublisher(Protocol):
     """The server side of a swap: `serving.control.ControlClient`. Both raise on refusal."""
 
     def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict: ...
-    def rollback(self) -> dict: ...
+    def rollback(self, version: int | None = None) -> dict: ...
     # optional: `info() -> {"head_version": N, ...}` (the server's live version), used to number
     # published versions after it; `request("trainer_alert", alert_dict)`, the trainer's own alerts
 
@@ -80,7 +80,7 @@ class TrainerDaemon:
                  gate_cfg: GateConfig | None = None, wandb_run=None, head: EagleHead | None = None,
                  starvation_cfg: StarvationConfig | None = None, seed_cfg: SeedConfig | None = None):
         self.cfg, self.target, self.publisher, self.wandb = cfg, target, publisher, wandb_run
-        self.seeds = SeedWatch(seed_cfg or SeedConfig(), target, cfg.eval_max_steps)  # trainer/seeds.py
+        self.seeds = SeedWatch(seed_cfg or SeedConfig(), target)  # trainer/seeds.py
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
         self.gate_cfg = gate_cfg or GateConfig()
@@ -174,10 +174,10 @@ class TrainerDaemon:
                     self._stop.wait(self.cfg.idle_sleep_s)
                 else:
                     self.rest_after(time.monotonic() - t0)
+                self.watch_server_head()  # first: the rollback below judges the head the server has live
                 self.watch_rollback()
                 self.watch_seeds()
                 self.watch_starvation()
-                self.watch_server_head()
         finally:
             self.save_state()
             self.subscriber.close(flush=True)
@@ -341,7 +341,7 @@ class TrainerDaemon:
         now = time.monotonic() if now is None else now
         if not self.seeds.due(now, now < self._drift_until) or self.distiller.world_size > 1:
             return None
-        pick = self.seeds.check(self._live_since, self._live, dict(self.live.k_counts))
+        pick = self.seeds.check(self._live_since, self.live_head)
         self.state.update(seed_checks=self.seeds.checks, seed_seconds=round(self.seeds.seconds, 3))
         self._log({f"seeds/{k}": v for k, v in self.seeds.last.items()})
         if pick is None:
@@ -364,9 +364,9 @@ class TrainerDaemon:
         log.warning("rollback: %s", decision.reason)
         bad, prev = self.state["live_version"], self.state["previous_version"]
         if self.publisher is not None:
-            try:
-                self.publisher.rollback()
-            except Exception as e:
+            try:  # named: if another head replaced v`bad` meanwhile, the server refuses (never reinstalls it)
+                self.publisher.rollback(bad)
+            except Exception as e:  # the monitor has let go of v`bad`; the server's live head is adopted
                 log.error("rollback refused: %s", e)
                 return
         self.state["rolled_back"].append(bad)

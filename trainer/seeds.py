@@ -8,8 +8,8 @@ every `--seed-check-s` (every `--seed-boost-check-s` after a drift alert), score
 and the live head on the traffic that arrived since the live head went live: the newest
 `--seed-rows` generated rows of every captured span (held-out or not: no seed and not the live
 head has trained on them; spans from before the live head's publication are left out, since a
-published candidate may have trained on those). A seed whose simulated accept length at the live
-K mix beats the live head's by `--seed-margin` (relative) on at least `--seed-min-anchors`
+published candidate may have trained on those). A seed whose simulated accept length at
+K = `--seed-steps` beats the live head's by `--seed-margin` (relative) on at least `--seed-min-anchors`
 drafted positions is adopted: the distiller takes its weights and vocabulary map (training goes
 on from it, the anchor re-aimed at it), and it is published through the usual path (a new
 version, swapped in over the control endpoint, watched by the rollback monitor).
@@ -17,14 +17,15 @@ version, swapped in over the control endpoint, watched by the rollback monitor).
 Only the traffic of now decides, not the gate's per-tag check on stored traffic: a seed is a
 specialist, and earlier traffic gets its own head back when it returns (from the server's head
 bank, or from this same check, which scores every seed, the starting head included if it is
-listed). Every span is scored once per head (`LiveCounts` caches per span; the live head's cache
-is the gate's), so a check costs the spans that arrived since the last one (`seconds`, in the
-daemon's summary).
+listed). Every span is scored once per head (`LiveCounts` caches per span, the live head's anew
+for each live head), so a check costs the spans that arrived since the last one (`seconds`, in
+the daemon's summary); few draft steps and a short window keep it cheap beside a server on the
+same cores.
 
-    seeds = SeedWatch(SeedConfig(heads="code"), target, max_steps=7)
+    seeds = SeedWatch(SeedConfig(heads="code"), target)
     seeds.observe(span, now)                          # subscriber thread, every stored span
     if seeds.due(now, boosted):
-        pick = seeds.check(now, live_counts, live_since, k_counts)   # -> SeedPick or None
+        pick = seeds.check(live_since, live_head)     # -> SeedPick or None
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import torch
 from online_spec.config import check, doc
 from online_spec.head import EagleHead
 from trainer.evaluate import LiveCounts, acceptance_from_counts
-from trainer.gate import k_mix_score
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ class SeedConfig:
     heads: str = doc("pretrained heads the trainer may start over from (comma-separated: shipped, code, or "
                      "checkpoint directories) when one drafts today's traffic better than the live head; "
                      "empty = none", "")
-    check_s: float = doc("seconds between checks of the seed heads against the live head", 10.0)
+    check_s: float = doc("seconds between checks of the seed heads against the live head", 5.0)
     boost_check_s: float = doc("... while a drift alert's boost lasts (--drift-boost-s)", 5.0)
-    rows: int = doc("newest generated rows (of spans since the live head went live) a check scores", 512)
+    rows: int = doc("newest generated rows (of spans since the live head went live) a check scores", 256)
+    steps: int = doc("draft steps simulated: a head's score is its simulated accept length at K = steps", 3)
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
 
@@ -63,6 +64,7 @@ class SeedConfig:
         check(self.check_s > 0, "check_s", "must be > 0")
         check(self.boost_check_s > 0, "boost_check_s", "must be > 0")
         check(self.rows >= 1, "rows", "must be >= 1")
+        check(self.steps >= 1, "steps", "must be >= 1")
         check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
         check(self.margin >= 0, "margin", "must be >= 0")
 
@@ -95,7 +97,7 @@ def eval_copy(head: EagleHead, target) -> EagleHead:
     return copy.to(dtype=target.dtype, device=target.device).eval()
 
 
-def load_seeds(cfg: SeedConfig, target, max_steps: int) -> list[Seed]:
+def load_seeds(cfg: SeedConfig, target) -> list[Seed]:
     """Each seed of `cfg.heads`, loaded and fitted to `target` (ConfigError naming --seed-heads
     when one does not fit or does not exist)."""
     from online_spec.heads import load_draft
@@ -105,16 +107,17 @@ def load_seeds(cfg: SeedConfig, target, max_steps: int) -> list[Seed]:
         head, _, path = load_draft(name, target, dtype=torch.float32, field="seed-heads")
         check(bool(path), "seed-heads", "day0 is no seed (a random head drafts nothing)")
         label = name if "/" not in name else Path(path).name
-        seeds.append(Seed(label, head.float().cpu(), LiveCounts(eval_copy(head, target), target, max_steps)))
+        seeds.append(Seed(label, head.float().cpu(), LiveCounts(eval_copy(head, target), target, cfg.steps)))
     return seeds
 
 
 class SeedWatch:
     """The recent spans and the seed heads scored on them; see the module docstring."""
 
-    def __init__(self, cfg: SeedConfig, target, max_steps: int, seeds: list[Seed] | None = None):
-        self.cfg, self.max_steps = cfg, max_steps
-        self.seeds = seeds if seeds is not None else load_seeds(cfg, target, max_steps)
+    def __init__(self, cfg: SeedConfig, target, seeds: list[Seed] | None = None):
+        self.cfg, self.target = cfg, target
+        self.seeds = seeds if seeds is not None else load_seeds(cfg, target)
+        self._live: LiveCounts | None = None  # the live head's counts at cfg.steps
         self._recent: deque = deque(maxlen=RECENT_SPANS)  # (arrival time, span), oldest first
         self._lock = threading.Lock()
         self._next = 0.0
@@ -149,21 +152,27 @@ class SeedWatch:
             rows += int((~span.is_prefill).sum())
         return out
 
-    def check(self, since: float, live: LiveCounts, k_counts: dict) -> SeedPick | None:
+    def live_counts(self, live_head) -> LiveCounts:
+        """The live head's counts, afresh when the live head is another module."""
+        if self._live is None or self._live.head is not live_head:
+            self._live = LiveCounts(live_head, self.target, self.cfg.steps)
+        return self._live
+
+    def check(self, since: float, live_head) -> SeedPick | None:
         """Score the live head and every seed on `window(since)`; the best seed if it beats the
         live head by the margin on enough anchors, else None."""
         t0 = time.perf_counter()
         spans = self.window(since)
         if not spans:
             return None
-        ks = list(range(1, self.max_steps + 1))
+        k = self.cfg.steps
 
-        def score(counts: LiveCounts) -> tuple[float, int]:
+        def score(counts) -> tuple[float, int]:
             hits, eligible = counts.counts(spans)
-            acc = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
-            return k_mix_score(acc["accept_length"], k_counts), acc["anchors"]
+            acc = acceptance_from_counts(hits.sum(0), eligible.sum(0), [k])
+            return acc["accept_length"][str(k)], acc["anchors"]
 
-        live_score, anchors = score(live)
+        live_score, anchors = score(self.live_counts(live_head))
         if anchors < self.cfg.min_anchors:
             return None
         self.checks += 1
