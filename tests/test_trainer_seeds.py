@@ -22,7 +22,7 @@ from trainer.distill import DistillConfig, Distiller
 from trainer.evaluate import simulate_acceptance
 from trainer.gate import GateConfig
 from trainer.loss import LossConfig
-from trainer.seeds import SeedConfig, SeedWatch
+from trainer.seeds import SeedConfig, SeedWatch, eval_copy, same_weights
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,8 @@ def test_the_daemon_adopts_the_seed_that_drafts_todays_traffic_and_trains_on_fro
         d.on_span(served(r))
     assert d.watch_seeds() is None and d.seeds.checks == 1
     assert d.seeds.last["live"] > d.seeds.last["code-seed"]
+    assert not same_weights(d.live_head, d.seeds.seeds[0].counts.head)
+    assert same_weights(d.live_head, eval_copy(chat_head, target))  # the starting head as a seed: not scored again
     assert d.watch_seeds() is None and d.seeds.checks == 1  # not due again before --seed-check-s
 
     # code traffic after the shift: the code seed wins by far, is adopted and published

@@ -111,6 +111,14 @@ def load_seeds(cfg: SeedConfig, target) -> list[Seed]:
     return seeds
 
 
+def same_weights(a, b) -> bool:
+    """Whether two heads (eval copies: the same dtype and device) hold the same weights and map."""
+    if not isinstance(a, EagleHead) or not isinstance(b, EagleHead) or a.fc.weight.shape != b.fc.weight.shape:
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 class SeedWatch:
     """The recent spans and the seed heads scored on them; see the module docstring."""
 
@@ -176,7 +184,9 @@ class SeedWatch:
         if anchors < self.cfg.min_anchors:
             return None
         self.checks += 1
-        scores = {s.label: score(s.counts)[0] for s in self.seeds}
+        # a seed that is the live head (the starting head, listed among the seeds) scores as it
+        scores = {s.label: live_score if same_weights(s.counts.head, live_head) else score(s.counts)[0]
+                  for s in self.seeds}
         self.seconds += time.perf_counter() - t0
         self.last = {"live": live_score, "anchors": anchors, "spans": len(spans), **scores,
                      "seconds": time.perf_counter() - t0}
