@@ -3,7 +3,9 @@
 
 - `daemon`       `TrainerDaemon`, `online-spec train`: subscriber -> replay buffer -> distill ->
                  gate -> checkpoint -> swap over the control endpoint, rollback watch (`train_cli`
-                 builds it from flags)
+                 builds it from flags; `daemon_config`: its flags)
+- `seeds`        seed heads: pretrained heads the daemon starts over from when one drafts the
+                 traffic of now better than the live head
 - `starvation_watch`  the daemon's starvation alerts: when it checks, what it reads, where they go
 - `server_head`  the daemon follows a head the server made live on its own (its head bank, a
                  rollback of a broken head), and learns which tags the bank holds a head for
