@@ -54,6 +54,10 @@ class BankConfig:
     min_rounds: int = doc("request-rounds a version must have drafted on a tag before its acceptance there counts "
                           "(banked, and compared when that traffic returns)", 48)
     margin: float = doc("first-draft acceptance by which the banked head must beat the live one on the tag", 0.05)
+    min_z: float = doc("... and by this many standard errors of the difference (binomial, both heads' request-rounds "
+                       "on the tag): until then the bank waits for more of the live head's rounds, up to 4 x "
+                       "min_rounds, then keeps it; 0 = the margin alone (48 request-rounds, what one client drafts "
+                       "in under a second on a GPU, measure a rate to +-7 %)", 2.0)
     min_dwell_s: float = doc("seconds between two swaps the bank makes", 30.0)
     max_heads: int = doc("head modules the bank holds in memory at most (one per tag it remembers)", 4)
     poll_s: float = doc("seconds between the bank's looks at the admitted tags", 0.1)
@@ -63,6 +67,7 @@ class BankConfig:
         check(0.5 < self.dominance <= 1.0, "dominance", f"must be in (0.5, 1], got {self.dominance}")
         check(self.min_rounds >= 1, "min_rounds", f"must be >= 1, got {self.min_rounds}")
         check(0.0 <= self.margin < 1.0, "margin", f"must be in [0, 1), got {self.margin}")
+        check(self.min_z >= 0.0, "min_z", f"must be >= 0, got {self.min_z}")
         check(self.min_dwell_s >= 0.0, "min_dwell_s", f"must be >= 0, got {self.min_dwell_s}")
         check(self.max_heads >= 1, "max_heads", f"must be >= 1, got {self.max_heads}")
         check(self.poll_s > 0.0, "poll_s", f"must be > 0, got {self.poll_s}")
@@ -136,6 +141,22 @@ class HeadBank:
             c = self._counts.get((version, tag))
         return c[1] / c[0] if c is not None and c[0] >= self.cfg.min_rounds else None
 
+    def rounds(self, version: int, tag: str) -> int:
+        with self._lock:
+            c = self._counts.get((version, tag))
+        return 0 if c is None else c[0]
+
+    def z(self, a: int, b: int, tag: str) -> float:
+        """Standard errors by which version a's first-draft acceptance on `tag` exceeds b's
+        (each rate's variance from (hits + 1) / (rounds + 2), never zero)."""
+        with self._lock:
+            (na, ha), (nb, hb) = self._counts.get((a, tag), (0, 0)), self._counts.get((b, tag), (0, 0))
+        if not na or not nb:
+            return 0.0
+        pa, pb = (ha + 1) / (na + 2), (hb + 1) / (nb + 2)
+        se = (pa * (1 - pa) / na + pb * (1 - pb) / nb) ** 0.5
+        return (ha / na - hb / nb) / se
+
     def dominant(self) -> str | None:
         """The tag holding at least `dominance` of a full window of admitted requests, or None."""
         tags = list(self._admitted)
@@ -163,8 +184,11 @@ class HeadBank:
         live_rate = self.rate(live.version, tag)
         if live_rate is None:
             return None  # decided once the live head has drafted enough of it: its newest head may do as well
+        if best_rate > live_rate + self.cfg.margin and self.z(best, live.version, tag) < self.cfg.min_z \
+                and self.rounds(live.version, tag) < 4 * self.cfg.min_rounds:
+            return None  # better by the margin but not yet significantly: more of the live head's rounds
         self._serving = tag
-        if best_rate <= live_rate + self.cfg.margin:
+        if best_rate <= live_rate + self.cfg.margin or self.z(best, live.version, tag) < self.cfg.min_z:
             return None
         with self._lock:
             banked = self._kept[best]

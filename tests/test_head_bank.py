@@ -128,6 +128,38 @@ def test_no_swap_when_the_live_head_is_as_good_there_or_too_soon():
     assert dwell.step(11.5)["to"] == 0 and sw2.asked == [0]  # the change waited, it was not forgotten
 
 
+def test_a_difference_within_the_noise_waits_for_more_rounds():
+    """A banked head better by the margin on a few dozen request-rounds may be noise (48 rounds
+    measure a rate to +-7 %): the bank waits for more of the live head's rounds, swaps once the
+    difference is significant, and keeps the live head when it is not after 4 x min_rounds."""
+    def returned(v1_chat_rounds, v1_chat_hits):
+        bank, sw = bank_with(margin=0.05, min_z=2.0)  # min_rounds 10
+        admit(bank, ["chat"] * 4)
+        rounds(bank, 0, "chat", 20, 14)  # v0 on chat: 0.70
+        bank.step(1.0)
+        admit(bank, ["code"] * 4)
+        sw.publish(1)
+        rounds(bank, 1, "code", 20, 10)
+        bank.step(2.0)
+        admit(bank, ["chat"] * 4)
+        rounds(bank, 1, "chat", v1_chat_rounds, v1_chat_hits)
+        return bank, sw
+
+    bank, sw = returned(10, 5)  # 0.50 against 0.70: beyond the margin, 1.1 standard errors
+    assert bank.z(0, 1, "chat") == pytest.approx(1.1, abs=0.1)
+    assert bank.step(3.0) is None and sw.asked == [] and bank.info()["serving_tag"] == "code"  # waiting
+    rounds(bank, 1, "chat", 20, 4)  # 9 of 30: 0.30, now significant
+    assert bank.step(4.0)["to"] == 0 and sw.asked == [0]
+    bank, sw = returned(10, 5)
+    rounds(bank, 1, "chat", 30, 21)  # 26 of 40: 0.65, within the margin
+    assert bank.step(4.0) is None and sw.asked == [] and bank.info()["serving_tag"] == "chat"  # kept
+    bank, sw = returned(40, 24)  # 0.60 over 4 x min_rounds, 0.8 standard errors: no more waiting
+    assert bank.step(3.0) is None and sw.asked == [] and bank.info()["serving_tag"] == "chat"
+    assert bank_with(min_z=0.0)[0].cfg.min_z == 0.0  # the margin alone
+    with pytest.raises(ConfigError, match="min_z"):
+        BankConfig(min_z=-1.0)
+
+
 def test_mixed_traffic_and_plain_rounds_do_not_move_or_measure():
     bank, sw = bank_with()
     admit(bank, ["chat", "code"] * 2)
