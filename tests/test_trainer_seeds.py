@@ -174,3 +174,7 @@ def test_a_seed_that_does_not_exist_or_is_day0_is_refused_by_name(world, tmp_pat
         SeedWatch(SeedConfig(heads=str(tmp_path / "missing")), target)
     with pytest.raises(ConfigError, match="seed-heads"):
         SeedWatch(SeedConfig(heads="day0"), target)
+    save_head(world[3], tmp_path / "one" / "h", version=0)
+    save_head(world[4], tmp_path / "two" / "h", version=0)
+    with pytest.raises(ConfigError, match="two seeds are called 'h'"):
+        SeedWatch(SeedConfig(heads=f"{tmp_path / 'one' / 'h'},{tmp_path / 'two' / 'h'}"), target)

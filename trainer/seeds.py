@@ -107,6 +107,7 @@ def load_seeds(cfg: SeedConfig, target) -> list[Seed]:
         head, _, path = load_draft(name, target, dtype=torch.float32, field="seed-heads")
         check(bool(path), "seed-heads", "day0 is no seed (a random head drafts nothing)")
         label = name if "/" not in name else Path(path).name
+        check(label not in {s.label for s in seeds}, "seed-heads", f"two seeds are called {label!r}")
         seeds.append(Seed(label, head.float().cpu(), LiveCounts(eval_copy(head, target), target, cfg.steps)))
     return seeds
 
@@ -170,9 +171,15 @@ class SeedWatch:
         """Score the live head and every seed on `window(since)`; the best seed if it beats the
         live head by the margin on enough anchors, else None."""
         t0 = time.perf_counter()
-        spans = self.window(since)
+        try:
+            return self._check(self.window(since), live_head)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self, spans: list, live_head) -> SeedPick | None:
         if not spans:
             return None
+        t0 = time.perf_counter()
         k = self.cfg.steps
 
         def score(counts) -> tuple[float, int]:
@@ -187,7 +194,6 @@ class SeedWatch:
         # a seed that is the live head (the starting head, listed among the seeds) scores as it
         scores = {s.label: live_score if same_weights(s.counts.head, live_head) else score(s.counts)[0]
                   for s in self.seeds}
-        self.seconds += time.perf_counter() - t0
         self.last = {"live": live_score, "anchors": anchors, "spans": len(spans), **scores,
                      "seconds": time.perf_counter() - t0}
         best = max(self.seeds, key=lambda s: scores[s.label])
