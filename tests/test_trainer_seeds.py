@@ -82,6 +82,7 @@ def test_the_daemon_adopts_the_seed_that_drafts_todays_traffic_and_trains_on_fro
     for r in code:
         d.on_span(served(r))
     version = d.watch_seeds()
+    assert not d.seeds.due(time.monotonic() + 30, boosted=True)  # min_dwell_s after the adoption
     assert version == 1 and server.history == [0, 1] and d.state["live_version"] == 1
     adopted = d.state["seeds_adopted"]
     assert adopted[0]["seed"] == "code-seed" and adopted[0]["score"] > 1.1 * adopted[0]["live"]
@@ -166,6 +167,8 @@ def test_due_every_check_s_and_sooner_after_a_drift_alert():
     assert w.due(100.0, boosted=False) and not w.due(110.0, boosted=False) and w.due(120.0, boosted=True)
     assert not w.due(124.0, boosted=True) and w.due(125.0, boosted=True)
     assert not watch_with({}).due(100.0, boosted=True)  # no seeds: never due
+    w.adopted(130.0)  # a seed went live: no check for min_dwell_s (60), boosted or not
+    assert not w.due(131.0, boosted=True) and not w.due(189.0, boosted=False) and w.due(190.0, boosted=True)
 
 
 def test_a_seed_that_does_not_exist_or_is_day0_is_refused_by_name(world, tmp_path):

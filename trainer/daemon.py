@@ -350,6 +350,7 @@ class TrainerDaemon:
                  "training goes on from it", pick.seed.label, self.state["live_version"], pick.score, pick.live,
                  pick.anchors)
         self.distiller.set_weights(pick.seed.master, re_anchor=True)
+        self.seeds.adopted(now)
         version = self.publish()
         self.state["seeds_adopted"].append({"seed": pick.seed.label, "version": version, "step": self.distiller.step,
                                             "score": round(pick.score, 4), "live": round(pick.live, 4),

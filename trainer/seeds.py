@@ -12,7 +12,8 @@ published candidate may have trained on those). A seed whose simulated accept le
 K = `--seed-steps` beats the live head's by `--seed-margin` (relative) on at least `--seed-min-anchors`
 drafted positions is adopted: the distiller takes its weights and vocabulary map (training goes
 on from it, the anchor re-aimed at it), and it is published through the usual path (a new
-version, swapped in over the control endpoint, watched by the rollback monitor).
+version, swapped in over the control endpoint, watched by the rollback monitor); the next check
+comes `--seed-min-dwell-s` later (on mixed traffic the newest rows lean one way, then the other).
 
 Only the traffic of now decides, not the gate's per-tag check on stored traffic: a seed is a
 specialist, and earlier traffic gets its own head back when it returns (from the server's head
@@ -59,6 +60,9 @@ class SeedConfig:
     steps: int = doc("draft steps simulated: a head's score is its simulated accept length at K = steps", 3)
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
+    min_dwell_s: float = doc("seconds after a seed's adoption before the next check: on mixed traffic the newest "
+                             "rows lean one way, then the other, and each adoption restarts the controller's "
+                             "acceptance estimates", 60.0)
 
     def __post_init__(self):
         check(self.check_s > 0, "check_s", "must be > 0")
@@ -67,6 +71,7 @@ class SeedConfig:
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
         check(self.margin >= 0, "margin", "must be >= 0")
+        check(self.min_dwell_s >= 0, "min_dwell_s", "must be >= 0")
 
     @property
     def names(self) -> list[str]:
@@ -147,6 +152,10 @@ class SeedWatch:
             return False
         self._next = now + (self.cfg.boost_check_s if boosted else self.cfg.check_s)
         return True
+
+    def adopted(self, now: float) -> None:
+        """A seed went live: the next check comes `min_dwell_s` later at the earliest."""
+        self._next = max(self._next, now + self.cfg.min_dwell_s)
 
     def window(self, since: float) -> list:
         """The newest spans that arrived at or after `since`, newest first, up to `cfg.rows`
