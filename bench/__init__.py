@@ -12,6 +12,7 @@ trainer (`trainer`) from outside, the way an operator would.
   - `distill`       distillation throughput, held-out and real accept lengths
   - `controller`    static K vs SGLang's EMA policy vs the cost policy
   - `e2e`           plain vs static head vs SGLang adaptive vs online-spec on a drifting trace
+                    (`e2e_figures`: its return and ceiling figures, `ceiling_capture`)
   - `adapt`         a chat -> code shift: served tokens until the online head nears an in-domain head
 - the demo's harness: `trace` (drifting traces of real ShareGPT / HumanEval text), `traffic`
   (streaming HTTP clients replaying a trace; `sse_event`, every client's reader of streamed lines), `session` (server + trainer + traffic in one run),

@@ -227,7 +227,7 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
     """The ceiling serves each phase with its fastest head (the static head under the cost
     controller, or a --ceiling-heads head), weighted by the adaptive configuration's tokens: a
     hand-computed case, and a phase without tokens/s somewhere gives no ceiling."""
-    from bench.e2e import ceiling_figures
+    from bench.e2e_figures import ceiling_figures
 
     def conf(chat, code, chat_tokens=0, code_tokens=0):
         return {"phases": {"chat": {"tokens_per_s": chat, "completion_tokens": chat_tokens},
@@ -293,7 +293,8 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
 def test_e2e_return_figure_is_online_specs_ratio_against_the_target():
     """`returns` in the headline: each configuration's figures of the trace's return phase,
     online-spec's ratio measured against 0.95, and the median over repeats."""
-    from bench.e2e import median_headline, return_figures
+    from bench.e2e import median_headline
+    from bench.e2e_figures import return_figures
 
     def conf(ratio):
         return {"returns": [{"phase": "chat-return", "earlier": "chat", "tokens": 500, "earlier_first_draft": 0.6,

@@ -1,0 +1,82 @@
+"""The figures of `bench e2e` about adaptation's targets, from its configurations' results:
+the return to earlier traffic (`return_figures`, `--trace-shape return`) and the per-phase ceiling
+of `--ceiling-heads` with the share of its gain online-spec took (`ceiling_figures`,
+`ceiling_capture`). bench/e2e.py runs the configurations; its module doc defines both figures.
+"""
+
+from __future__ import annotations
+
+
+def ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+RETURN_TARGET = 0.95  # acceptance early in a return phase, over the earlier phase's level (issue 30)
+
+
+def met_return(value: float | None) -> bool | None:
+    return None if value is None else value >= RETURN_TARGET
+
+
+def return_figures(configs: dict) -> dict:
+    """The trace's first return to earlier traffic (`bench.report.returns`), per configuration:
+    the return phase's accept_len over its first tokens against the earlier phase's accept_len;
+    `ratio_online_spec` is online-spec's, the figure the target is about."""
+    ret = configs["online_spec"]["returns"][0]
+    per = {}
+    for name, c in configs.items():
+        mine = next((r for r in c.get("returns") or [] if r["phase"] == ret["phase"]), None)
+        if mine is not None:
+            per[name] = {k: mine[k] for k in ("earlier_first_draft", "first_draft_first_tokens", "earlier_accept_len",
+                                              "accept_len_first_tokens", "request_rounds", "ratio")}
+    online = per["online_spec"]["ratio"]
+    static = (per.get("static") or {}).get("ratio")
+    return {"phase": ret["phase"], "earlier": ret["earlier"], "tokens": ret["tokens"], "configs": per,
+            "ratio_online_spec": online, "target": RETURN_TARGET, "met": met_return(online),
+            # the static head cannot forget: its own ratio is what the two phases' prompts make of
+            # acceptance, and online-spec's over it what adaptation cost (< 1) or kept
+            "ratio_online_spec_over_static": ratio(online, static)}
+
+
+CEILING_CAPTURE_TARGET = 0.8  # of the gain the ceiling had over static + SGLang adaptive (issue 30)
+
+
+def capture(online: float, ref: float, ceiling: float) -> float | None:
+    """(online - ref) / (ceiling - ref): the share of the ceiling's gain over the reference that
+    online-spec took (1: all of it; < 0: slower than the reference); None where the ceiling has
+    no gain to take."""
+    return None if ceiling <= ref else (online - ref) / (ceiling - ref)
+
+
+def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
+    """The per-phase ceiling of `--ceiling-heads` (module doc): the fastest head per phase among
+    `cost_policy` (the static head) and the `ceiling_<head>` configurations, weighted by the
+    adaptive configuration's tokens per phase; online-spec weighted alike, and the share of the
+    ceiling's gain it took (`ceiling_capture`, overall and per phase); the best head's batch-1
+    speedup over plain."""
+    heads = ["cost_policy"] + [n for n in configs if n.startswith("ceiling_")]
+    ref = configs["sglang_adaptive"]["phases"]
+    online = configs["online_spec"]["phases"]
+    best, ceiling_s, ref_s, online_s, tokens = {}, 0.0, 0.0, 0.0, 0
+    for p in phases:
+        rates = {h: (configs[h]["phases"].get(p) or {}).get("tokens_per_s") for h in heads}
+        n, ref_tps = (ref.get(p) or {}).get("completion_tokens"), (ref.get(p) or {}).get("tokens_per_s")
+        online_tps = (online.get(p) or {}).get("tokens_per_s")
+        if not n or not ref_tps or not online_tps or not all(rates.values()):
+            return {"error": f"phase {p!r} lacks tokens/s in some configuration: no ceiling"}
+        h = max(rates, key=rates.get)
+        best[p] = {"head": h, "tokens_per_s": rates[h],
+                   "ceiling_capture": capture(online_tps, ref_tps, rates[h])}
+        ceiling_s += n / rates[h]
+        ref_s += n / ref_tps
+        online_s += n / online_tps
+        tokens += n
+    bs1_best = max((n for n in bs1 if n.startswith("ceiling_")), key=lambda n: bs1[n]["tokens_per_s"] or 0)
+    return {"best_per_phase": best, "tokens_per_s": tokens / ceiling_s,
+            "static_sglang_adaptive_tokens_per_s": tokens / ref_s,
+            "online_spec_tokens_per_s": tokens / online_s,
+            "ceiling_capture": capture(tokens / online_s, tokens / ref_s, tokens / ceiling_s),
+            "ceiling_capture_target": CEILING_CAPTURE_TARGET,
+            "ceiling_vs_static_sglang_adaptive": ref_s / ceiling_s,
+            "bs1_best": bs1_best,
+            "ceiling_speedup_vs_plain_bs1": ratio(bs1[bs1_best]["tokens_per_s"], bs1["plain"]["tokens_per_s"])}
