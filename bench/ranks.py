@@ -195,6 +195,10 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
             "ms_mean": {k.removesuffix("_s"): [round(1e3 * m[k], 2) for m in means] for k in parts},
             "cycle_ms_mean": round(1e3 * cycle_s, 2),
             "unaccounted_ms_mean": [round(1e3 * (cycle_s - sum(m.values())), 2) for m in means],
+            # the data pipe's parts per rank (`trainer/rank_data.py`), built while the step before
+            # trained: rank 0 draw / pack / send / own, a receiver recv_build (its wait for rank 0 included)
+            "pipe_ms_median": [{k: round(statistics.median(x["pipe"][k] for x in rank if k in x.get("pipe", {})), 2)
+                                for k in sorted({k for x in rank for k in x.get("pipe", {})})} for rank in timed_lines],
             # padding: the rows a step computes (batch rows x its longest) over those it trains on
             "padded_over_rows_median": [round(statistics.median(x.get("padded", x["rows"]) / x["rows"]
                                                                 for x in rank), 3) for rank in timed_lines]}

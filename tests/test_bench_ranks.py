@@ -19,8 +19,9 @@ def write_journal(run_dir, rank, times, rows):
     (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "ranks" / f"rank{rank}.jsonl", "w") as f:
         for i, (t, n) in enumerate(zip(times, rows)):
+            pipe = {"draw": 5.0 + i, "send": 2.0} if rank == 0 else {"recv_build": 10.0 * i}
             f.write(json.dumps({"step": i + 1, "time": t, "rows": n, "wait_s": 0.001 * rank * (i + 1),
-                                "train_s": 0.02, "padded": 2 * n}) + "\n")
+                                "train_s": 0.02, "padded": 2 * n, "pipe": pipe}) + "\n")
 
 
 def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
@@ -35,6 +36,8 @@ def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
     # per rank, the median wait for its micro-batch and training time of the timed steps (3..5)
     assert f["wait_ms_median"] == [0.0, 4.0] and f["train_ms_median"] == [20.0, 20.0]
     assert f["padded_over_rows_median"] == [2.0, 2.0]
+    # the data pipe's parts per rank: medians over the timed steps (i = 2..4)
+    assert f["pipe_ms_median"] == [{"draw": 8.0, "send": 2.0}, {"recv_build": 30.0}]
     with pytest.raises(RuntimeError, match="too few"):
         journal_figures(tmp_path, 2, warmup=4)
 

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from collector.publisher import CapturePublisher, PublisherConfig
@@ -94,7 +95,13 @@ def alive(pid: int) -> bool:
     return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower() if Path(f"/proc/{pid}").exists() else False
 
 
-def test_two_gloo_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path):
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs: the ranks on cuda:0 and cuda:1, NCCL, rows dealt GPU to GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_two_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path, device):
+    """On CPU: gloo. On 2 GPUs: NCCL, and the rows of each micro-batch dealt GPU to GPU."""
     target = tiny8()
     target_dir = save_target_dir(target, tmp_path / "target")
     recs, _ = greedy_records(target, num=NUM_REQUESTS, prompt_len=PROMPT_ROWS, new_tokens=40)
@@ -115,10 +122,10 @@ def test_two_gloo_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path):
            "--gate-margin-rel", "0", "--gate-margin-abs", "0", "--gate-min-anchors", "8",
            "--replay-heldout-every", "3", "--replay-flush-interval-s", "1",
            "--rank-check-every", "1", "--rank-journal", "--rank-stop-grace-s", "5",
-           "--wandb-mode", "disabled", "--threads", "1"]
+           "--wandb-mode", "disabled", "--threads", "1", "--device", device]
     dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     env = {k: v for k, v in os.environ.items() if k not in dist_vars} | {
-        "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
     proc = None
     try:
         # 1) the first run: records published once the subscriber (rank 0) is connected
@@ -159,6 +166,7 @@ def test_two_gloo_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path):
             assert line["digest"] == other["digest"], line["step"]
             # what each rank trained on is what rank 0 dealt it, nothing dropped, nothing twice
             assert line["dealt"] == [line["spans"], other["spans"]]
+            assert set(line["pipe"]) == {"draw", "pack", "send", "own"} and set(other["pipe"]) == {"recv_build"}
             assert other["rows"] == sum(n for _, _, n in other["spans"]) and other["rows"] > 0
             assert line["rows"] == sum(n for _, _, n in line["spans"]) and line["rows"] > 0
             # ... and the tensors each rank trained on are those spans' rows

@@ -12,8 +12,8 @@ rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
      step; rank 0 alone knows whether its buffer holds enough traffic to train
   2. deal: rank 0 draws N micro-batches of ceil(batch_tokens / N) rows (`sample_train`; N draws
      of that size follow the distribution of one draw of batch_tokens) and sends micro-batch r to
-     rank r, unpadded, as raw tensors behind a JSON header (no pickle), one step ahead, on a data
-     group and thread of its own (`DataPipe`): step k + 1 travels while step k trains. Each
+     rank r, unpadded, one step ahead, on a thread of its own (`trainer/rank_data.py`: over gloo,
+     or on GPUs under NCCL the rows GPU to GPU): step k + 1 travels while step k trains. Each
      drawn span is trained on by exactly one rank, once, and nothing drawn is left out; where a
      draw comes back empty every rank skips the step
   3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
@@ -39,7 +39,6 @@ import hashlib
 import json
 import logging
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -51,10 +50,11 @@ from collector.subscriber import CaptureSubscriber
 from online_spec.checkpoint import load_head
 from online_spec.config import check, doc
 from online_spec.head import new_head
-from trainer.batch import PACKED, TrainBatch, collate, pack, unpack
+from trainer.batch import TrainBatch
 from trainer.daemon import DaemonConfig, TrainerDaemon
 from trainer.distill import DistillConfig, Distiller, StepDropped, init_from_target
 from trainer.loss import LossConfig
+from trainer.rank_data import DataPipe
 
 log = logging.getLogger(__name__)
 
@@ -104,125 +104,6 @@ def weights_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-# -- micro-batches between ranks: a JSON header, then each tensor's bytes --------------------------
-def send_batch(packed: dict | None, spans: list, dst: int, group, end: bool = False) -> None:
-    """Send rank `dst` its packed micro-batch (`trainer.batch.pack`; None: skip this step; end:
-    no more batches); `spans` name its spans."""
-    import torch.distributed as dist
-
-    header = {"end": True} if end else {"skip": True} if packed is None else {
-        "spans": spans, "tensors": [[n, str(packed[n].dtype).removeprefix("torch."), list(packed[n].shape)]
-                                    for n in PACKED]}
-    raw = torch.tensor(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([raw.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(raw, dst, group=group)
-    for n in PACKED if "tensors" in header else ():
-        dist.send(packed[n].contiguous().reshape(-1).view(torch.uint8), dst, group=group)
-
-
-def recv_batch(group, pin: bool = False) -> tuple[str, TrainBatch | None, list]:
-    """("batch", this rank's micro-batch, its spans), ("skip", None, []) or ("end", None, [])."""
-    import torch.distributed as dist
-
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, 0, group=group)
-    raw = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(raw, 0, group=group)
-    header = json.loads(bytes(raw.numpy()).decode())
-    if header.get("end") or header.get("skip"):
-        return ("end" if header.get("end") else "skip"), None, []
-    out = {}
-    for name, dtype, shape in header["tensors"]:
-        dt = getattr(torch, dtype)
-        buf = torch.empty(math.prod(shape) * torch.empty(0, dtype=dt).element_size(), dtype=torch.uint8)
-        dist.recv(buf, 0, group=group)
-        out[name] = buf.view(dt).reshape(shape)
-    return "batch", unpack(out, pin), header["spans"]
-
-
-class DataPipe:
-    """The data path one step ahead of training, on its own gloo group and thread per rank.
-
-    Rank 0 (`daemon` given): once the buffer holds `min_buffer_tokens`, draw the next step's N
-    micro-batches (reading only the drawn rows' bytes from the buffer's shards), send micro-batch
-    r (packed, `trainer.batch.pack`) to rank r and queue its own.
-    Rank r > 0: receive, unpack, queue. While the ranks train on step k, step k + 1 is drawn,
-    packed, sent and padded (the drawing, the transfer and the padding were most of a step's
-    time on an H100 with 2 ranks). Every rank takes one item per training step (`next`), so the
-    ranks consume the same sequence. `close` ends it: rank 0 finishes the item in hand and sends
-    each rank an end mark, the receivers drain until it, so no send is left waiting."""
-
-    def __init__(self, rank: int, world: int, group, daemon: TrainerDaemon | None, per_rank: int,
-                 min_tokens: int, idle_s: float, pin: bool = False):
-        self.rank, self.world, self.group, self.daemon, self.pin = rank, world, group, daemon, pin
-        self.per_rank, self.min_tokens, self.idle_s = per_rank, min_tokens, idle_s
-        self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._guarded, daemon=True, name=f"data-pipe-{rank}")
-        self._thread.start()
-
-    def next(self):
-        """(batch or None to skip, its spans, on rank 0 every rank's spans); waits for the item."""
-        while True:
-            try:
-                return self._q.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError(f"the data pipe of rank {self.rank} stopped: {self.error!r}")
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def _guarded(self) -> None:
-        try:
-            self._deal() if self.daemon is not None else self._receive()
-        except BaseException as e:  # noqa: BLE001 - reported by next()
-            self.error = e
-            log.exception("data pipe of rank %d failed", self.rank)
-
-    def _deal(self) -> None:
-        d = self.daemon
-        try:
-            while not self._stop.is_set():
-                if d.buffer.num_tokens < self.min_tokens:
-                    self._stop.wait(self.idle_s)
-                    continue
-                draws = [d._usable(d.buffer.sample_train(self.per_rank)) for _ in range(self.world)]
-                if not all(draws):
-                    for r in range(1, self.world):
-                        send_batch(None, [], r, self.group)
-                    self._put((None, [], []))
-                    continue
-                dealt = [span_names(x) for x in draws]
-                for r in range(1, self.world):
-                    send_batch(pack(draws[r]), dealt[r], r, self.group)
-                self._put((collate(draws[0], self.pin), dealt[0], dealt))
-        finally:
-            for r in range(1, self.world):
-                send_batch(None, [], r, self.group, end=True)
-
-    def _receive(self) -> None:
-        while True:
-            kind, batch, spans = recv_batch(self.group, self.pin)
-            if kind == "end":
-                return
-            self._put((batch, spans, []))  # once stopping: dropped, the receive goes on to the end mark
-
-
-def span_names(spans: list) -> list:
-    return [[s.request_id, int(s.first_pos), int(s.num_rows)] for s in spans]
-
-
 class RankZeroDaemon(TrainerDaemon):
     """The daemon as rank 0: what it saves alone (after a publish or a rollback) is state.json;
     the distiller's state is saved by every rank together (`RankLoop.commit`)."""
@@ -260,6 +141,9 @@ class RankLoop:
         # GPU synchronisation for a flag
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.data_group = dist.new_group(backend="gloo")  # the data pipe's, beside the control flags
+        # on GPUs under NCCL the micro-batches' rows travel GPU to GPU, on a group of the pipe's own
+        gpu = dist.get_backend() == "nccl" and distiller.device.type == "cuda"
+        self.rows_group = dist.new_group(backend="nccl") if gpu and self.world > 1 else None
         self.pipe: DataPipe | None = None
         self.run_dir = Path(daemon_cfg.run_dir)
         self._stop = threading.Event()
@@ -281,7 +165,8 @@ class RankLoop:
             d.subscriber = CaptureSubscriber(d.subscriber_cfg, on_span=d.on_span).start()
         self.pipe = DataPipe(self.rank, self.world, self.data_group, d, math.ceil(self.dcfg.batch_tokens / self.world),
                              self.dcfg.min_buffer_tokens, self.dcfg.idle_sleep_s,
-                             pin=self.distiller.device.type == "cuda")  # batches leave for the GPU asynchronously
+                             pin=self.distiller.device.type == "cuda",  # batches leave for the GPU asynchronously
+                             rows_group=self.rows_group, device=self.distiller.device)
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         clean = False
         try:
@@ -329,7 +214,7 @@ class RankLoop:
     def step_once(self) -> bool:
         """Deal, train, commit, and on rank 0 evaluate/publish; False if the step was skipped."""
         t0 = time.perf_counter()
-        batch, spans, dealt = self.deal()
+        batch, spans, dealt, pipe = self.deal()
         if batch is None:
             return False
         t1 = time.perf_counter()
@@ -357,11 +242,12 @@ class RankLoop:
             # wait_s: this rank waited for its micro-batch (the data path behind training);
             # train_s: the step itself (forward, backward, gradient all-reduce, optimizer);
             # agree_s: the step's agreement before it; after_s: what followed it here (rank 0: the
-            # daemon's logging, evaluation, publishing); padded: batch rows x the longest row
+            # daemon's logging, evaluation, publishing); padded: batch rows x the longest row; pipe:
+            # the data pipe's ms for this micro-batch (`trainer/rank_data.py`), spent while the step before trained
             line = {"step": step, "rows": batch.num_rows, "spans": spans, "token_sums": sums, "time": time.time(),
                     "wait_s": round(t1 - t0, 5), "train_s": round(t2 - t1, 5), "agree_s": round(self._agree_s, 5),
                     "after_s": round(time.perf_counter() - t2, 5), "padded": int(batch.row_mask.numel()),
-                    **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
+                    "pipe": pipe, **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
             if self.daemon is not None and self.daemon.state["published"] and \
                     self.daemon.state["published"][-1]["step"] == step:
                 line["published"] = self.daemon.state["published"][-1]["version"]
@@ -369,9 +255,9 @@ class RankLoop:
             self._journal.flush()
         return True
 
-    def deal(self) -> tuple[TrainBatch | None, list, list]:
-        """(this rank's micro-batch, its spans, on rank 0 every rank's spans); None to skip. Each
-        drawn span is trained on by one rank, once (`DataPipe`)."""
+    def deal(self) -> tuple[TrainBatch | None, list, list, dict]:
+        """(this rank's micro-batch, its spans, on rank 0 every rank's spans, the pipe's timings);
+        None to skip. Each drawn span is trained on by one rank, once (`DataPipe`)."""
         return self.pipe.next()
 
     def commit(self) -> None:
