@@ -6,22 +6,18 @@ Out: versioned head checkpoints (SGLang layout) published into the server, W&B l
 Loop (one thread; the subscriber fills the replay buffer from its own thread):
   1. train: a batch of recent traffic from the replay buffer -> one distillation step (DeepSpeed)
   2. every `eval_every_steps` steps or `eval_every_s` seconds: simulate the candidate and the
-     live head on the newest held-out traffic at the live K mix (drafts from generated rows
-     only, where serving drafts; the live head's counts are cached per version), and on each
-     traffic tag's own newest held-out traffic (a candidate that wins on the mix but regresses on a tag the buffer
-     holds is refused: no forgetting of an earlier phase); the `SwapGate` decides; a
-     winner is written as a new version (atomic directory, digest) and swapped in over the
-     control endpoint
+     live head on the newest held-out traffic at the live K mix (drafts from generated rows only),
+     and on each stored traffic tag's own (no forgetting of an earlier phase); the `SwapGate`
+     decides; a winner is written as a new version and swapped in over the control endpoint; a
+     run of refusals while the server serves lowers the duty (futility, `trainer/duty.py`)
   3. watch live acceptance of the new version (`RollbackMonitor`) and roll back if it is worse
      than the previous version's beyond a threshold
   4. follow the server when it changed its head on its own (its head bank brought back a head
      for returning traffic, or it rolled back a broken one): that head becomes the live one the
      gate compares with, and training continues from it (`trainer/server_head.py`)
-Bad input never stops it: a span that is well-formed on the wire but does not fit the target
-(hidden size, token ids outside the vocabulary, positions beyond its context) is counted and
-dropped before it reaches the replay buffer (so it is never persisted, and a restart does not
-meet it again); stored spans are checked the same way when sampled (a buffer written before
-the check); a training step or an evaluation that fails drops its batch, logs why and goes on.
+Bad input never stops it: a span that does not fit the target (hidden size, token ids, positions)
+is counted and dropped before the replay buffer (stored spans are checked again when sampled); a
+training step or an evaluation that fails drops its batch, logs why and goes on.
 Everything the loop needs to resume lives in the run directory: `state.json` (step, versions),
 `distiller.pt` (head, optimizer, scheduler), `replay/` (the buffer), `ckpt/vN/` (published
 heads). A kill -9 loses at most the steps since the last state save; SIGTERM saves and exits.
@@ -40,7 +36,6 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -59,19 +54,10 @@ from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
 from trainer.seeds import SeedConfig, SeedWatch, eval_copy
-from trainer.server_head import ServerHeadWatch, server_live_version
+from trainer.server_head import HeadPublisher, ServerHeadWatch, server_live_version
 from trainer.starvation_watch import StarvationWatch
 
 log = logging.getLogger(__name__)
-
-class HeadPublisher(Protocol):
-    """The server side of a swap: `serving.control.ControlClient`. Both raise on refusal."""
-
-    def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict: ...
-    def rollback(self, version: int | None = None) -> dict: ...
-    # optional: `info() -> {"head_version": N, ...}` (the server's live version), used to number
-    # published versions after it; `request("trainer_alert", alert_dict)`, the trainer's own alerts
-
 
 class TrainerDaemon:
     def __init__(self, cfg: DaemonConfig, target, publisher: HeadPublisher | None,
@@ -128,7 +114,9 @@ class TrainerDaemon:
         self.starvation_watch = StarvationWatch(starvation_cfg, wandb_run)
         self.starvation = self.starvation_watch.detector
         self.server_head = ServerHeadWatch()
-        self.duty_cycle = DutyCycle(cfg.max_duty, cfg.idle_duty, self._stop)
+        self.duty_cycle = DutyCycle(cfg.max_duty, cfg.idle_duty, self._stop, self.server_head, cfg.futile_evals,
+                                    cfg.futile_scale)
+        self._rest_until, self._last_step = 0.0, (0.0, 0.0)  # rest until; the last step's (end, busy seconds)
 
     # -- inputs ---------------------------------------------------------------------------
     def span_error(self, span: CaptureSpan) -> str | None:
@@ -155,6 +143,13 @@ class TrainerDaemon:
             return
         log.warning("drift alert: %s", alert.get("title", alert))
         self._drift_until = time.monotonic() + self.cfg.drift_boost_s
+        self.wake()
+
+    def wake(self) -> None:
+        """What training can win changed (drift, a new live head): a futile rest is cut to the full duty's."""
+        self.duty_cycle.wake()
+        end, busy = self._last_step
+        self._rest_until = min(self._rest_until, end + self.duty_cycle.rest_at(busy, self.duty_cycle.duty()))
 
     def stop(self) -> None:
         self._stop.set()
@@ -170,10 +165,14 @@ class TrainerDaemon:
                 if t_end is not None and time.monotonic() > t_end:
                     break
                 t0 = time.monotonic()
-                if not self.train_once():
+                if t0 < self._rest_until:  # resting in slices: the watchers below keep their cadence
+                    self._stop.wait(min(self.cfg.idle_sleep_s, self._rest_until - t0))
+                elif not self.train_once():
                     self._stop.wait(self.cfg.idle_sleep_s)
                 else:
-                    self.rest_after(time.monotonic() - t0)
+                    t1 = time.monotonic()
+                    self._last_step = (t1, t1 - t0)
+                    self._rest_until = t1 + self.duty_cycle.rest_for(t1 - t0)
                 self.watch_server_head()  # first: the rollback below judges the head the server has live
                 self.watch_rollback()
                 self.watch_seeds()
@@ -184,11 +183,11 @@ class TrainerDaemon:
             self.buffer.flush()
         return self.summary()
 
-    def duty(self) -> float:  # trainer/duty.py: idle_duty while the server was last seen idle
-        return self.duty_cycle.duty(self.server_head.idle)
+    def duty(self) -> float:  # trainer/duty.py: idle_duty while the server was last seen idle, less when futile
+        return self.duty_cycle.duty()
 
     def rest_after(self, busy_s: float) -> float:
-        return self.duty_cycle.rest_after(busy_s, self.server_head.idle)
+        return self.duty_cycle.rest_after(busy_s)
 
     def train_once(self) -> bool:
         """One step if the buffer holds enough traffic; evaluation/publication when due."""
@@ -225,8 +224,10 @@ class TrainerDaemon:
 
     def watch_starvation(self, now: float | None = None) -> list:
         """Too few steps while traffic waits, or capture dropped on the way? (`StarvationWatch`)"""
+        # resting by choice (futile training) is not waiting traffic: no trainer_starved
+        trainable = self.buffer.num_tokens >= self.cfg.min_buffer_tokens and not self.duty_cycle.resting()
         return self.starvation_watch.check(time.monotonic() if now is None else now, self.distiller.step,
-                                           self.buffer.num_tokens >= self.cfg.min_buffer_tokens, self.publisher,
+                                           trainable, self.publisher,
                                            self.subscriber, self.state["live_version"])
 
     def _usable(self, spans: list) -> list:
@@ -278,6 +279,11 @@ class TrainerDaemon:
                    **{f"gate/{key}/{tag or 'untagged'}": v for tag, (ct, lt, _) in per_tag.items()
                       for key, v in (("candidate", ct), ("live", lt))}})
         log.info("step %d gate: %s", self.distiller.step, decision.reason)
+        if anchors >= self.gate.cfg.min_anchors:  # a verdict (too few anchors says nothing of futility)
+            self.duty_cycle.gate(decision.publish)
+            if not decision.publish and self.duty_cycle.refused == self.cfg.futile_evals:
+                log.info("%d candidates refused in a row: futile, training at --futile-scale of the duty while "
+                         "the server serves", self.duty_cycle.refused)
         if decision.publish:
             self.publish()
         return decision
@@ -327,6 +333,7 @@ class TrainerDaemon:
         prev = self.state["live_version"]
         self.rollbacks.start_from(self.live, version, prev)
         self.state.update(previous_version=prev, live_version=version, swaps=self.state["swaps"] + 1)
+        self.wake()
         self.state["published"].append({"version": version, "digest": digest, "step": self.distiller.step,
                                         "time": time.time()})
         self.live_head = eval_copy(self.distiller.head, self.target)
@@ -372,6 +379,7 @@ class TrainerDaemon:
                 return
         self.state["rolled_back"].append(bad)
         self.state.update(live_version=prev, previous_version=None)
+        self.wake()
         self.live_head = eval_copy(self._load_version(prev), self.target)
         self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
         self.save_state()
@@ -395,6 +403,7 @@ class TrainerDaemon:
         self.rollbacks.start_from(self.live, v, prev)
         self.state.update(previous_version=prev, live_version=v)
         self.live_head = eval_copy(head, self.target)
+        self.wake()
         self.server_head.adopted += 1
         self._log({"swap/adopted_server_head": v})
         log.info("the server made v%d live (it was v%d): training continues from it", v, prev)
@@ -470,7 +479,9 @@ class TrainerDaemon:
     def summary(self) -> dict:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
-                "rested_s": round(self.duty_cycle.rested_s, 3), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
+                "rested_s": round(self.duty_cycle.rested_s, 3),
+                "futile": {"rested_s": round(self.duty_cycle.futile_rested_s, 3), "spells": self.duty_cycle.futile_spells,
+                           "refused_in_a_row": self.duty_cycle.refused}, "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
                 "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,

@@ -4,27 +4,78 @@ After a step of `busy` seconds the trainer rests `busy * (1 / duty - 1)`, so tra
 evaluation take at most `duty` of its time and the rest of its core or GPU goes to the server
 it shares the machine with. The duty is `idle_duty` while the server was last seen idle (no
 running and no waiting request: `trainer/server_head.py` reads it), else `max_duty`.
+
+Futility: while the server was last seen serving and the gate refused the candidate at
+`futile_evals` evaluations in a row (the live head is as good as what training makes of today's
+traffic), the duty is `max_duty * futile_scale`: a trainer with nothing to win stops taking the
+server's core or GPU time. It trains at the full duty again at the gate's next publish, or on a
+wake (`wake`: a drift alert, a head the daemon adopted or rolled back, a seed). Steps taken at
+the futile duty are chosen rest, not starvation (`resting`).
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Protocol
+
+
+class ServerLoad(Protocol):
+    """What the last read of the server's load found (`trainer.server_head.ServerHeadWatch`)."""
+
+    idle: bool  # no running and no waiting request
+    busy: bool  # requests running or waiting (neither: unknown)
 
 
 class DutyCycle:
-    def __init__(self, max_duty: float, idle_duty: float, stop: threading.Event):
-        self.max_duty, self.idle_duty, self._stop = max_duty, idle_duty, stop
+    def __init__(self, max_duty: float, idle_duty: float, stop: threading.Event, load: ServerLoad,
+                 futile_evals: int = 0, futile_scale: float = 1.0):
+        self.max_duty, self.idle_duty, self._stop, self.load = max_duty, idle_duty, stop, load
+        self.futile_evals, self.futile_scale = futile_evals, futile_scale
+        self.refused = 0  # gate evaluations in a row that refused the candidate (since a publish or a wake)
         self.rested_s = 0.0  # seconds rested so far
+        self.futile_rested_s = 0.0  # ... of them at the futile duty
+        self.futile_spells = 0  # times the futile duty began
 
-    def duty(self, server_idle: bool) -> float:
-        return self.idle_duty if server_idle else self.max_duty
+    @property
+    def futile(self) -> bool:
+        return self.futile_evals > 0 and self.refused >= self.futile_evals
 
-    def rest_after(self, busy_s: float, server_idle: bool) -> float:
-        """Rest after `busy_s` of training; returns the seconds rested (cut short by stop)."""
-        duty = self.duty(server_idle)
-        if duty >= 1.0:
+    def gate(self, published: bool) -> None:
+        """The gate's verdict on the candidate at an evaluation."""
+        self.refused = 0 if published else self.refused + 1
+        if self.futile and self.refused == self.futile_evals:
+            self.futile_spells += 1
+
+    def wake(self) -> None:
+        """Something changed what training can win (drift, a new live head): the full duty again."""
+        self.refused = 0
+
+    def resting(self) -> bool:
+        """Whether the duty now is the futile one (the server serving): fewer steps by choice."""
+        return not self.load.idle and self.load.busy and self.futile and self.futile_scale < 1.0
+
+    def duty(self) -> float:
+        if self.load.idle:
+            return self.idle_duty
+        return self.max_duty * self.futile_scale if self.resting() else self.max_duty
+
+    @staticmethod
+    def rest_at(busy_s: float, duty: float) -> float:
+        return 0.0 if duty >= 1.0 else busy_s * (1.0 / duty - 1.0)
+
+    def rest_for(self, busy_s: float) -> float:
+        """The rest due after `busy_s` of training (counted as rested)."""
+        rest = self.rest_at(busy_s, self.duty())
+        if rest <= 0:
             return 0.0
-        rest = busy_s * (1.0 / duty - 1.0)
         self.rested_s += rest
-        self._stop.wait(rest)
+        if self.resting():
+            self.futile_rested_s += rest
+        return rest
+
+    def rest_after(self, busy_s: float) -> float:
+        """Rest after `busy_s` of training; returns the seconds rested (cut short by stop)."""
+        rest = self.rest_for(busy_s)
+        if rest > 0:
+            self._stop.wait(rest)
         return rest

@@ -17,7 +17,7 @@ the daemon's duty cycle (`DaemonConfig.idle_duty` against `max_duty`).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,20 @@ def server_live_version(server_info: Callable[[], dict] | None) -> int:
     return -1 if v is None else v
 
 
+class HeadPublisher(Protocol):
+    """The server side of a swap: `serving.control.ControlClient`. Both raise on refusal."""
+
+    def swap_dir(self, path: str, version: int | None = None, digest: str | None = None) -> dict: ...
+    def rollback(self, version: int | None = None) -> dict: ...
+    # optional: `info() -> {"head_version": N, ...}` (the server's live version), used to number
+    # published versions after it; `request("trainer_alert", alert_dict)`, the trainer's own alerts
+
+
 class ServerHeadWatch:
     def __init__(self, poll_s: float = SERVER_HEAD_POLL_S, idle_poll_s: float = IDLE_POLL_S):
         self.poll_s, self.idle_poll_s = poll_s, idle_poll_s
         self.idle = False  # the last read found no running and no waiting request (False: serving, or unknown)
+        self.busy = False  # the last read found requests running or waiting (False: idle, or unknown)
         self._next = 0.0
         self._unknown: set[int] = set()  # versions already said to be unloadable
         self.adopted = 0
@@ -74,9 +84,11 @@ class ServerHeadWatch:
             info = server_info()
         except Exception as e:  # noqa: BLE001 - unreachable now: asked again at the next poll
             log.debug("server info unavailable: %s", e)
-            self.idle = False
+            self.idle = self.busy = False
             return None
         self.idle = isinstance(info, dict) and info.get("running_requests") == 0 and info.get("waiting_requests") == 0
+        load = [info.get(k) for k in ("running_requests", "waiting_requests")] if isinstance(info, dict) else []
+        self.busy = any(isinstance(n, int) and n > 0 for n in load)
         if self.idle:
             self._next = now + self.idle_poll_s
         v = head_version_of(info)
