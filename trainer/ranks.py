@@ -68,6 +68,8 @@ class RankConfig:
                      "the gradients (ZeRO 0-2 per --distill-deepspeed-config); see docs/trainer.md", 1)
     trainer_devices: str = doc("with --device cuda: each rank's GPU, comma-separated (rank i on "
                                "cuda:devices[i]), e.g. 1,2 beside a server on GPU 0; empty = rank i on cuda:i", "")
+    rank_rows: str = doc("how the micro-batches' rows travel between GPU ranks under NCCL: nccl (GPU to GPU, padded "
+                         "there) or gloo (through the host, as on CPU); CPU ranks always use gloo", "nccl")
     rank_check_every: int = doc("every N steps the ranks compare a digest of their weights and stop on a "
                                 "difference; 0 = never", 50)
     rank_journal: bool = doc("each rank appends a line per step to RUN_DIR/ranks/rankR.jsonl: the spans it "
@@ -77,6 +79,7 @@ class RankConfig:
     def __post_init__(self):
         check(self.ranks >= 1, "ranks", f"must be >= 1, got {self.ranks}")
         check(self.rank_check_every >= 0, "rank_check_every", "must be >= 0")
+        check(self.rank_rows in ("nccl", "gloo"), "rank_rows", f"must be nccl or gloo, got {self.rank_rows!r}")
         check(self.rank_stop_grace_s > 0, "rank_stop_grace_s", "must be > 0")
         if self.trainer_devices:
             devices = self.trainer_devices.split(",")
@@ -142,7 +145,7 @@ class RankLoop:
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.data_group = dist.new_group(backend="gloo")  # the data pipe's, beside the control flags
         # on GPUs under NCCL the micro-batches' rows travel GPU to GPU, on a group of the pipe's own
-        gpu = dist.get_backend() == "nccl" and distiller.device.type == "cuda"
+        gpu = dist.get_backend() == "nccl" and distiller.device.type == "cuda" and cfg.rank_rows == "nccl"
         self.rows_group = dist.new_group(backend="nccl") if gpu and self.world > 1 else None
         self.pipe: DataPipe | None = None
         self.run_dir = Path(daemon_cfg.run_dir)
