@@ -125,7 +125,8 @@ def test_two_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path, device):
            "--wandb-mode", "disabled", "--threads", "1", "--device", device]
     dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     env = {k: v for k, v in os.environ.items() if k not in dist_vars} | {
-        "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
+        "PYTHONPATH": os.pathsep.join([str(REPO)] + [x for x in [os.environ.get("PYTHONPATH")] if x]),
+        "OMP_NUM_THREADS": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
     proc = None
     try:
         # 1) the first run: records published once the subscriber (rank 0) is connected
