@@ -63,8 +63,6 @@ class RanksBenchConfig:
     tokens_file: str = doc("JSON list of token-id lists to capture instead of ShareGPT (a machine without the "
                            "dataset); empty = ShareGPT's train split", "")
     deepspeed_config: str = doc("DeepSpeed JSON of the ranks (ZeRO stage, clipping)", "configs/deepspeed/zero1.json")
-    rank_rows: str = doc("how the micro-batches' rows travel between GPU ranks (train --rank-rows): nccl or gloo",
-                         "nccl")
     repeats: int = doc("runs of each (mode, N), interleaved; figures are medians", 1)
     threads: int = doc("torch CPU threads of each rank", 1)
     timeout_s: float = doc("seconds one run may take before it is stopped (counted as failed)", 900.0)
@@ -158,8 +156,7 @@ def train_command(cfg: RanksBenchConfig, n: int, batch_tokens: int, run_dir: Pat
            "--batch-tokens", str(batch_tokens), "--min-buffer-tokens", "1", "--max-steps", str(cfg.steps),
            "--eval-every-steps", never, "--eval-every-s", never, "--save-every-steps", never,
            "--rank-journal", "--rank-check-every", "0", "--distill-deepspeed-config", cfg.deepspeed_config,
-           "--replay-heldout-every", "0", "--wandb-mode", "disabled", "--threads", str(cfg.threads),
-           "--rank-rows", cfg.rank_rows]
+           "--replay-heldout-every", "0", "--wandb-mode", "disabled", "--threads", str(cfg.threads)]
     if cfg.target:
         cmd += ["--target", cfg.target]
     if cfg.trainer_devices:

@@ -21,7 +21,7 @@
 #      scripts/gpu_round_costs.py; JSON it writes under /tmp/w comes back)
 #   8. bash scripts/gpu_ranks_device.sh code                 (this call's checkout becomes the code there)
 #   9. bash scripts/gpu_ranks_device.sh ranks                (bench ranks again; env DSCONFIGS="zero1 zero0",
-#      BATCH_TOKENS="4096 16384" (rows a step: strong's whole step, weak's per rank), RANK_ROWS="nccl gloo",
+#      BATCH_TOKENS="4096 16384" (rows a step: strong's whole step, weak's per rank),
 #      MODES, STEPS, REPEATS)
 # On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
 set -o pipefail
@@ -48,16 +48,15 @@ start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the ca
     (cd $CODE && setsid bash -c "$cmd > $W/$name.log 2>&1; echo \$? > $W/${name}_done" < /dev/null > /dev/null 2>&1 &)
     follow ${FOLLOW_S:-200}
 }
-ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS), rows a step (BATCH_TOKENS) and way the rows
-    # travel (RANK_ROWS: nccl gloo); JSON to $OUT
-    for ds in ${DSCONFIGS:-zero1}; do for bt in ${BATCH_TOKENS:-4096}; do for rr in ${RANK_ROWS:-nccl}; do
-        local name=gpu_ranks_${ds}_b${bt}_$rr
+ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS) and rows a step (BATCH_TOKENS); JSON to $OUT
+    for ds in ${DSCONFIGS:-zero1}; do for bt in ${BATCH_TOKENS:-4096}; do
+        local name=gpu_ranks_${ds}_b$bt
         python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
-            --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json --rank-rows $rr \
+            --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
             --warmup-steps 8 --batch-tokens $bt --rows 60000 \
             --tokens-file $W/tokens.json --out $W/ranks_$bt --json $W/$name.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['steps_per_s_scaling'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()}); [print(r['mode'], r['ranks'], 'train', r['train_ms_median'], 'wait', r['ms_mean']['wait'], 'pipe', r.get('pipe_ms_median')) for r in d['runs']]" $W/$name.json
-    done; done; done
+    done; done
     tail -n 20 $W/ranks.log
     local first=${BATCH_TOKENS:-4096}
     [ -n "$PROFILE" ] && python3 scripts/profile_train_step.py --buffer $W/ranks_${first%% *}/buffer --device cuda:0 \

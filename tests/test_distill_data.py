@@ -78,25 +78,3 @@ def test_pack_then_unpack_equals_collate():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert sum(t.numel() * t.element_size() for t in pack(items).values()) < \
         sum(getattr(a, n).numel() * getattr(a, n).element_size() for n in ("tokens", "features", "final_hidden"))
-
-
-def test_unpack_on_a_device_equals_the_host_padding():
-    """The scatter build (`unpack_on`, what a GPU rank runs on its micro-batch) gives the batch the
-    per-row padding gives, here on the CPU, with rejected flags and positions that differ per row."""
-    from tests.distill_helpers import greedy_records, tiny8
-    from trainer.batch import collate, pack, unpack, unpack_on
-
-    recs, _ = greedy_records(tiny8(), num=4, new_tokens=12)
-    items = [recs[0], recs[1], recs[2], recs[3]]
-    items[1].features, items[1].final_hidden, items[1].tokens = \
-        items[1].features[:3], items[1].final_hidden[:3], items[1].tokens[:4]
-    items[3].first_pos = 9
-    p = pack(items)
-    p["rejected"] = torch.rand(p["rejected"].shape, generator=torch.Generator().manual_seed(1)) < 0.5
-    a, b = unpack(p), unpack_on(p, p["lens"])
-    for name in ("tokens", "features", "final_hidden", "row_mask", "rejected", "first_pos"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert b.num_rows == a.num_rows == int(p["lens"].sum()) and b.rows == a.num_rows
-    assert torch.equal(collate(items).features, b.features)
-    moved = b.to("cpu")
-    assert moved.rows == b.rows and len(moved.tensors()) == 6

@@ -96,12 +96,12 @@ def alive(pid: int) -> bool:
 
 
 TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs 2 GPUs: the ranks on cuda:0 and cuda:1, NCCL, rows dealt GPU to GPU")
+                              reason="needs 2 GPUs: the ranks on cuda:0 and cuda:1, NCCL")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
 def test_two_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path, device):
-    """On CPU: gloo. On 2 GPUs: NCCL, and the rows of each micro-batch dealt GPU to GPU."""
+    """On CPU: gloo. On 2 GPUs: NCCL for the gradients (the micro-batches over gloo, pinned on arrival)."""
     target = tiny8()
     target_dir = save_target_dir(target, tmp_path / "target")
     recs, _ = greedy_records(target, num=NUM_REQUESTS, prompt_len=PROMPT_ROWS, new_tokens=40)

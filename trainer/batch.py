@@ -17,7 +17,6 @@ Rows of one request sit in one batch row, so the head's attention sees the reque
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -34,20 +33,15 @@ class TrainBatch:
     row_mask: torch.Tensor
     rejected: torch.Tensor
     first_pos: torch.Tensor
-    rows: int = -1  # real rows, when known on the host (a batch built on a GPU): no read-back to count them
 
     @property
     def num_rows(self) -> int:
         """Real rows (the tokens a step trains on)."""
-        return self.rows if self.rows >= 0 else int(self.row_mask.sum())
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f.name) for f in fields(self) if f.name != "rows"]
+        return int(self.row_mask.sum())
 
     def to(self, device) -> "TrainBatch":
         """On `device`; from pinned memory the copies are asynchronous (stream-ordered)."""
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                             for f in fields(self) if f.name != "rows"}, rows=self.rows)
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
 
 
 def rejected_tokens(item) -> torch.Tensor:
@@ -98,61 +92,25 @@ def _padded(rows: list[tuple], first_pos: list[int], pin: bool) -> TrainBatch:
 PACKED = ("lens", "first_pos", "tokens", "features", "final_hidden", "rejected")
 
 
-def pack(items: Sequence, pin: bool = False) -> dict[str, torch.Tensor]:
+def pack(items: Sequence) -> dict[str, torch.Tensor]:
     """Spans/records as unpadded tensors (their rows end to end, with their lengths), what travels
     between trainer ranks: about half the bytes of a padded batch of cut windows. `unpack(pack(x))`
-    equals `collate(x)`. `pin`: the row tensors in pinned host memory (bound for a GPU)."""
+    equals `collate(x)`."""
     if not items:
         raise ValueError("pack needs at least one span")
-
-    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        if not pin:
-            return torch.cat(parts)
-        out = torch.empty((sum(int(t.shape[0]) for t in parts),) + tuple(parts[0].shape[1:]),
-                          dtype=parts[0].dtype, pin_memory=True)
-        return torch.cat(parts, out=out)
-
     return {"lens": torch.tensor([int(it.features.shape[0]) for it in items], dtype=torch.long),
             "first_pos": torch.tensor([int(it.first_pos) for it in items], dtype=torch.long),
-            "tokens": cat([it.tokens.long() for it in items]),
-            "features": cat([it.features for it in items]),
-            "final_hidden": cat([it.final_hidden for it in items]),
-            "rejected": cat([rejected_tokens(it) for it in items])}
+            "tokens": torch.cat([it.tokens.long() for it in items]),
+            "features": torch.cat([it.features for it in items]),
+            "final_hidden": torch.cat([it.final_hidden for it in items]),
+            "rejected": torch.cat([rejected_tokens(it) for it in items])}
 
 
 def unpack(p: dict[str, torch.Tensor], pin: bool = False) -> TrainBatch:
-    """The padded `TrainBatch` of `pack`'s tensors (`pin`: as in `collate`); on the device the
-    tensors are on when that is not the CPU (`unpack_on`)."""
-    if p["features"].device.type != "cpu":
-        return unpack_on(p, p["lens"].cpu())
+    """The padded `TrainBatch` of `pack`'s tensors (`pin`: as in `collate`)."""
     rows, r0, t0 = [], 0, 0
     for n in p["lens"].tolist():
         rows.append((p["tokens"][t0:t0 + n + 1], p["features"][r0:r0 + n], p["final_hidden"][r0:r0 + n],
                      p["rejected"][t0:t0 + n + 1]))
         r0, t0 = r0 + n, t0 + n + 1
     return _padded(rows, p["first_pos"].tolist(), pin)
-
-
-def unpack_on(p: dict[str, torch.Tensor], lens: torch.Tensor) -> TrainBatch:
-    """`unpack` where `p`'s tensors are (a GPU: a micro-batch received there), in a few scatters
-    instead of a copy per row; `lens` on the host (the rows of each item), so nothing is read
-    back. Equals `collate` of the same items."""
-    device, B = p["features"].device, int(lens.numel())
-    T, total = int(lens.max()), int(lens.sum())
-
-    def slots(n: torch.Tensor, width: int) -> torch.Tensor:  # where item b's row j goes: b * width + j
-        b = torch.repeat_interleave(torch.arange(B), n)
-        start = torch.cumsum(n, 0) - n
-        return (b * width + torch.arange(int(n.sum())) - start[b]).to(device, non_blocking=True)
-
-    rows, toks = slots(lens, T), slots(lens + 1, T + 1)
-
-    def scatter(src: torch.Tensor, at: torch.Tensor, shape: tuple) -> torch.Tensor:
-        out = torch.zeros((math.prod(shape[:2]),) + tuple(src.shape[1:]), dtype=src.dtype, device=device)
-        return out.index_copy_(0, at, src).reshape(shape + tuple(src.shape[1:]))
-
-    row_mask = torch.arange(T)[None, :] < lens[:, None]
-    return TrainBatch(scatter(p["tokens"], toks, (B, T + 1)), scatter(p["features"], rows, (B, T)),
-                      scatter(p["final_hidden"], rows, (B, T)), row_mask.to(device, non_blocking=True),
-                      scatter(p["rejected"], toks, (B, T + 1)), p["first_pos"].to(device, non_blocking=True),
-                      rows=total)

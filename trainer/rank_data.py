@@ -3,20 +3,14 @@
 `DataPipe` runs on a thread of its own per rank (`trainer/ranks.py` takes one item per step).
 Rank 0 (the daemon's rank, which alone holds the replay buffer) draws the next step's N
 micro-batches; rank r > 0 receives micro-batch r. A micro-batch travels packed
-(`trainer.batch.pack`: rows end to end, unpadded, about half the bytes of a padded batch) as a
-JSON header (span names, tensor shapes; no pickle) and then each tensor's bytes:
-
-  gloo  (CPU ranks) header and tensors over the pipe's gloo group; the receiver pads on the host,
-        in pinned memory when it trains on a GPU
-  nccl  (GPU ranks under NCCL) the header and the small tensors over gloo, the row tensors GPU to
-        GPU over an NCCL group of the pipe's own (rank 0 stages them in pinned memory, copies them
-        to its GPU and sends them; NVLink or PCIe, no host copy on the receiver), and every rank
-        pads its micro-batch on its GPU in a few scatters (`trainer.batch.unpack_on`), on a CUDA
-        stream of the pipe's, so that building step k + 1's batch overlaps step k's kernels; the
-        training stream waits for the batch's event before using it
+(`trainer.batch.pack`: rows end to end, unpadded, about half the bytes of a padded batch) over a
+gloo group of the pipe's own, as a JSON header (span names, tensor shapes; no pickle) and then
+each tensor's bytes; the receiver pads it on the host (into pinned memory when it trains on a GPU,
+so the copy to the device is asynchronous).
 
 Each item carries its timings (`pipe` in the rank journal, ms): rank 0 draw / pack / send (to
-every other rank) / own (its micro-batch built); a receiver recv / build.
+every other rank) / own (its micro-batch padded); a receiver recv_build (its wait for rank 0
+included).
 """
 
 from __future__ import annotations
@@ -30,23 +24,17 @@ import time
 
 import torch
 
-from trainer.batch import PACKED, TrainBatch, collate, pack, unpack, unpack_on
+from trainer.batch import PACKED, TrainBatch, collate, pack, unpack
 
 log = logging.getLogger(__name__)
-
-SMALL = ("lens", "first_pos")  # with the header, over gloo (the receiver needs them on the host)
-ROWS = tuple(n for n in PACKED if n not in SMALL)  # what the rows weigh: over NCCL when GPU to GPU
-
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def send_batch(packed: dict | None, spans: list, dst: int, group, end: bool = False,
-               rows_group=None, device: torch.device | None = None) -> None:
+def send_batch(packed: dict | None, spans: list, dst: int, group, end: bool = False) -> None:
     """Send rank `dst` its packed micro-batch (`trainer.batch.pack`; None: skip this step; end:
-    no more batches); `spans` name its spans. With `rows_group` (NCCL), the row tensors go from
-    `device` over it, the rest over `group` (gloo)."""
+    no more batches); `spans` name its spans."""
     import torch.distributed as dist
 
     header = {"end": True} if end else {"skip": True} if packed is None else {
@@ -56,16 +44,11 @@ def send_batch(packed: dict | None, spans: list, dst: int, group, end: bool = Fa
     dist.send(torch.tensor([raw.numel()], dtype=torch.int64), dst, group=group)
     dist.send(raw, dst, group=group)
     for n in PACKED if "tensors" in header else ():
-        if rows_group is not None and n in ROWS:
-            dist.send(_bytes(packed[n].to(device, non_blocking=True)), dst, group=rows_group)
-        else:
-            dist.send(_bytes(packed[n]), dst, group=group)
+        dist.send(_bytes(packed[n]), dst, group=group)
 
 
-def recv_batch(group, pin: bool = False, rows_group=None,
-               device: torch.device | None = None) -> tuple[str, TrainBatch | None, list]:
-    """("batch", this rank's micro-batch, its spans), ("skip", None, []) or ("end", None, []).
-    With `rows_group` the row tensors arrive on `device` and the batch is built there."""
+def recv_batch(group, pin: bool = False) -> tuple[str, TrainBatch | None, list]:
+    """("batch", this rank's micro-batch, its spans), ("skip", None, []) or ("end", None, [])."""
     import torch.distributed as dist
 
     size = torch.zeros(1, dtype=torch.int64)
@@ -78,13 +61,9 @@ def recv_batch(group, pin: bool = False, rows_group=None,
     out = {}
     for name, dtype, shape in header["tensors"]:
         dt = getattr(torch, dtype)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
-        on_gpu = rows_group is not None and name in ROWS
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
-        dist.recv(buf, 0, group=rows_group if on_gpu else group)
+        buf = torch.empty(math.prod(shape) * torch.empty(0, dtype=dt).element_size(), dtype=torch.uint8)
+        dist.recv(buf, 0, group=group)
         out[name] = buf.view(dt).reshape(shape)
-    if rows_group is not None:
-        return "batch", unpack_on(out, out["lens"]), header["spans"]
     return "batch", unpack(out, pin), header["spans"]
 
 
@@ -99,17 +78,12 @@ class DataPipe:
     buffer's shards), send micro-batch r to rank r and queue its own. Rank r > 0: receive,
     build, queue. Every rank takes one item per training step (`next`), so the ranks consume
     the same sequence. `close` ends it: rank 0 finishes the item in hand and sends each rank an
-    end mark, the receivers drain until it, so no send is left waiting.
-
-    `rows_group` (an NCCL group) and `device` (this rank's GPU): the nccl transport."""
+    end mark, the receivers drain until it, so no send is left waiting."""
 
     def __init__(self, rank: int, world: int, group, daemon, per_rank: int, min_tokens: int, idle_s: float,
-                 pin: bool = False, rows_group=None, device: torch.device | None = None):
+                 pin: bool = False):
         self.rank, self.world, self.group, self.daemon, self.pin = rank, world, group, daemon, pin
         self.per_rank, self.min_tokens, self.idle_s = per_rank, min_tokens, idle_s
-        self.rows_group, self.device = rows_group, device
-        self.transport = "nccl" if rows_group is not None else "gloo"
-        self._stream = torch.cuda.Stream(device) if rows_group is not None else None
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -118,20 +92,13 @@ class DataPipe:
 
     def next(self):
         """(batch or None to skip, its spans, on rank 0 every rank's spans, the item's timings in
-        ms); waits for the item. A batch built on the GPU is ready for the caller's stream."""
+        ms); waits for the item."""
         while True:
             try:
-                batch, spans, dealt, timing, ready = self._q.get(timeout=1.0)
+                return self._q.get(timeout=1.0)
             except queue.Empty:
                 if not self._thread.is_alive():
                     raise RuntimeError(f"the data pipe of rank {self.rank} stopped: {self.error!r}")
-                continue
-            if ready is not None:  # built on the pipe's stream: the caller's waits for it, and the
-                stream = torch.cuda.current_stream(self.device)  # allocator knows the tensors live on there
-                stream.wait_event(ready)
-                for t in batch.tensors():
-                    t.record_stream(stream)
-            return batch, spans, dealt, timing
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._stop.set()
@@ -147,23 +114,10 @@ class DataPipe:
 
     def _guarded(self) -> None:
         try:
-            if self._stream is None:
-                self._deal() if self.daemon is not None else self._receive()
-                return
-            torch.cuda.set_device(self.device)
-            with torch.cuda.stream(self._stream):
-                self._deal() if self.daemon is not None else self._receive()
+            self._deal() if self.daemon is not None else self._receive()
         except BaseException as e:  # noqa: BLE001 - reported by next()
             self.error = e
             log.exception("data pipe of rank %d failed", self.rank)
-
-    def _ready(self):
-        """An event on the pipe's stream after the batch's kernels (None on the gloo transport)."""
-        if self._stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(self._stream)
-        return ev
 
     def _deal(self) -> None:
         d = self.daemon
@@ -177,24 +131,19 @@ class DataPipe:
                 if not all(draws):
                     for r in range(1, self.world):
                         send_batch(None, [], r, self.group)
-                    self._put((None, [], [], {}, None))
+                    self._put((None, [], [], {}))
                     continue
                 dealt = [span_names(x) for x in draws]
                 t1 = time.perf_counter()
-                gpu = self.rows_group is not None
-                packed = [pack(x, pin=gpu) for x in draws] if gpu else [None] + [pack(x) for x in draws[1:]]
+                packed = [None] + [pack(x) for x in draws[1:]]
                 t2 = time.perf_counter()
                 for r in range(1, self.world):
-                    send_batch(packed[r], dealt[r], r, self.group, rows_group=self.rows_group, device=self.device)
+                    send_batch(packed[r], dealt[r], r, self.group)
                 t3 = time.perf_counter()
-                if gpu:
-                    own = {n: t.to(self.device, non_blocking=True) if n in ROWS else t for n, t in packed[0].items()}
-                    batch = unpack_on(own, own["lens"])
-                else:
-                    batch = collate(draws[0], self.pin)
+                batch = collate(draws[0], self.pin)
                 t4 = time.perf_counter()
                 timing = {"draw": t1 - t0, "pack": t2 - t1, "send": t3 - t2, "own": t4 - t3}
-                self._put((batch, dealt[0], dealt, {k: round(1e3 * v, 2) for k, v in timing.items()}, self._ready()))
+                self._put((batch, dealt[0], dealt, {k: round(1e3 * v, 2) for k, v in timing.items()}))
         finally:
             for r in range(1, self.world):
                 send_batch(None, [], r, self.group, end=True)
@@ -202,9 +151,9 @@ class DataPipe:
     def _receive(self) -> None:
         while True:
             t0 = time.perf_counter()
-            kind, batch, spans = recv_batch(self.group, self.pin, self.rows_group, self.device)
+            kind, batch, spans = recv_batch(self.group, self.pin)
             if kind == "end":
                 return
             timing = {"recv_build": round(1e3 * (time.perf_counter() - t0), 2)}
             # once stopping: dropped, the receive goes on to the end mark
-            self._put((batch, spans, [], timing, self._ready() if batch is not None else None))
+            self._put((batch, spans, [], timing))

@@ -12,8 +12,8 @@ rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
      step; rank 0 alone knows whether its buffer holds enough traffic to train
   2. deal: rank 0 draws N micro-batches of ceil(batch_tokens / N) rows (`sample_train`; N draws
      of that size follow the distribution of one draw of batch_tokens) and sends micro-batch r to
-     rank r, unpadded, one step ahead, on a thread of its own (`trainer/rank_data.py`: over gloo,
-     or on GPUs under NCCL the rows GPU to GPU): step k + 1 travels while step k trains. Each
+     rank r, unpadded, one step ahead, on a gloo group and thread of its own (`trainer/rank_data.py`):
+     step k + 1 travels while step k trains. Each
      drawn span is trained on by exactly one rank, once, and nothing drawn is left out; where a
      draw comes back empty every rank skips the step
   3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
@@ -68,8 +68,6 @@ class RankConfig:
                      "the gradients (ZeRO 0-2 per --distill-deepspeed-config); see docs/trainer.md", 1)
     trainer_devices: str = doc("with --device cuda: each rank's GPU, comma-separated (rank i on "
                                "cuda:devices[i]), e.g. 1,2 beside a server on GPU 0; empty = rank i on cuda:i", "")
-    rank_rows: str = doc("how the micro-batches' rows travel between GPU ranks under NCCL: nccl (GPU to GPU, padded "
-                         "there) or gloo (through the host, as on CPU); CPU ranks always use gloo", "nccl")
     rank_check_every: int = doc("every N steps the ranks compare a digest of their weights and stop on a "
                                 "difference; 0 = never", 50)
     rank_journal: bool = doc("each rank appends a line per step to RUN_DIR/ranks/rankR.jsonl: the spans it "
@@ -79,7 +77,6 @@ class RankConfig:
     def __post_init__(self):
         check(self.ranks >= 1, "ranks", f"must be >= 1, got {self.ranks}")
         check(self.rank_check_every >= 0, "rank_check_every", "must be >= 0")
-        check(self.rank_rows in ("nccl", "gloo"), "rank_rows", f"must be nccl or gloo, got {self.rank_rows!r}")
         check(self.rank_stop_grace_s > 0, "rank_stop_grace_s", "must be > 0")
         if self.trainer_devices:
             devices = self.trainer_devices.split(",")
@@ -144,9 +141,6 @@ class RankLoop:
         # GPU synchronisation for a flag
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.data_group = dist.new_group(backend="gloo")  # the data pipe's, beside the control flags
-        # on GPUs under NCCL the micro-batches' rows travel GPU to GPU, on a group of the pipe's own
-        gpu = dist.get_backend() == "nccl" and distiller.device.type == "cuda" and cfg.rank_rows == "nccl"
-        self.rows_group = dist.new_group(backend="nccl") if gpu and self.world > 1 else None
         self.pipe: DataPipe | None = None
         self.run_dir = Path(daemon_cfg.run_dir)
         self._stop = threading.Event()
@@ -168,8 +162,7 @@ class RankLoop:
             d.subscriber = CaptureSubscriber(d.subscriber_cfg, on_span=d.on_span).start()
         self.pipe = DataPipe(self.rank, self.world, self.data_group, d, math.ceil(self.dcfg.batch_tokens / self.world),
                              self.dcfg.min_buffer_tokens, self.dcfg.idle_sleep_s,
-                             pin=self.distiller.device.type == "cuda",  # batches leave for the GPU asynchronously
-                             rows_group=self.rows_group, device=self.distiller.device)
+                             pin=self.distiller.device.type == "cuda")  # batches leave for the GPU asynchronously
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         clean = False
         try:
