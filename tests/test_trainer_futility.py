@@ -4,6 +4,7 @@ or a head change, and is not reported starved while it rests by choice. The daem
 in slices, so its watchers (seeds, rollback, the server's head) keep their cadence through a rest.
 Tiny target (tests/distill_helpers.py); the gate's sample and scores are set by the test."""
 
+import json
 import threading
 import time
 
@@ -110,6 +111,8 @@ def test_the_gate_refusing_makes_the_daemon_rest_and_a_publish_or_drift_wakes_it
     scores["c"] = 2.0
     d.evaluate_and_publish()
     assert d.publisher.swaps == [1] and d.duty() == 0.5
+    saved = json.loads((tmp_path / "d" / "state.json").read_text())  # what bench e2e reports of the trainer
+    assert saved["futile"] == {"rested_s": 0.0, "spells": 2, "refused_in_a_row": 0} and "rested_s" in saved
 
 
 def test_a_resting_trainer_is_not_starved_but_a_busy_one_is(tmp_path):

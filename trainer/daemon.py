@@ -421,8 +421,9 @@ class TrainerDaemon:
         self.write_state()
 
     def write_state(self) -> None:
-        """state.json alone: step, versions, monitor and buffer counters (atomic rewrite)."""
-        state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict()}
+        """state.json alone: step, versions, monitor and buffer counters, rests (atomic rewrite)."""
+        state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict(),
+                 "futile": self.duty_cycle.summary(), "rested_s": round(self.duty_cycle.rested_s, 3)}
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "state.json")
@@ -480,8 +481,7 @@ class TrainerDaemon:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
                 "rested_s": round(self.duty_cycle.rested_s, 3),
-                "futile": {"rested_s": round(self.duty_cycle.futile_rested_s, 3), "spells": self.duty_cycle.futile_spells,
-                           "refused_in_a_row": self.duty_cycle.refused}, "buffer": self.buffer.stats(), "stream": self._stream_stats(),
+                "futile": self.duty_cycle.summary(), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
                 "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,

@@ -73,6 +73,11 @@ class DutyCycle:
             self.futile_rested_s += rest
         return rest
 
+    def summary(self) -> dict:
+        """Rests at the futile duty: seconds, spells begun, refused verdicts in a row now."""
+        return {"rested_s": round(self.futile_rested_s, 3), "spells": self.futile_spells,
+                "refused_in_a_row": self.refused}
+
     def rest_after(self, busy_s: float) -> float:
         """Rest after `busy_s` of training; returns the seconds rested (cut short by stop)."""
         rest = self.rest_for(busy_s)
