@@ -9,8 +9,11 @@
 - `starvation_watch`  the daemon's starvation alerts: when it checks, what it reads, where they go
 - `server_head`  the daemon follows a head the server made live on its own (its head bank, a
                  rollback of a broken head), and learns which tags the bank holds a head for
-- `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, deals micro-batches,
-                 publishes); `launch`: `online-spec train --ranks N` starts and watches them
+- `duty`         the daemon's duty cycle: its rests beside a serving server, lower while the gate
+                 keeps refusing (futility)
+- `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, publishes; `rank_data`:
+                 its deal of the micro-batches); `launch`: `online-spec train --ranks N` starts and
+                 watches them
 - `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the
                  training-time-test unroll; `batch`: padded training batches)
 - `evaluate`     a head's simulated acceptance on held-out rows (the gate's evidence; the live

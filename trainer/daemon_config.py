@@ -25,18 +25,19 @@ class DaemonConfig:
                                    "long generation does not fill it alone", 128)
     eval_max_steps: int = doc("draft steps simulated by the gate", 7)
     save_every_steps: int = doc("save the resumable state every N steps", 10)
-    idle_sleep_s: float = doc("sleep when there is nothing to train on; the slice a rest is taken in (the watchers "
-                              "run between slices)", 0.2)
-    max_duty: float = doc("most of the wall time the daemon spends training and evaluating (1 = back to back): "
+    idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
+    max_duty: float = doc("share of wall time spent training and evaluating (1 = back to back): "
                           "after each step it rests busy * (1 / max_duty - 1) seconds, leaving the rest of its "
                           "core or GPU time to the server it shares the machine with", 1.0)
-    idle_duty: float = doc("the duty cycle while the server's control `info` (read every 0.5-2 s) shows no running "
-                           "or waiting request: lulls go to training; --max-duty while it serves", 1.0)
-    futile_evals: int = doc("after this many gate evaluations in a row refused the candidate while the server serves, "
-                            "train at --futile-scale of --max-duty: the live head is as good as training makes it, "
-                            "so the server gets the core or GPU time back; the full duty returns at the next "
-                            "publish, drift alert or head change; 0 = never", 3)
-    futile_scale: float = doc("the duty while training is futile, as a fraction of --max-duty", 0.2)
+    idle_duty: float = doc("duty while the server is idle; the duty cycle while the server's control `info` (read "
+                           "every 0.5-2 s) shows no running or waiting request: lulls go to training; --max-duty "
+                           "while it serves", 1.0)
+    futile_evals: int = doc("refusals in a row: futile; after this many gate evaluations in a row refused the "
+                            "candidate while the server serves, train at --futile-scale of --max-duty: the live head "
+                            "is as good as training makes it, so the server gets the core or GPU time back; the full "
+                            "duty returns at the next publish, drift alert or head change; 0 = never", 3)
+    futile_scale: float = doc("futile duty / --max-duty; the duty while training is futile, as a fraction of "
+                              "--max-duty", 0.2)
     drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
     specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
                            "so the live head may specialise on the traffic of now (the bank brings the other head "
