@@ -281,9 +281,6 @@ class TrainerDaemon:
         log.info("step %d gate: %s", self.distiller.step, decision.reason)
         if anchors >= self.gate.cfg.min_anchors:  # a verdict (too few anchors says nothing of futility)
             self.duty_cycle.gate(decision.publish)
-            if not decision.publish and self.duty_cycle.refused == self.cfg.futile_evals:
-                log.info("%d candidates refused in a row: futile, training at --futile-scale of the duty while "
-                         "the server serves", self.duty_cycle.refused)
         if decision.publish:
             self.publish()
         return decision

@@ -15,8 +15,11 @@ the futile duty are chosen rest, not starvation (`resting`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Protocol
+
+log = logging.getLogger("trainer.daemon")  # the daemon's log: where an operator reads its rests
 
 
 class ServerLoad(Protocol):
@@ -45,6 +48,8 @@ class DutyCycle:
         self.refused = 0 if published else self.refused + 1
         if self.futile and self.refused == self.futile_evals:
             self.futile_spells += 1
+            log.info("%d candidates refused in a row: futile, training at --futile-scale of the duty while the "
+                     "server serves", self.refused)
 
     def wake(self) -> None:
         """Something changed what training can win (drift, a new live head): the full duty again."""

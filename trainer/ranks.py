@@ -13,9 +13,8 @@ rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
   2. deal: rank 0 draws N micro-batches of ceil(batch_tokens / N) rows (`sample_train`; N draws
      of that size follow the distribution of one draw of batch_tokens) and sends micro-batch r to
      rank r, unpadded, one step ahead, on a gloo group and thread of its own (`trainer/rank_data.py`):
-     step k + 1 travels while step k trains. Each
-     drawn span is trained on by exactly one rank, once, and nothing drawn is left out; where a
-     draw comes back empty every rank skips the step
+     step k + 1 travels while step k trains. Each drawn span is trained on by exactly one rank,
+     once, and nothing drawn is left out; where a draw comes back empty every rank skips the step
   3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
      its JSON says) and all ranks step together; a batch that fails on one rank is dropped by all
      (`StepDropped`)
