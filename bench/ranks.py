@@ -196,9 +196,13 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
             "cycle_ms_mean": round(1e3 * cycle_s, 2),
             "unaccounted_ms_mean": [round(1e3 * (cycle_s - sum(m.values())), 2) for m in means],
             # the data pipe's parts per rank (`trainer/rank_data.py`), built while the step before
-            # trained: rank 0 draw / pack / send / own, a receiver recv_build (its wait for rank 0 included)
+            # trained: rank 0 draw / read / pack / send / own, a receiver recv (its wait for rank 0
+            # included) / read / build
             "pipe_ms_median": [{k: round(statistics.median(x["pipe"][k] for x in rank if k in x.get("pipe", {})), 2)
                                 for k in sorted({k for x in rank for k in x.get("pipe", {})})} for rank in timed_lines],
+            # per rank > 0, the share of its spans that went by name (read from the buffer's directory)
+            "named_share": [round(sum(x.get("named", 0) for x in rank) / max(1, sum(len(x.get("spans", ())) for x in rank)), 3)
+                            for rank in timed_lines[1:]],
             # padding: the rows a step computes (batch rows x its longest) over those it trains on
             "padded_over_rows_median": [round(statistics.median(x.get("padded", x["rows"]) / x["rows"]
                                                                 for x in rank), 3) for rank in timed_lines]}

@@ -11,7 +11,7 @@ Layout under `root` (reopened as is after a restart, also after kill -9):
     root/gens/00000012/heldout/      the held-out spans of the same generation, if any
 
 New spans gather in memory until `shard_bytes` of them are pending or `flush_interval_s` has
-passed since the first (checked at `add`; when traffic stops, the daemon calls `flush()`); then
+passed since the first (checked at `add` and by the trainer's loop, `flush_if_due`); then
 they are written as one generation (to a temporary directory,
 renamed into place, so a kill leaves no half generation; it loses at most the pending spans).
 When the bytes on disk plus pending exceed `budget_bytes`, whole generations are deleted,
@@ -30,6 +30,13 @@ window of it (or, `whole_spans`, taken whole: the batch overshoots by less than 
 last one cut to fit; optionally only spans serving drafted on, each cut after its first
 generated rows (the gate's sample).
 
+Draws by location (`sample_train_refs`): the same draw as `sample_train` (the same generator, the
+same spans and windows), each as a `Drawn`: its rows where they are in memory (the recent window,
+pending spans) and where they are stored, (generation, span index in its train shard, lo, hi), for
+those on disk. A process on the same host that does not own the buffer reads stored rows with a
+`collector.replay_reader.GenerationReader` (a trainer rank > 0: only the rows' names travel to it). `hold(generations)`
+keeps generations from eviction until `release`, so the names stay readable while in flight.
+
 All methods take a lock: the subscriber thread adds while the trainer thread samples.
 """
 
@@ -42,7 +49,7 @@ import os
 import shutil
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -51,6 +58,7 @@ import numpy as np
 
 from online_spec.config import check, doc
 
+from collector.replay_reader import Drawn, Where, generation_dir, held_generations
 from collector.shards import dir_bytes, read_rows, read_shard, remove_partial, row_to_span, write_shard
 from collector.span import CaptureSpan
 
@@ -98,16 +106,23 @@ def is_heldout(request_id: str, every: int) -> bool:
 
 @dataclass
 class _Pool:
-    """Spans to draw from: their row counts and a way to fetch rows lo..hi-1 of span i."""
+    """Spans to draw from: their row counts, a way to fetch rows lo..hi-1 of span i, and one to
+    name them (`Drawn`) without reading what is on disk."""
 
     lens: np.ndarray
     get: Callable[[int, int, int], CaptureSpan]
+    ref: Callable[[int, int, int], Drawn]
 
     @classmethod
-    def of(cls, spans: list[CaptureSpan]) -> "_Pool":
-        """A pool of spans in memory."""
+    def of(cls, spans: list[CaptureSpan], stored: list[tuple[int, int] | None] | None = None) -> "_Pool":
+        """A pool of spans in memory; `stored[i]`: (generation, index) of span i on disk, if written."""
+        def ref(i, lo, hi):
+            at = stored[i] if stored is not None else None
+            return Drawn(_window(spans[i], lo, hi), None if at is None else (at[0], at[1], lo, hi),
+                         (spans[i].request_id, spans[i].first_pos + lo, hi - lo))
+
         return cls(np.array([s.num_rows for s in spans], dtype=np.int64),
-                   lambda i, lo, hi: _window(spans[i], lo, hi))
+                   lambda i, lo, hi: _window(spans[i], lo, hi), ref)
 
 
 def _window(span: CaptureSpan, lo: int, hi: int) -> CaptureSpan:
@@ -122,6 +137,13 @@ class _Generation:
         self.lens = {s: np.asarray(self.data[s].data.column("num_rows").to_numpy(), dtype=np.int64)
                      if s in self.data else np.zeros(0, dtype=np.int64) for s in SPLITS}
         self.tags = {s: self.data[s].data.column("tag").to_pylist() if s in self.data else [] for s in SPLITS}
+        train = self.data.get("train")
+        self.train_ids = train.data.column("request_id").to_pylist() if train is not None else []
+        self.train_first = train.data.column("first_pos").to_pylist() if train is not None else []
+
+    def name(self, i: int, lo: int, hi: int) -> Drawn:
+        """Train rows lo..hi-1 of span i, named, not read."""
+        return Drawn(None, (self.index, i, lo, hi), (self.train_ids[i], self.train_first[i] + lo, hi - lo))
 
     def span(self, split: str, i: int) -> CaptureSpan:
         return row_to_span(self.data[split][int(i)])
@@ -146,7 +168,12 @@ class ReplayBuffer:
         self._pending_bytes = 0
         self._pending_since = 0.0
         self._recent: deque[CaptureSpan] = deque()
+        # per recent span, a one-item list: its (generation, index) once written; by id() the slots
+        # of recent spans still pending (the objects are alive while in the window)
+        self._recent_at: deque[list] = deque()
+        self._unwritten: dict[int, list] = {}
         self._recent_bytes = 0
+        self._held: Counter = Counter()
         self._reopen()
 
     # ---- writing --------------------------------------------------------------------------------
@@ -172,10 +199,18 @@ class ReplayBuffer:
             self._pending_bytes += span.nbytes
             if split == "train":
                 self._remember(span)
-            if (self._pending_bytes >= self.cfg.shard_bytes
-                    or time.monotonic() - self._pending_since >= self.cfg.flush_interval_s):
+            if self._pending_bytes >= self.cfg.shard_bytes:
                 self.flush()
+            else:
+                self.flush_if_due()
             return True
+
+    def flush_if_due(self) -> None:
+        """Write the pending spans if the first came `flush_interval_s` ago (checked at `add`; the
+        trainer's loop calls it too, so spans are written when traffic stops)."""
+        with self._lock:
+            if self._pending_bytes and time.monotonic() - self._pending_since >= self.cfg.flush_interval_s:
+                self.flush()
 
     def flush(self) -> None:
         """Write the pending spans as a new generation, then evict down to the budget."""
@@ -183,7 +218,7 @@ class ReplayBuffer:
             if self._pending_bytes == 0:
                 return
             index = self._next_gen
-            final = self._gens_dir / f"{index:08d}"
+            final = generation_dir(self.root, index)
             tmp = self._gens_dir / f".tmp-{index:08d}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -191,6 +226,10 @@ class ReplayBuffer:
                 if self._pending[split]:
                     write_shard(self._pending[split], tmp / split)
             os.replace(tmp, final)
+            for i, span in enumerate(self._pending["train"]):  # written in this order
+                slot = self._unwritten.pop(id(span), None)
+                if slot is not None:
+                    slot[0] = (index, i)
             self._next_gen = index + 1
             self._gens.append(_Generation(index, final))
             self._pending = {s: [] for s in SPLITS}
@@ -216,6 +255,45 @@ class ReplayBuffer:
             got = _draw(out, round(max_tokens * self.cfg.recent_fraction), recent_pool, rng, cut)
             _draw(out, max_tokens - got, self._pools("train"), rng, cut)
             return out
+
+    def sample_train_refs(self, max_tokens: int, rng: np.random.Generator | None = None,
+                          hold: bool = False) -> list[Drawn]:
+        """`sample_train`'s draw (the same spans and windows for the same generator state), each as
+        a `Drawn`: rows on disk are named, not read; rows in memory come with their location when
+        they are also written (`rows_at` or a `GenerationReader` reads a location). `hold`: the
+        generations named are held (`hold`) before the lock is let go; the caller releases them."""
+        rng = self._rng if rng is None else rng
+        with self._lock:
+            out: list[Drawn] = []
+            live = {g.index for g in self._gens}
+            stored = [at if at is not None and at[0] in live else None for at, in self._recent_at]
+            recent_pool = [_Pool.of(list(self._recent), stored)]
+            cut = not self.cfg.whole_spans
+            got = _draw(out, round(max_tokens * self.cfg.recent_fraction), recent_pool, rng, cut, refs=True)
+            _draw(out, max_tokens - got, self._pools("train"), rng, cut, refs=True)
+            if hold:
+                self.hold(held_generations(out))
+            return out
+
+    def rows_at(self, where: Where) -> CaptureSpan:
+        """The stored train rows `where` names (KeyError: its generation is gone)."""
+        gen, i, lo, hi = where
+        with self._lock:
+            g = next((g for g in self._gens if g.index == gen), None)
+        if g is None:
+            raise KeyError(f"generation {gen} is no longer stored")
+        return g.rows("train", i, lo, hi)
+
+    def hold(self, generations) -> None:
+        """Keep these generations from eviction until as many `release` calls name them (the budget
+        may be exceeded meanwhile; eviction catches up at the next flush)."""
+        with self._lock:
+            self._held.update(generations)
+
+    def release(self, generations) -> None:
+        with self._lock:
+            self._held.subtract(generations)
+            self._held = +self._held
 
     def heldout(self, max_tokens: int, newest: bool = True, tag: str | None = None,
                 generated: bool = False, max_generated: int | None = None) -> list[CaptureSpan]:
@@ -281,7 +359,7 @@ class ReplayBuffer:
     # ---- internals ------------------------------------------------------------------------------
 
     def _pools(self, split: str) -> list[_Pool]:
-        pools = [_Pool(g.lens[split], lambda i, lo, hi, g=g: g.rows(split, i, lo, hi))
+        pools = [_Pool(g.lens[split], lambda i, lo, hi, g=g: g.rows(split, i, lo, hi), g.name)
                  for g in self._gens if len(g.lens[split])]
         pools.append(_Pool.of(list(self._pending[split])))
         return pools
@@ -306,14 +384,26 @@ class ReplayBuffer:
                     yield g.span(split, i)
             yield from pending
 
-    def _remember(self, span: CaptureSpan) -> None:
+    def _remember(self, span: CaptureSpan, at: tuple[int, int] | None = None) -> None:
+        """Into the recent window; `at`: its (generation, index) when already written."""
+        slot = [at]
         self._recent.append(span)
+        self._recent_at.append(slot)
+        if at is None:
+            self._unwritten[id(span)] = slot
         self._recent_bytes += span.nbytes
         while self._recent and self._recent_bytes > self.cfg.memory_bytes:
-            self._recent_bytes -= self._recent.popleft().nbytes
+            old = self._recent.popleft()
+            self._recent_at.popleft()
+            self._unwritten.pop(id(old), None)
+            self._recent_bytes -= old.nbytes
 
     def _evict(self) -> None:
         while len(self._gens) > 1 and self.nbytes > self.cfg.budget_bytes:
+            if self._held[self._gens[0].index]:
+                log.info("replay buffer: generation %d held (rows in flight to a rank); eviction waits",
+                         self._gens[0].index)
+                break
             g = self._gens.pop(0)
             spans = sum(len(v) for v in g.lens.values())
             self.counters["evicted"] += spans
@@ -347,15 +437,20 @@ class ReplayBuffer:
         self._refill_recent()
 
     def _refill_recent(self) -> None:
-        newest_first: list[CaptureSpan] = []
+        newest_first: list[tuple[CaptureSpan, tuple[int, int]]] = []
         size = 0
-        for span in self._iter_split("train", newest=True):
-            if size + span.nbytes > self.cfg.memory_bytes:
-                break
-            newest_first.append(span)
-            size += span.nbytes
-        for span in reversed(newest_first):
-            self._remember(span)
+        for g in reversed(self._gens):
+            for i in reversed(range(len(g.lens["train"]))):
+                span = g.span("train", i)
+                if size + span.nbytes > self.cfg.memory_bytes:
+                    break
+                newest_first.append((span, (g.index, i)))
+                size += span.nbytes
+            else:
+                continue
+            break
+        for span, at in reversed(newest_first):
+            self._remember(span, at)
 
 
 def fill_rows(spans: Iterable[CaptureSpan], max_tokens: int, generated: bool = False,
@@ -380,10 +475,11 @@ def fill_rows(spans: Iterable[CaptureSpan], max_tokens: int, generated: bool = F
     return out
 
 
-def _draw(out: list[CaptureSpan], budget: int, pools: list[_Pool], rng: np.random.Generator,
-          cut: bool = True) -> int:
+def _draw(out: list, budget: int, pools: list[_Pool], rng: np.random.Generator,
+          cut: bool = True, refs: bool = False) -> int:
     """Append spans drawn token-uniformly from `pools` until `budget` rows (the last one cut to a
-    random window of what is left, or, `cut` False, whole); returns rows drawn."""
+    random window of what is left, or, `cut` False, whole); returns rows drawn. `refs`: append
+    each as its pool's `Drawn` instead of its rows."""
     lens = np.concatenate([p.lens for p in pools]) if pools else np.zeros(0, dtype=np.int64)
     if budget <= 0 or lens.sum() == 0:
         return 0
@@ -396,6 +492,8 @@ def _draw(out: list[CaptureSpan], budget: int, pools: list[_Pool], rng: np.rando
         n = int(lens[flat])
         take = min(n, budget - got) if cut else n
         lo = int(rng.integers(0, n - take + 1)) if take < n else 0
-        out.append(pools[k].get(flat - (int(pool_end[k - 1]) if k else 0), lo, lo + take))
+        pick = pools[k].ref if refs else pools[k].get
+        out.append(pick(flat - (int(pool_end[k - 1]) if k else 0), lo, lo + take))
         got += take
     return got
+

@@ -55,7 +55,7 @@ ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS) and rows a step (
             --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
             --warmup-steps 8 --batch-tokens $bt --rows 60000 \
             --tokens-file $W/tokens.json --out $W/ranks_$bt --json $W/$name.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['steps_per_s_scaling'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()}); [print(r['mode'], r['ranks'], 'train', r['train_ms_median'], 'wait', r['ms_mean']['wait'], 'pipe', r.get('pipe_ms_median')) for r in d['runs']]" $W/$name.json
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['steps_per_s_scaling'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()}); [print(r['mode'], r['ranks'], 'train', r['train_ms_median'], 'wait', r['ms_mean']['wait'], 'pipe', r.get('pipe_ms_median'), 'named', r.get('named_share')) for r in d['runs']]" $W/$name.json
     done; done
     tail -n 20 $W/ranks.log
     local first=${BATCH_TOKENS:-4096}

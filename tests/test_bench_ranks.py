@@ -19,9 +19,10 @@ def write_journal(run_dir, rank, times, rows):
     (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "ranks" / f"rank{rank}.jsonl", "w") as f:
         for i, (t, n) in enumerate(zip(times, rows)):
-            pipe = {"draw": 5.0 + i, "send": 2.0} if rank == 0 else {"recv_build": 10.0 * i}
+            pipe = {"draw": 5.0 + i, "send": 2.0} if rank == 0 else {"recv": 10.0 * i}
             f.write(json.dumps({"step": i + 1, "time": t, "rows": n, "wait_s": 0.001 * rank * (i + 1),
-                                "train_s": 0.02, "padded": 2 * n, "pipe": pipe}) + "\n")
+                                "train_s": 0.02, "padded": 2 * n, "pipe": pipe, "spans": [["r", 0, n]] * 4,
+                                "named": i % 4}) + "\n")
 
 
 def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
@@ -37,7 +38,9 @@ def test_journal_figures_skip_the_warmup_and_count_every_rank(tmp_path):
     assert f["wait_ms_median"] == [0.0, 4.0] and f["train_ms_median"] == [20.0, 20.0]
     assert f["padded_over_rows_median"] == [2.0, 2.0]
     # the data pipe's parts per rank: medians over the timed steps (i = 2..4)
-    assert f["pipe_ms_median"] == [{"draw": 8.0, "send": 2.0}, {"recv_build": 30.0}]
+    assert f["pipe_ms_median"] == [{"draw": 8.0, "send": 2.0}, {"recv": 30.0}]
+    # rank 1's spans that went by name over the timed steps: 2 + 3 + 0 of 12
+    assert f["named_share"] == [round(5 / 12, 3)]
     with pytest.raises(RuntimeError, match="too few"):
         journal_figures(tmp_path, 2, warmup=4)
 

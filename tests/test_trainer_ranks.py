@@ -120,7 +120,7 @@ def test_two_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path, device):
            "--batch-tokens", "96", "--min-buffer-tokens", "48", "--save-every-steps", "1",
            "--eval-every-steps", "2", "--eval-every-s", "1000", "--eval-tokens", "200", "--eval-max-steps", "2",
            "--gate-margin-rel", "0", "--gate-margin-abs", "0", "--gate-min-anchors", "8",
-           "--replay-heldout-every", "3", "--replay-flush-interval-s", "1",
+           "--replay-heldout-every", "3", "--replay-flush-interval-s", "0.1",
            "--rank-check-every", "1", "--rank-journal", "--rank-stop-grace-s", "5",
            "--wandb-mode", "disabled", "--threads", "1", "--device", device]
     dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -167,13 +167,18 @@ def test_two_ranks_one_stream_one_publisher_kill_9_and_resume(tmp_path, device):
             assert line["digest"] == other["digest"], line["step"]
             # what each rank trained on is what rank 0 dealt it, nothing dropped, nothing twice
             assert line["dealt"] == [line["spans"], other["spans"]]
-            assert set(line["pipe"]) == {"draw", "pack", "send", "own"} and set(other["pipe"]) == {"recv_build"}
+            assert set(line["pipe"]) == {"draw", "read", "pack", "send", "own"}
+            assert set(other["pipe"]) == {"recv", "read", "build"} and line["named"] == other["named"]
             assert other["rows"] == sum(n for _, _, n in other["spans"]) and other["rows"] > 0
             assert line["rows"] == sum(n for _, _, n in line["spans"]) and line["rows"] > 0
             # ... and the tensors each rank trained on are those spans' rows
             for j in (line, other):
                 assert j["token_sums"] == [int(tokens[rid][pos:pos + n].sum()) for rid, pos, n in j["spans"]]
         assert len({line["digest"] for line in j0}) == len(j0)  # the weights moved every step
+        # rank 1 shares rank 0's disk: it reads stored spans by name (those still pending travel:
+        # tests/test_trainer_rank_data.py)
+        assert "ranks reading the buffer by name: [1]" in log_text
+        assert any(x["named"] for x in j1)
         ids = {r.request_id for r in recs}
         trained = [s for line in j0 for part in line["dealt"] for s in part]
         assert {rid for rid, _, _ in trained} <= ids

@@ -58,8 +58,11 @@ def collate(items: Sequence, pin: bool = False) -> TrainBatch:
     memory, so `TrainBatch.to` a GPU copies asynchronously."""
     if not items:
         raise ValueError("collate needs at least one span")
-    return _padded([(it.tokens.long(), it.features, it.final_hidden, rejected_tokens(it)) for it in items],
-                   [int(it.first_pos) for it in items], pin)
+    return _padded([_row(it) for it in items], [int(it.first_pos) for it in items], pin)
+
+
+def _row(item) -> tuple:
+    return item.tokens.long(), item.features, item.final_hidden, rejected_tokens(item)
 
 
 def _padded(rows: list[tuple], first_pos: list[int], pin: bool) -> TrainBatch:
@@ -108,9 +111,20 @@ def pack(items: Sequence) -> dict[str, torch.Tensor]:
 
 def unpack(p: dict[str, torch.Tensor], pin: bool = False) -> TrainBatch:
     """The padded `TrainBatch` of `pack`'s tensors (`pin`: as in `collate`)."""
-    rows, r0, t0 = [], 0, 0
-    for n in p["lens"].tolist():
-        rows.append((p["tokens"][t0:t0 + n + 1], p["features"][r0:r0 + n], p["final_hidden"][r0:r0 + n],
-                     p["rejected"][t0:t0 + n + 1]))
-        r0, t0 = r0 + n, t0 + n + 1
-    return _padded(rows, p["first_pos"].tolist(), pin)
+    return assemble(p, (), pin)
+
+
+def assemble(p: dict[str, torch.Tensor] | None, items: Sequence, pin: bool = False) -> TrainBatch:
+    """One padded `TrainBatch` of `pack`'s tensors (None: none) and then `items` (spans or
+    records): `assemble(pack(a), b)` equals `collate(a + b)`."""
+    rows, first_pos, r0, t0 = [], [], 0, 0
+    if p is not None:
+        first_pos = p["first_pos"].tolist()
+        for n in p["lens"].tolist():
+            rows.append((p["tokens"][t0:t0 + n + 1], p["features"][r0:r0 + n], p["final_hidden"][r0:r0 + n],
+                         p["rejected"][t0:t0 + n + 1]))
+            r0, t0 = r0 + n, t0 + n + 1
+    rows += [_row(it) for it in items]
+    if not rows:
+        raise ValueError("assemble needs at least one span")
+    return _padded(rows, first_pos + [int(it.first_pos) for it in items], pin)

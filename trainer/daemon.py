@@ -177,6 +177,7 @@ class TrainerDaemon:
                 self.watch_rollback()
                 self.watch_seeds()
                 self.watch_starvation()
+                self.buffer.flush_if_due()  # what a kill may lose stays bounded when traffic stops
         finally:
             self.save_state()
             self.subscriber.close(flush=True)

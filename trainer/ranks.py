@@ -11,9 +11,10 @@ rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
   1. agree: all_reduce(MAX) of [stop, ready]: any rank's SIGTERM stops every rank at the same
      step; rank 0 alone knows whether its buffer holds enough traffic to train
   2. deal: rank 0 draws N micro-batches of ceil(batch_tokens / N) rows (`sample_train`; N draws
-     of that size follow the distribution of one draw of batch_tokens) and sends micro-batch r to
-     rank r, unpadded, one step ahead, on a gloo group and thread of its own (`trainer/rank_data.py`):
-     step k + 1 travels while step k trains. Each drawn span is trained on by exactly one rank,
+     of that size follow the distribution of one draw of batch_tokens) and deals micro-batch r to
+     rank r one step ahead, on a gloo group and thread of its own (`trainer/rank_data.py`): by
+     name where rank r reads the buffer's directory (it reads the stored rows itself), rows not
+     yet stored and those of a rank that cannot read it unpadded; step k + 1 travels while step k trains. Each drawn span is trained on by exactly one rank,
      once, and nothing drawn is left out; where a draw comes back empty every rank skips the step
   3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
      its JSON says) and all ranks step together; a batch that fails on one rank is dropped by all
@@ -161,7 +162,8 @@ class RankLoop:
             d.subscriber = CaptureSubscriber(d.subscriber_cfg, on_span=d.on_span).start()
         self.pipe = DataPipe(self.rank, self.world, self.data_group, d, math.ceil(self.dcfg.batch_tokens / self.world),
                              self.dcfg.min_buffer_tokens, self.dcfg.idle_sleep_s,
-                             pin=self.distiller.device.type == "cuda")  # batches leave for the GPU asynchronously
+                             pin=self.distiller.device.type == "cuda",  # batches leave for the GPU asynchronously
+                             span_error=self._span_error)
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         clean = False
         try:
@@ -183,6 +185,7 @@ class RankLoop:
                 if d is not None:
                     d.watch_rollback()
                     d.watch_starvation()
+                    d.buffer.flush_if_due()
             clean = True
         finally:
             if clean:
@@ -198,6 +201,10 @@ class RankLoop:
                "dropped_steps": self.dropped_steps}
         return {**d.summary(), **out} if d is not None else out
 
+    def _span_error(self, span) -> str | None:
+        info = self.distiller.target.info
+        return span.target_error(info.hidden_size, info.vocab_size, info.max_position_embeddings)
+
     def agree(self, stop: bool, ready: bool) -> tuple[bool, bool]:
         """The step's decision, the same on every rank: stop if any rank stops; train if rank 0 can."""
         import torch.distributed as dist
@@ -209,7 +216,7 @@ class RankLoop:
     def step_once(self) -> bool:
         """Deal, train, commit, and on rank 0 evaluate/publish; False if the step was skipped."""
         t0 = time.perf_counter()
-        batch, spans, dealt, pipe = self.deal()
+        batch, spans, dealt, pipe, named = self.deal()
         if batch is None:
             return False
         t1 = time.perf_counter()
@@ -238,11 +245,12 @@ class RankLoop:
             # train_s: the step itself (forward, backward, gradient all-reduce, optimizer);
             # agree_s: the step's agreement before it; after_s: what followed it here (rank 0: the
             # daemon's logging, evaluation, publishing); padded: batch rows x the longest row; pipe:
-            # the data pipe's ms for this micro-batch (`trainer/rank_data.py`), spent while the step before trained
+            # the data pipe's ms for this micro-batch (`trainer/rank_data.py`), spent while the step before trained;
+            # named: the spans that went by name (rank 0: dealt so, a receiver: read from the buffer's directory)
             line = {"step": step, "rows": batch.num_rows, "spans": spans, "token_sums": sums, "time": time.time(),
                     "wait_s": round(t1 - t0, 5), "train_s": round(t2 - t1, 5), "agree_s": round(self._agree_s, 5),
                     "after_s": round(time.perf_counter() - t2, 5), "padded": int(batch.row_mask.numel()),
-                    "pipe": pipe, **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
+                    "pipe": pipe, "named": named, **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
             if self.daemon is not None and self.daemon.state["published"] and \
                     self.daemon.state["published"][-1]["step"] == step:
                 line["published"] = self.daemon.state["published"][-1]["version"]
@@ -250,8 +258,9 @@ class RankLoop:
             self._journal.flush()
         return True
 
-    def deal(self) -> tuple[TrainBatch | None, list, list, dict]:
-        """(this rank's micro-batch, its spans, on rank 0 every rank's spans, the pipe's timings);
+    def deal(self) -> tuple[TrainBatch | None, list, list, dict, int]:
+        """(this rank's micro-batch, its spans, on rank 0 every rank's spans, the pipe's timings, the
+        spans that went by name);
         None to skip. Each drawn span is trained on by one rank, once (`DataPipe`)."""
         return self.pipe.next()
 
