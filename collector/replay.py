@@ -148,9 +148,9 @@ class _Generation:
     def span(self, split: str, i: int) -> CaptureSpan:
         return row_to_span(self.data[split][int(i)])
 
-    def rows(self, split: str, i: int, lo: int, hi: int) -> CaptureSpan:
+    def rows(self, split: str, i: int, lo: int, hi: int, copy: bool = True) -> CaptureSpan:
         """Rows lo..hi-1 of span i, only their bytes read (`collector.shards.read_rows`)."""
-        return read_rows(self.data[split], i, lo, hi)
+        return read_rows(self.data[split], i, lo, hi, copy)
 
 
 class ReplayBuffer:
@@ -275,14 +275,15 @@ class ReplayBuffer:
                 self.hold(held_generations(out))
             return out
 
-    def rows_at(self, where: Where) -> CaptureSpan:
-        """The stored train rows `where` names (KeyError: its generation is gone)."""
+    def rows_at(self, where: Where, copy: bool = True) -> CaptureSpan:
+        """The stored train rows `where` names (KeyError: its generation is gone); `copy` as in
+        `collector.shards.read_rows`."""
         gen, i, lo, hi = where
         with self._lock:
             g = next((g for g in self._gens if g.index == gen), None)
         if g is None:
             raise KeyError(f"generation {gen} is no longer stored")
-        return g.rows("train", i, lo, hi)
+        return g.rows("train", i, lo, hi, copy)
 
     def hold(self, generations) -> None:
         """Keep these generations from eviction until as many `release` calls name them (the budget

@@ -53,9 +53,9 @@ class GenerationReader:
         self.max_open = max_open
         self._open: OrderedDict = OrderedDict()
 
-    def rows(self, where: Where) -> CaptureSpan:
+    def rows(self, where: Where, copy: bool = True) -> CaptureSpan:
         """Rows lo..hi-1 of span i of generation g's train shard (FileNotFoundError: the
-        generation is gone and was never opened here)."""
+        generation is gone and was never opened here); `copy` as in `collector.shards.read_rows`."""
         gen, i, lo, hi = (int(x) for x in where)
         ds = self._open.get(gen)
         if ds is None:
@@ -67,4 +67,4 @@ class GenerationReader:
                 self._open.popitem(last=False)
         else:
             self._open.move_to_end(gen)
-        return read_rows(ds, i, lo, hi)
+        return read_rows(ds, i, lo, hi, copy)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -106,13 +107,15 @@ def row_to_span(row: dict) -> CaptureSpan:
     return span
 
 
-def read_rows(ds: datasets.Dataset, i: int, lo: int = 0, hi: int | None = None) -> CaptureSpan:
+def read_rows(ds: datasets.Dataset, i: int, lo: int = 0, hi: int | None = None, copy: bool = True) -> CaptureSpan:
     """Rows lo..hi-1 of span `i` of a shard, straight from the memory-mapped Arrow table: only
     those rows' bytes are copied, and no Python lists are built (what `row_to_span` of the whole
     row then `CaptureSpan.slice` returns, at a fraction of the cost: the replay buffer's draws).
     Schema and shapes are checked (ValueError); values are not re-scanned for non-finite numbers:
     the replay buffer validated every span before writing it, and a corrupted value reaches the
-    distiller as a non-finite loss, a dropped step."""
+    distiller as a non-finite loss, a dropped step. `copy` False: the float rows are read-only
+    views of the memory-mapped table (no copy, no GIL held for one), for a caller that copies them
+    at once (a batch being built) while the dataset stays open."""
     if i < 0:
         raise IndexError(f"span {i} outside a shard of {len(ds)} spans")
     k = int(i) if ds._indices is None else ds._indices.column(0)[int(i)].as_py()  # a select()ed dataset
@@ -137,6 +140,10 @@ def read_rows(ds: datasets.Dataset, i: int, lo: int = 0, hi: int | None = None) 
             raise ValueError(f"stored {name} has {size} bytes, expected {n * width * dtype.itemsize} "
                              f"for [{n}, {width}] {dtype}")
         part = memoryview(buf)[lo * width * dtype.itemsize:hi * width * dtype.itemsize]
+        if not copy:
+            with warnings.catch_warnings():  # read-only by contract (the docstring)
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.frombuffer(part, dtype=torch.uint8).view(dtype).reshape(hi - lo, width)
         return torch.frombuffer(bytearray(part), dtype=torch.uint8).view(dtype).reshape(hi - lo, width)
 
     def ints(name: str, a: int, b: int, want: int, dtype_: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@
 #   8. bash scripts/gpu_ranks_device.sh code                 (this call's checkout becomes the code there)
 #   9. bash scripts/gpu_ranks_device.sh ranks                (bench ranks again; env DSCONFIGS="zero1 zero0",
 #      BATCH_TOKENS="4096 16384" (rows a step: strong's whole step, weak's per rank),
-#      MODES, STEPS, REPEATS)
+#      MODES, STEPS, WARMUP, ROWS (the buffer; at most the 70,518 of tokens.json), REPEATS)
 # On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
@@ -53,7 +53,7 @@ ranks() {  # bench ranks, one per DeepSpeed config (DSCONFIGS) and rows a step (
         local name=gpu_ranks_${ds}_b$bt
         python3 -m online_spec.cli bench ranks --device cuda --ranks 1,2 --modes ${MODES:-strong,weak} \
             --steps ${STEPS:-40} --repeats ${REPEATS:-1} --deepspeed-config configs/deepspeed/$ds.json \
-            --warmup-steps 8 --batch-tokens $bt --rows 60000 \
+            --warmup-steps ${WARMUP:-8} --batch-tokens $bt --rows ${ROWS:-60000} \
             --tokens-file $W/tokens.json --out $W/ranks_$bt --json $W/$name.json 2>&1 | grep -v "Loading weights" >> $W/ranks.log
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], {m: {n: (r['steps_per_s'], r['steps_per_s_scaling'], r['rows_per_s_scaling']) for n, r in v.items()} for m, v in d['scaling'].items()}); [print(r['mode'], r['ranks'], 'train', r['train_ms_median'], 'wait', r['ms_mean']['wait'], 'pipe', r.get('pipe_ms_median'), 'named', r.get('named_share')) for r in d['runs']]" $W/$name.json
     done; done

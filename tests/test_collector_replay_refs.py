@@ -31,6 +31,7 @@ def check_draw(buf: ReplayBuffer, seed: int, tokens: int) -> dict:
         if d.where is not None:
             assert_spans_equal(buf.rows_at(d.where), span)
             assert_spans_equal(reader.rows(d.where), span)
+            assert_spans_equal(reader.rows(d.where, copy=False), span)  # views of the mapped table
         kinds["memory" if d.where is None else "disk" if d.span is None else "both"] += 1
     return kinds
 

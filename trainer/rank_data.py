@@ -227,7 +227,8 @@ class DataPipe:
                 held.append(held_generations(x for draw in draws for x in draw))
                 t1 = time.perf_counter()
                 # rank 0's own rows, and those of a rank that does not read the buffer, in memory
-                rows = [d._usable([x.span if x.span is not None else d.buffer.rows_at(x.where) for x in draw])
+                rows = [d._usable([x.span if x.span is not None else d.buffer.rows_at(x.where, copy=False)
+                                   for x in draw])  # copied at once, into the batch or the packed rows
                         if r == 0 or not self.reads_buffer[r] else None for r, draw in enumerate(draws)]
                 t2 = time.perf_counter()
                 deal = []  # per rank > 0: (rows that travel, their names, the locations it reads)
@@ -291,7 +292,7 @@ class DataPipe:
             raise RuntimeError("rank 0 dealt rows by name to a rank that cannot read its buffer")
         out = []
         for w in where:
-            span = reader.rows(w)
+            span = reader.rows(w, copy=False)  # copied at once into the batch
             problem = self.span_error(span) if self.span_error is not None else None
             if problem is None:
                 out.append(span)
