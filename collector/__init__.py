@@ -18,6 +18,8 @@
 - `span`       `CaptureSpan`: a contiguous run of one request's rows with per-row accept info
 - `shards`     the on-disk schema (HF datasets), `save_spans`/`load_spans` for offline data too
 - `replay`     `ReplayBuffer`, `ReplayConfig`: byte-bounded, held-out slice, survives kill -9
+- `replay_reader` `GenerationReader`: a buffer's stored rows read by name from another process
+                 (a trainer rank on the same host), `Drawn`: a draw as rows and/or their location
 - `endpoint`   the default ipc endpoint and endpoint validation
 
 See docs/collector.md for the wire table, drop semantics and the buffer layout.
