@@ -13,8 +13,11 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         `submit` call in ms (what decode would have waited)
     serving_overhead
         the real engine's decode tokens/s with capture at 100% sampling and a live subscriber
-        in another process, against capture off, at batch 1 and 16, alternating runs (median);
-        `serving_overhead_pct` per batch size
+        in another process, against capture off, at batch 1 and 16: each repeat times the two
+        arms back to back (off then on, then on then off in the next repeat, so a drift of the
+        machine's speed falls on both), each arm `serving_waves` waves of `batch` requests;
+        `capture_ratio` = the median over repeats of on / off (the paired ratio),
+        `serving_overhead_pct` = 100 x (1 - capture_ratio) per batch size
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -55,7 +58,8 @@ class CollectorBenchConfig:
     serving_batches: list[int] = doc("batch sizes of the engine-overhead run (empty: skip it)", lambda: [1, 16])
     serving_tokens: int = doc("tokens per request in the engine-overhead run", 48)
     serving_steps: int = doc("K of the engine-overhead run", 3)
-    serving_repeats: int = doc("alternating repeats of the engine-overhead run (median reported)", 3)
+    serving_repeats: int = doc("paired repeats of the engine-overhead run (the median ratio reported)", 5)
+    serving_waves: int = doc("waves of `batch` requests in one timed arm of the engine-overhead run", 4)
     serving_device: str = doc("device of the engine-overhead run (cpu, cuda)", "cpu")
 
     def __post_init__(self) -> None:
@@ -215,7 +219,8 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
     ctx = mp.get_context("spawn")
     out = {}
     for batch in cfg.serving_batches:
-        ps = (prompts * (batch // len(prompts) + 1))[:batch]
+        n = batch * cfg.serving_waves
+        ps = (prompts * (n // len(prompts) + 1))[:n]
 
         # one engine for both arms, warmed up first: a fresh engine per run would time its own
         # CUDA graph captures (tens of ms each on a GPU) in both arms and drown the difference
@@ -232,8 +237,7 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
 
         run_decode(None)  # warm-up
         without, with_pub, stats = [], [], {}
-        for _ in range(cfg.serving_repeats):
-            without.append(run_decode(None))
+        for i in range(cfg.serving_repeats):
             parent, child = ctx.Pipe()
             with CapturePublisher(pub_cfg) as pub:
                 proc = ctx.Process(target=_live_subscriber, args=(pub.endpoint, child), daemon=True)
@@ -241,7 +245,12 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
                 try:
                     if not (parent.poll(120) and parent.recv() == "ready" and pub.wait_for_subscriber(30)):
                         raise RuntimeError("bench subscriber did not connect")
+                    # the arms back to back, in turns first: the subscriber waits connected in both
+                    if i % 2 == 0:
+                        without.append(run_decode(None))
                     with_pub.append(run_decode(pub))
+                    if i % 2 == 1:
+                        without.append(run_decode(None))
                     stats = pub.stats()
                     parent.send("stop")
                     received = parent.recv() if parent.poll(60) else None
@@ -249,9 +258,13 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
                     proc.join(10)
                     if proc.is_alive():
                         proc.kill()
-        base, cap = statistics.median(without), statistics.median(with_pub)
-        out[str(batch)] = {"tokens_per_s_capture_off": base, "tokens_per_s_capture_on": cap,
-                           "overhead_pct": 100.0 * (base - cap) / base, "publisher_stats": stats,
+        ratios = [c / b for b, c in zip(without, with_pub)]
+        ratio = statistics.median(ratios)
+        out[str(batch)] = {"tokens_per_s_capture_off": statistics.median(without),
+                           "tokens_per_s_capture_on": statistics.median(with_pub),
+                           "tokens_per_s_off_runs": without, "tokens_per_s_on_runs": with_pub,
+                           "capture_ratios": [round(r, 4) for r in ratios], "capture_ratio": ratio,
+                           "overhead_pct": 100.0 * (1.0 - ratio), "publisher_stats": stats,
                            "subscriber_received": received}
     return out
 

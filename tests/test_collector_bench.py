@@ -12,7 +12,8 @@ def test_bench_collector_writes_its_figures(tmp_path: Path):
     out = tmp_path / "bench.json"
     rc = main(["bench", "collector", "--quick", "--hidden-size", "16", "--batch-size", "8",
                "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0",
-               "--serving-batches", "[2]", "--serving-tokens", "4", "--serving-repeats", "1", "--json", str(out)])
+               "--serving-batches", "[2]", "--serving-tokens", "4", "--serving-repeats", "2", "--serving-waves", "1",
+               "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["config"]["burst_records"] == 64
@@ -24,5 +25,10 @@ def test_bench_collector_writes_its_figures(tmp_path: Path):
     assert res["decode_stall_ms_max_when_subscriber_stalled"] >= res["submit_ms_p50_when_subscriber_stalled"] > 0
     over = res["serving_overhead"]["2"]  # the real engine, capture on vs off
     assert over["tokens_per_s_capture_off"] > 0 and over["tokens_per_s_capture_on"] > 0
+    # paired repeats: one ratio per repeat, the figure their median
+    ratios = [on / off for off, on in zip(over["tokens_per_s_off_runs"], over["tokens_per_s_on_runs"])]
+    assert len(ratios) == 2 and over["capture_ratios"] == [round(r, 4) for r in ratios]
+    assert abs(over["capture_ratio"] - sum(ratios) / 2) < 1e-9
+    assert abs(res["serving_overhead_pct"]["2"] - 100 * (1 - over["capture_ratio"])) < 1e-9
     assert over["publisher_stats"]["sent"] > 0 and over["subscriber_received"]["records"] > 0
     assert over["subscriber_received"]["malformed"] == 0
