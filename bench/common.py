@@ -54,6 +54,41 @@ def write_report(path: Path | None, figures: dict, show: Sequence[str] | None = 
     return report
 
 
+SOURCE_PACKAGES = ("online_spec", "collector", "serving", "trainer", "bench")
+
+
+class SourceGuard:
+    """The code a long bench runs, as it was when the bench started. Its sessions start servers and
+    trainers in new processes and import modules lazily, so a source file edited during the run
+    would make later configurations run other code than earlier ones. `check` raises, naming what
+    changed; the bench stops rather than compare two versions of the code."""
+
+    def __init__(self, root: Path | None = None, packages: Sequence[str] = SOURCE_PACKAGES):
+        self.root, self.packages = Path(root or Path(__file__).resolve().parents[1]), tuple(packages)
+        self._at_start = self._scan()
+
+    def _scan(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for pkg in self.packages:
+            for p in (self.root / pkg).rglob("*.py"):
+                st = p.stat()
+                out[str(p.relative_to(self.root))] = (st.st_mtime_ns, st.st_size)
+        return out
+
+    def changed(self) -> list[str]:
+        """Source files added, removed or modified since the start."""
+        now = self._scan()
+        return sorted(k for k in now.keys() | self._at_start.keys() if now.get(k) != self._at_start.get(k))
+
+    def check(self, what: str) -> None:
+        changed = self.changed()
+        if changed:
+            raise RuntimeError(f"the source under {self.root} changed since the bench started "
+                               f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): {what} would run "
+                               "other code than the configurations before it; run the bench again on a tree "
+                               "left alone")
+
+
 def add_bench_args(parser, config_cls, quick: dict, quick_help: str = "a short run") -> None:
     """A bench's flags: its config dataclass's fields, `--json PATH` and `--quick` (`quick`'s
     settings for every flag the command line does not set; see `quick_overrides`)."""

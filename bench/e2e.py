@@ -82,7 +82,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import add_bench_args, quick_overrides, write_report
+from bench.common import SourceGuard, add_bench_args, quick_overrides, write_report
 from bench.demo import DEMO_TRAINER_ARGS
 from bench.e2e_figures import ceiling_figures, met_return, ratio as _ratio, return_figures
 from bench.heads import HEAD_CHOICES, resolve_head
@@ -203,6 +203,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     # one round-time calibration for every cost-policy session: it measures the machine, not the
     # configuration, so each configuration starts from the same model (and ~30 s on 2 cores once)
     cost_store = str((out / "cost_model.json").resolve())
+    guard = SourceGuard()  # the configurations compared must all run the code the bench started with
 
     def session(name, items_, what: str = "", **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
@@ -211,6 +212,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device, cost_model_store=cost_store, plan_ahead=cfg.plan_ahead,
                     switch_interval_ms=cfg.switch_interval_ms, clients_process=cfg.clients_process)
+        guard.check(f"configuration {name!r}")
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
         figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))
