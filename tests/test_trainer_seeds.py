@@ -167,7 +167,7 @@ def test_due_every_check_s_and_sooner_after_a_drift_alert():
     assert w.due(100.0, boosted=False) and not w.due(110.0, boosted=False) and w.due(120.0, boosted=True)
     assert not w.due(124.0, boosted=True) and w.due(125.0, boosted=True)
     assert not watch_with({}).due(100.0, boosted=True)  # no seeds: never due
-    w.adopted(130.0)  # a seed went live: no check for min_dwell_s (60), boosted or not
+    w.head_changed(130.0)  # a head went live: no check for min_dwell_s (60), boosted or not
     assert not w.due(131.0, boosted=True) and not w.due(189.0, boosted=False) and w.due(190.0, boosted=True)
 
 

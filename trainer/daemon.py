@@ -355,7 +355,7 @@ class TrainerDaemon:
                  "training goes on from it", pick.seed.label, self.state["live_version"], pick.score, pick.live,
                  pick.anchors)
         self.distiller.set_weights(pick.seed.master, re_anchor=True)
-        self.seeds.adopted(now)
+        self.seeds.head_changed(now)
         version = self.publish()
         self.state["seeds_adopted"].append({"seed": pick.seed.label, "version": version, "step": self.distiller.step,
                                             "score": round(pick.score, 4), "live": round(pick.live, 4),
@@ -378,6 +378,7 @@ class TrainerDaemon:
         self.state["rolled_back"].append(bad)
         self.state.update(live_version=prev, previous_version=None)
         self.wake()
+        self.seeds.head_changed(time.monotonic())  # the seed just rolled back is not re-adopted at once
         self.live_head = eval_copy(self._load_version(prev), self.target)
         self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
         self.save_state()
@@ -403,6 +404,7 @@ class TrainerDaemon:
         self.live_head = eval_copy(head, self.target)
         self.wake()
         self.server_head.adopted += 1
+        self.seeds.head_changed(now)  # the bank's choice stands a dwell before a seed may answer it
         self._log({"swap/adopted_server_head": v})
         log.info("the server made v%d live (it was v%d): training continues from it", v, prev)
         self.save_state()

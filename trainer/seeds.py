@@ -13,7 +13,9 @@ K = `--seed-steps` beats the live head's by `--seed-margin` (relative) on at lea
 drafted positions is adopted: the distiller takes its weights and vocabulary map (training goes
 on from it, the anchor re-aimed at it), and it is published through the usual path (a new
 version, swapped in over the control endpoint, watched by the rollback monitor); the next check
-comes `--seed-min-dwell-s` later (on mixed traffic the newest rows lean one way, then the other).
+comes `--seed-min-dwell-s` later (on mixed traffic the newest rows lean one way, then the other),
+as it does after any other change of the live head (the server's head bank swapping on its own, a
+rollback): a seed check never answers the bank's swap at once.
 
 Only the traffic of now decides, not the gate's per-tag check on stored traffic: a seed is a
 specialist, and earlier traffic gets its own head back when it returns (from the server's head
@@ -60,9 +62,10 @@ class SeedConfig:
     steps: int = doc("draft steps simulated: a head's score is its simulated accept length at K = steps", 3)
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
-    min_dwell_s: float = doc("seconds after a seed's adoption before the next check: on mixed traffic the newest "
-                             "rows lean one way, then the other, and each adoption restarts the controller's "
-                             "acceptance estimates", 60.0)
+    min_dwell_s: float = doc("seconds after a head went live (a seed's adoption, the server's own swap, a "
+                             "rollback) before the next check: on mixed traffic the newest rows lean one way, "
+                             "then the other, each change restarts the controller's acceptance estimates, and "
+                             "the server's head bank would swap back", 60.0)
 
     def __post_init__(self):
         check(self.check_s > 0, "check_s", "must be > 0")
@@ -153,8 +156,9 @@ class SeedWatch:
         self._next = now + (self.cfg.boost_check_s if boosted else self.cfg.check_s)
         return True
 
-    def adopted(self, now: float) -> None:
-        """A seed went live: the next check comes `min_dwell_s` later at the earliest."""
+    def head_changed(self, now: float) -> None:
+        """A head went live (a seed adopted, the server's own swap, a rollback): the next check
+        comes `min_dwell_s` later at the earliest."""
         self._next = max(self._next, now + self.cfg.min_dwell_s)
 
     def window(self, since: float) -> list:
