@@ -111,3 +111,21 @@ def test_a_receiver_with_no_usable_row_fails_its_step_instead_of_hanging(tmp_pat
     for a, b in zip(j0, j1):
         assert b["named"] == 0 and b["spans"] == [] and a["named"] == len(a["dealt"][1]) > 0
         assert "none of the" in b["unreadable"]
+
+
+def test_skipped_deals_do_not_keep_generations_held(tmp_path: Path):
+    """A deal that is skipped (nothing usable drawn) still lets go of its generations four deals
+    later, so a run of skips never blocks the buffer's eviction; closing the pipe releases all."""
+    from trainer.rank_data import HOLD_DEALS
+
+    buf = ReplayBuffer(small_cfg(tmp_path / "replay", heldout_every=0, memory_bytes=4 * SPAN_BYTES))
+    for i in range(SPANS):
+        buf.add(make_span(i, rounds=3 + i % 5))
+    buf.flush()
+    daemon = _Daemon(buf, {f"req-{i}" for i in range(SPANS)})  # every stored span refused: every deal skips
+    pipe = DataPipe(0, 1, None, daemon, per_rank=200, min_tokens=1, idle_s=0.01)
+    for _ in range(3 * HOLD_DEALS):
+        assert pipe.next()[0] is None
+    assert buf._held and max(buf._held.values()) <= HOLD_DEALS + 2  # the deals in flight, not all twelve
+    pipe.close()
+    assert not buf._held

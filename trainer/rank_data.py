@@ -183,6 +183,8 @@ class DataPipe:
         root = Path(self.daemon.buffer.root).resolve()
         nonce = secrets.token_hex(16)
         probe = root / f"{PROBE}-{nonce}"
+        for stale in root.glob(f"{PROBE}-*"):  # left by a rank 0 killed while it asked
+            stale.unlink(missing_ok=True)
         if self.by_name:
             probe.write_text(nonce)
         try:
@@ -225,6 +227,8 @@ class DataPipe:
                 t0 = time.perf_counter()
                 draws = [d.buffer.sample_train_refs(self.per_rank, hold=True) for _ in range(self.world)]
                 held.append(held_generations(x for draw in draws for x in draw))
+                while len(held) > HOLD_DEALS:  # every receiver is past those deals' reads (a skip included)
+                    d.buffer.release(held.popleft())
                 t1 = time.perf_counter()
                 # rank 0's own rows, and those of a rank that does not read the buffer, in memory
                 rows = [d._usable([x.span if x.span is not None else d.buffer.rows_at(x.where, copy=False)
@@ -249,8 +253,6 @@ class DataPipe:
                 for r, ((m, named), p) in enumerate(zip(deal, packed), start=1):
                     dealt.append(span_names(m) + [list(x.name) for x in named])
                     send_batch(p, dealt[r], r, self.group, where=[x.where for x in named])
-                while len(held) > HOLD_DEALS:  # every receiver is past those deals' reads
-                    d.buffer.release(held.popleft())
                 t4 = time.perf_counter()
                 batch = collate(rows[0], self.pin)
                 t5 = time.perf_counter()
