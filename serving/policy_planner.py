@@ -22,8 +22,9 @@ engine thread only reading a plan:
   the engine's thread next waits on the device (at most the window's `wait_s` later), so its Python
   does not take turns on the interpreter lock with the engine's; the engine's thread waiting
   for a plan opens the window itself.
-- `should_continue` / `verify_lengths` run the plan's rules (`continue_pays`, `verify_cut`);
-  the probe schedule stays the policy's own (`CostModelPolicy.schedule`, engine thread).
+- `should_continue` / `verify_lengths` run the plan's rules (`continue_on`, and `verify_cut`
+  with the plan's round seconds precomputed); the probe schedule stays the policy's own
+  (`CostModelPolicy.schedule`, engine thread).
 
 `rewarm` and `load_state_dict` reach the policy in order with the rounds. A failure while
 learning is logged and counted (`info()["planner"]`); the last plans stay in use, the engine
@@ -46,7 +47,7 @@ from typing import Sequence
 from online_spec.config import ConfigError
 from online_spec.controller.base import StepPolicyBase, check_policy
 from online_spec.controller.cost import CostModelPolicy
-from online_spec.controller.plan import BatchPlan
+from online_spec.controller.plan import BatchPlan, continue_on
 from online_spec.host_window import HostWindow
 
 log = logging.getLogger(__name__)
@@ -196,13 +197,15 @@ class PlannedPolicy(StepPolicyBase):
 
     def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
         """K from the plan learnt through the round before the last (the probe schedule applied)."""
-        plan = self._learner.wait_for(max(0, self._submitted - 1), self._thread, engine=True).get(batch_size)
+        learner, n = self._learner, max(0, self._submitted - 1)
+        # `wait_for`'s lock-free case inline: plans[n] is stored before learnt = n
+        plans = learner.plans[n] if learner.learnt >= n else learner.wait_for(n, self._thread, engine=True)
+        plan = plans.get(batch_size)
         if plan is None:  # this batch size's first round: learn everything queued, plan here
-            self._learner.wait_idle(self._queued, self._thread, engine=True)
+            learner.wait_idle(self._queued, self._thread, engine=True)
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
-        self._k = self.policy.schedule(batch_size, plan.steps)
-        self._probing = self.policy.probing(batch_size)
+        self._k, self._probing = self.policy.schedule(batch_size, plan.steps)
         return self._k
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
@@ -210,7 +213,9 @@ class PlannedPolicy(StepPolicyBase):
             raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
         if self._probing:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < self._k
-        return self._plan.should_continue(step_index, draft_confidence)
+        plan = self._plan  # `BatchPlan.should_continue`, one call fewer
+        stops = plan.stops
+        return continue_on(stops[step_index - 1] if step_index <= len(stops) else None, draft_confidence, plan.calib)
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
         return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)

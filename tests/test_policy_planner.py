@@ -63,7 +63,8 @@ def drive(policy, stream):
         k = policy.steps_for(b, ctx)
         stops, kept = [], k
         for i in range(1, k):
-            go = policy.should_continue(i, drafts[:, i - 1], b, ctx)
+            column = drafts[:, i - 1]  # the engine passes a list of floats; a numpy column every other step
+            go = policy.should_continue(i, column.tolist() if i % 2 else column, b, ctx)
             stops.append(go)
             if not go:
                 kept = i
