@@ -8,9 +8,12 @@ Python calls runs on caches the target's forward has just swept: ~4x their cost 
 ~300 us a round at batch 1 on a 2-core CPU (docs/controller.md). `PlannedPolicy` leaves the
 engine thread only reading a plan:
 
-- `update` (round n) queues the round and returns; a worker thread learns from it and builds a
-  `BatchPlan` (online_spec/controller/plan.py) for every batch size served in the last
-  `keep_rounds` rounds.
+- `update` (round n) appends the round to a deque and returns; a worker thread learns from it
+  and builds a `BatchPlan` (online_spec/controller/plan.py) for every batch size served in the
+  last `keep_rounds` rounds. The worker polls the deque every `poll_s` while rounds come and
+  parks after `park_after_s` without one; only the round that finds it parked wakes it. Waking a
+  blocked thread is a system call that, on a 2-core CPU VM inside an engine round, cost the
+  engine's thread ~40 us (a `queue.SimpleQueue` hand-over, against ~2 us for the append).
 - `steps_for` of round n + 1 takes the plans built through round n - 1, learnt while round n
   ran (on a GPU the host waits on the device then; on a CPU the worker's Python runs while the
   target's kernels hold no Python lock). The lag is exactly one round whichever thread is
@@ -36,10 +39,11 @@ never waits on a dead worker.
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
 import logging
-import queue
 import threading
+import time
 import weakref
 from contextlib import nullcontext
 from typing import Sequence
@@ -53,6 +57,8 @@ from online_spec.host_window import HostWindow
 log = logging.getLogger(__name__)
 
 _STOP = ("stop",)
+POLL_S = 0.001  # how often a worker with rounds coming looks for the next one
+PARK_AFTER_S = 2.0  # a worker that found no round for this long blocks until `update` wakes it
 _WORKERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _LEARNERS: "weakref.WeakSet[_Learner]" = weakref.WeakSet()
 
@@ -72,9 +78,12 @@ class _Learner:
     learnt through each round. Holds no reference to its `PlannedPolicy`, so a policy nobody
     uses any more is collected and its worker told to stop."""
 
-    def __init__(self, policy, keep_rounds: int):
+    def __init__(self, policy, keep_rounds: int, poll_s: float = POLL_S, park_after_s: float = PARK_AFTER_S):
         self.policy, self.keep_rounds = policy, keep_rounds
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.poll_s, self.park_after_s = poll_s, park_after_s
+        self.items: collections.deque = collections.deque()  # appended by the engine, popped by the worker
+        self.parked = False  # the worker blocks on `wake` (the engine's thread then sets it)
+        self.wake = threading.Event()
         self.cond = threading.Condition()
         self.learnt = 0  # rounds learnt from
         self.done = 0  # queued items (rounds and calls) applied
@@ -84,9 +93,33 @@ class _Learner:
         self.last_error = ""
         self.window: HostWindow | None = None  # start each item while the engine waits on the device
 
+    def put(self, item: tuple) -> None:
+        """Hand the worker an item (engine thread): an append, and a wake only if it parked. The
+        worker sets `parked` before it looks at the deque a last time, so either it sees the item
+        or this sees `parked` (each step holds the interpreter lock)."""
+        self.items.append(item)
+        if self.parked:
+            self.wake.set()
+
     def run(self) -> None:
+        idle_since = None
         while True:
-            item = self.queue.get()
+            try:
+                item = self.items.popleft()
+            except IndexError:
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since < self.park_after_s:
+                    time.sleep(self.poll_s)
+                    continue
+                self.parked = True
+                if not self.items:
+                    self.wake.wait()
+                self.wake.clear()
+                self.parked = False
+                idle_since = None
+                continue
+            idle_since = None
             if item is _STOP:
                 return
             if self.window is not None:
@@ -148,7 +181,7 @@ class _Learner:
     def _wait(self, ready, thread: threading.Thread | None, engine: bool = False) -> None:
         if thread is None:
             while not ready():
-                self.apply(self.queue.get_nowait())
+                self.apply(self.items.popleft())
             return
         window = self.window.waiting() if engine and self.window is not None else nullcontext()
         with window, self.cond:
@@ -158,13 +191,15 @@ class _Learner:
                 self.cond.wait(0.5)
 
     def stop(self) -> None:
-        self.queue.put(_STOP)
+        self.items.append(_STOP)
+        self.wake.set()
 
 
 class PlannedPolicy(StepPolicyBase):
     """A `CostModelPolicy` whose learning runs on a worker thread, one round behind; a `StepPolicy`."""
 
-    def __init__(self, policy, *, threaded: bool = True, keep_rounds: int = 64):
+    def __init__(self, policy, *, threaded: bool = True, keep_rounds: int = 64, poll_s: float = POLL_S,
+                 park_after_s: float = PARK_AFTER_S):
         check_policy(policy)
         if policy.chooses_trees:
             raise ConfigError(f"policy: {policy.name} chooses trees round by round; plan its tree "
@@ -175,7 +210,9 @@ class PlannedPolicy(StepPolicyBase):
         self.name, self.early_stop, self.truncates = policy.name, policy.early_stop, policy.truncates
         self.tree_rounds = policy.tree_rounds
         self.threaded, self.keep_rounds = threaded, keep_rounds
-        self._learner = _Learner(policy, keep_rounds)
+        if not (poll_s > 0 and park_after_s >= 0):
+            raise ConfigError(f"poll_s, park_after_s: must be > 0 and >= 0 seconds, got {poll_s!r}, {park_after_s!r}")
+        self._learner = _Learner(policy, keep_rounds, poll_s, park_after_s)
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._learner.run, name="policy-planner", daemon=True)
@@ -223,7 +260,7 @@ class PlannedPolicy(StepPolicyBase):
     def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:
         """Queue the round for the worker (the engine hands over its lists and arrays and never
         writes to them again); returns the K the round ran."""
-        self._learner.queue.put(("round", batch_size, accepted, round_))
+        self._learner.put(("round", batch_size, accepted, round_))
         self._submitted += 1
         self._queued += 1
         return self._k
@@ -239,7 +276,7 @@ class PlannedPolicy(StepPolicyBase):
         self._learner.window = window
 
     def rewarm(self) -> None:
-        self._learner.queue.put(("call", self.policy.rewarm))
+        self._learner.put(("call", self.policy.rewarm))
         self._queued += 1
 
     # -- any thread -----------------------------------------------------------------------------
@@ -274,7 +311,8 @@ class PlannedPolicy(StepPolicyBase):
     def __deepcopy__(self, memo):
         """A copy with its own worker, from the policy as learnt through every queued round."""
         self._learner.wait_idle(self._queued, self._thread)
-        return PlannedPolicy(copy.deepcopy(self.policy, memo), threaded=self.threaded, keep_rounds=self.keep_rounds)
+        return PlannedPolicy(copy.deepcopy(self.policy, memo), threaded=self.threaded, keep_rounds=self.keep_rounds,
+                             poll_s=self._learner.poll_s, park_after_s=self._learner.park_after_s)
 
 
 def plan_ahead(policy, *, threaded: bool = True):

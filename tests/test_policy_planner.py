@@ -138,6 +138,27 @@ def test_the_worker_thread_decides_as_the_engine_thread_does():
     threaded.close()
 
 
+def test_a_parked_worker_is_woken_by_the_next_round():
+    """park_after_s 0: the worker parks whenever it has learnt everything, so each round's
+    `update` finds it parked and must wake it (a round that did not would leave the next
+    `steps_for` waiting for good); it decides as learning on the engine thread does."""
+    stream = traffic(seed=11, rounds=80)
+    planned = PlannedPolicy(bare_policy(), threaded=True, park_after_s=0.0)
+    out = []
+    driver = threading.Thread(target=lambda: out.append(drive(planned, stream)), daemon=True)
+    driver.start()
+    driver.join(timeout=60)
+    assert not driver.is_alive(), "a round did not wake the parked worker"
+    assert out[0] == drive(PlannedPolicy(bare_policy(), threaded=False), stream)
+    for _ in range(200):  # idle again: it parks
+        if planned._learner.parked:
+            break
+        threading.Event().wait(0.01)
+    assert planned._learner.parked and planned.info()["planner"]["rounds_learnt"] == 80
+    planned.close()
+    assert not planned._thread.is_alive()
+
+
 class FailingOnce(CostModelPolicy):
     def update(self, batch_size, accepted, **kw):
         if getattr(self, "fail_next", False):
