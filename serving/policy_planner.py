@@ -18,9 +18,15 @@ engine thread only reading a plan:
   ran (on a GPU the host waits on the device then; on a CPU the worker's Python runs while the
   target's kernels hold no Python lock). The lag is exactly one round whichever thread is
   faster, so the decisions do not depend on timing: `threaded=False` learns on the engine
-  thread at the same points and decides the same (the tests hold it to that). A batch size
-  without a plan (its first round) waits until every queued round is learnt and plans on the
-  engine thread.
+  thread at the same points and decides the same (the tests hold it to that).
+- A batch size without a plan (its first two rounds: the worker plans it from the round after
+  its first) runs the plan of the nearest batch size of its slot that has one (the smaller on a
+  tie), the same lag, built at that size and its last context: those rounds' K, early stops and
+  verify cut are the bare policy's at the neighbouring size. Before any round each slot's
+  smallest batch size is planned at context 0 (when the policy is wrapped or its state loaded).
+  Only a slot with no plan at all plans on the engine thread, after every queued round is
+  learnt (planning inline on cold caches, and waiting for the worker, cost the engine's thread
+  1-4 ms at each new batch size, as requests left a batch of 16 one by one).
 - Given the engine's host window (`follow_window`), the worker starts each queued round when
   the engine's thread next waits on the device (at most the window's `wait_s` later), so its Python
   does not take turns on the interpreter lock with the engine's; the engine's thread waiting
@@ -87,11 +93,16 @@ class _Learner:
         self.cond = threading.Condition()
         self.learnt = 0  # rounds learnt from
         self.done = 0  # queued items (rounds and calls) applied
-        self.plans: dict[int, dict[int, BatchPlan]] = {0: {}}  # rounds learnt -> batch size -> plan
         self.seen: dict[int, tuple[float, int]] = {}  # batch size -> (its last context, the round it was seen)
         self.failures = 0
         self.last_error = ""
+        self.plans: dict[int, dict[int, BatchPlan]] = {0: self.initial_plans()}  # rounds learnt -> size -> plan
         self.window: HostWindow | None = None  # start each item while the engine waits on the device
+
+    def initial_plans(self) -> dict[int, BatchPlan]:
+        """Each slot's smallest batch size planned at context 0: the plans before any round."""
+        sizes = sorted({max(1, slot.min_batch_size) for slot in self.policy.adaptive.slots})
+        return {b: plan for b in sizes if (plan := self._guarded(lambda: self.policy.plan(b, 0))) is not None}
 
     def put(self, item: tuple) -> None:
         """Hand the worker an item (engine thread): an append, and a wake only if it parked. The
@@ -223,6 +234,7 @@ class PlannedPolicy(StepPolicyBase):
         self._submitted = 0  # rounds queued (engine thread)
         self._queued = 0  # items queued: rounds and calls
         self._plan: BatchPlan | None = None  # the current round's
+        self._slot_of: dict[int, int] = {}  # batch size -> slot index (`_nearest`)
         self._k = 0
         self._probing = False
 
@@ -238,12 +250,30 @@ class PlannedPolicy(StepPolicyBase):
         # `wait_for`'s lock-free case inline: plans[n] is stored before learnt = n
         plans = learner.plans[n] if learner.learnt >= n else learner.wait_for(n, self._thread, engine=True)
         plan = plans.get(batch_size)
-        if plan is None:  # this batch size's first round: learn everything queued, plan here
+        if plan is None:  # a new batch size: the nearest planned size of its slot
+            plan = self._nearest(plans, batch_size)
+        if plan is None:  # a slot without plans: learn everything queued, plan here
             learner.wait_idle(self._queued, self._thread, engine=True)
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
         self._k, self._probing = self.policy.schedule(batch_size, plan.steps)
         return self._k
+
+    def _nearest(self, plans: dict[int, BatchPlan], batch_size: int) -> BatchPlan | None:
+        """The plan of the batch size nearest `batch_size` in its slot (the smaller on a tie), or None."""
+        slot_of, slot_index = self._slot_of, self.policy.adaptive.slot_index
+        slot = slot_of.get(batch_size)
+        if slot is None:
+            slot = slot_of[batch_size] = slot_index(batch_size)
+        best, best_key = None, None
+        for size, plan in plans.items():
+            s = slot_of.get(size)
+            if s is None:
+                s = slot_of[size] = slot_index(size)
+            key = (abs(size - batch_size), size)
+            if s == slot and (best_key is None or key < best_key):
+                best, best_key = plan, key
+        return best
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
         if not (isinstance(step_index, int) and step_index >= 1):
@@ -297,7 +327,7 @@ class PlannedPolicy(StepPolicyBase):
         self._learner.wait_idle(self._queued, self._thread)
         self.policy.load_state_dict(state)
         with self._learner.cond:  # plans built from the state before are void
-            self._learner.plans = {0: {}}
+            self._learner.plans = {0: self._learner.initial_plans()}
             self._learner.learnt = self._learner.done = 0
             self._learner.seen = {}
         self._submitted = self._queued = 0
