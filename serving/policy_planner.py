@@ -11,9 +11,10 @@ engine thread only reading a plan:
 - `update` (round n) appends the round to a deque and returns; a worker thread learns from it
   and builds a `BatchPlan` (online_spec/controller/plan.py) for every batch size served in the
   last `keep_rounds` rounds. The worker polls the deque every `poll_s` while rounds come and
-  parks after `park_after_s` without one; only the round that finds it parked wakes it. Waking a
-  blocked thread is a system call that, on a 2-core CPU VM inside an engine round, cost the
-  engine's thread ~40 us (a `queue.SimpleQueue` hand-over, against ~2 us for the append).
+  parks after `park_after_s` without one (at once when it follows a host window, as on a GPU);
+  only the round that finds it parked wakes it. Waking a blocked thread is a system call that,
+  on a 2-core CPU VM inside an engine round, cost the engine's thread ~40 us (a
+  `queue.SimpleQueue` hand-over, against ~2 us for the append).
 - `steps_for` of round n + 1 takes the plans built through round n - 1, learnt while round n
   ran (on a GPU the host waits on the device then; on a CPU the worker's Python runs while the
   target's kernels hold no Python lock). The lag is exactly one round whichever thread is
@@ -120,7 +121,9 @@ class _Learner:
             except IndexError:
                 now = time.monotonic()
                 idle_since = now if idle_since is None else idle_since
-                if now - idle_since < self.park_after_s:
+                # following a host window (a GPU engine) the worker parks at once: the poll's wake-ups
+                # would take the interpreter lock from a host-bound engine thread (unmeasured there)
+                if self.window is None and now - idle_since < self.park_after_s:
                     time.sleep(self.poll_s)
                     continue
                 self.parked = True

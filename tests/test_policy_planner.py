@@ -206,6 +206,22 @@ def test_a_parked_worker_is_woken_by_the_next_round():
     assert not planned._thread.is_alive()
 
 
+def test_a_worker_following_a_host_window_parks_at_once():
+    """On a GPU (a host window) the worker does not poll: it parks after each round, well within
+    the default `park_after_s` (2 s) that a CPU worker polls for."""
+    from online_spec.host_window import HostWindow
+    planned = PlannedPolicy(bare_policy())
+    planned.follow_window(HostWindow(wait_s=0.001))
+    stream = traffic(seed=2, rounds=6)
+    assert drive(planned, stream) == drive(PlannedPolicy(bare_policy(), threaded=False), stream)
+    for _ in range(50):
+        if planned._learner.parked:
+            break
+        threading.Event().wait(0.01)
+    assert planned._learner.parked
+    planned.close()
+
+
 class FailingOnce(CostModelPolicy):
     def update(self, batch_size, accepted, **kw):
         if getattr(self, "fail_next", False):
