@@ -3,9 +3,10 @@
 In: what `CostModelPolicy.plan(batch_size, ctx_len)` knows after the rounds it has learnt from.
 Out: a `BatchPlan` — K for the next round, the terms of the in-round early-stop test per draft
 step, the confidence calibration (`CalibrationTable`), the round-time terms of the verify-length
-cut and its round seconds per K drafted and length kept (`plan_seconds`) — and the two in-round rules run on it: `continue_on` (does one more draft step raise
-tokens per second?) and `verify_cut` (how many drafts to verify). The policy itself runs the
-same two rules on its live state, so there is one implementation of each.
+cut and its round seconds per K drafted and length kept (`plan_seconds`) — and the two in-round
+rules run on it: `continue_on` (does one more draft step raise tokens per second?) and
+`verify_cut` (how many drafts to verify). The policy itself runs the same two rules on its live
+state, so there is one implementation of each.
 
 A plan and its table never change once built (tuples, and a list and an array nothing writes
 to), so one thread may build the next plan while another reads the current one: this is what
