@@ -8,22 +8,33 @@ Python calls runs on caches the target's forward has just swept: ~4x their cost 
 ~300 us a round at batch 1 on a 2-core CPU (docs/controller.md). `PlannedPolicy` leaves the
 engine thread only reading a plan:
 
-- `update` (round n) queues the round and returns; a worker thread learns from it and builds a
-  `BatchPlan` (online_spec/controller/plan.py) for every batch size served in the last
-  `keep_rounds` rounds.
+- `update` (round n) appends the round to a deque and returns; a worker thread learns from it
+  and builds a `BatchPlan` (online_spec/controller/plan.py) for every batch size served in the
+  last `keep_rounds` rounds. The worker polls the deque every `poll_s` while rounds come and
+  parks after `park_after_s` without one (at once when it follows a host window, as on a GPU);
+  only the round that finds it parked wakes it. Waking a blocked thread is a system call that,
+  on a 2-core CPU VM inside an engine round, cost the engine's thread ~40 us (a
+  `queue.SimpleQueue` hand-over, against ~2 us for the append).
 - `steps_for` of round n + 1 takes the plans built through round n - 1, learnt while round n
   ran (on a GPU the host waits on the device then; on a CPU the worker's Python runs while the
   target's kernels hold no Python lock). The lag is exactly one round whichever thread is
   faster, so the decisions do not depend on timing: `threaded=False` learns on the engine
-  thread at the same points and decides the same (the tests hold it to that). A batch size
-  without a plan (its first round) waits until every queued round is learnt and plans on the
-  engine thread.
+  thread at the same points and decides the same (the tests hold it to that).
+- A batch size without a plan (its first two rounds: the worker plans it from the round after
+  its first) runs the plan of the nearest batch size of its slot that has one (the smaller on a
+  tie), the same lag, built at that size and its last context: those rounds' K, early stops and
+  verify cut are the bare policy's at the neighbouring size. Before any round each slot's
+  smallest batch size is planned at context 0 (when the policy is wrapped or its state loaded).
+  Only a slot with no plan at all plans on the engine thread, after every queued round is
+  learnt (planning inline on cold caches, and waiting for the worker, cost the engine's thread
+  1-4 ms at each new batch size, as requests left a batch of 16 one by one).
 - Given the engine's host window (`follow_window`), the worker starts each queued round when
   the engine's thread next waits on the device (at most the window's `wait_s` later), so its Python
   does not take turns on the interpreter lock with the engine's; the engine's thread waiting
   for a plan opens the window itself.
-- `should_continue` / `verify_lengths` run the plan's rules (`continue_pays`, `verify_cut`);
-  the probe schedule stays the policy's own (`CostModelPolicy.schedule`, engine thread).
+- `should_continue` / `verify_lengths` run the plan's rules (`continue_on`, and `verify_cut`
+  with the plan's round seconds precomputed); the probe schedule stays the policy's own
+  (`CostModelPolicy.schedule`, engine thread).
 
 `rewarm` and `load_state_dict` reach the policy in order with the rounds. A failure while
 learning is logged and counted (`info()["planner"]`); the last plans stay in use, the engine
@@ -35,10 +46,11 @@ never waits on a dead worker.
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
 import logging
-import queue
 import threading
+import time
 import weakref
 from contextlib import nullcontext
 from typing import Sequence
@@ -46,12 +58,14 @@ from typing import Sequence
 from online_spec.config import ConfigError
 from online_spec.controller.base import StepPolicyBase, check_policy
 from online_spec.controller.cost import CostModelPolicy
-from online_spec.controller.plan import BatchPlan
+from online_spec.controller.plan import BatchPlan, continue_on
 from online_spec.host_window import HostWindow
 
 log = logging.getLogger(__name__)
 
 _STOP = ("stop",)
+POLL_S = 0.001  # how often a worker with rounds coming looks for the next one
+PARK_AFTER_S = 2.0  # a worker that found no round for this long blocks until `update` wakes it
 _WORKERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _LEARNERS: "weakref.WeakSet[_Learner]" = weakref.WeakSet()
 
@@ -71,21 +85,55 @@ class _Learner:
     learnt through each round. Holds no reference to its `PlannedPolicy`, so a policy nobody
     uses any more is collected and its worker told to stop."""
 
-    def __init__(self, policy, keep_rounds: int):
+    def __init__(self, policy, keep_rounds: int, poll_s: float = POLL_S, park_after_s: float = PARK_AFTER_S):
         self.policy, self.keep_rounds = policy, keep_rounds
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.poll_s, self.park_after_s = poll_s, park_after_s
+        self.items: collections.deque = collections.deque()  # appended by the engine, popped by the worker
+        self.parked = False  # the worker blocks on `wake` (the engine's thread then sets it)
+        self.wake = threading.Event()
         self.cond = threading.Condition()
         self.learnt = 0  # rounds learnt from
         self.done = 0  # queued items (rounds and calls) applied
-        self.plans: dict[int, dict[int, BatchPlan]] = {0: {}}  # rounds learnt -> batch size -> plan
         self.seen: dict[int, tuple[float, int]] = {}  # batch size -> (its last context, the round it was seen)
         self.failures = 0
         self.last_error = ""
+        self.plans: dict[int, dict[int, BatchPlan]] = {0: self.initial_plans()}  # rounds learnt -> size -> plan
         self.window: HostWindow | None = None  # start each item while the engine waits on the device
 
+    def initial_plans(self) -> dict[int, BatchPlan]:
+        """Each slot's smallest batch size planned at context 0: the plans before any round."""
+        sizes = sorted({max(1, slot.min_batch_size) for slot in self.policy.adaptive.slots})
+        return {b: plan for b in sizes if (plan := self._guarded(lambda: self.policy.plan(b, 0))) is not None}
+
+    def put(self, item: tuple) -> None:
+        """Hand the worker an item (engine thread): an append, and a wake only if it parked. The
+        worker sets `parked` before it looks at the deque a last time, so either it sees the item
+        or this sees `parked` (each step holds the interpreter lock)."""
+        self.items.append(item)
+        if self.parked:
+            self.wake.set()
+
     def run(self) -> None:
+        idle_since = None
         while True:
-            item = self.queue.get()
+            try:
+                item = self.items.popleft()
+            except IndexError:
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                # following a host window (a GPU engine) the worker parks at once: the poll's wake-ups
+                # would take the interpreter lock from a host-bound engine thread (unmeasured there)
+                if self.window is None and now - idle_since < self.park_after_s:
+                    time.sleep(self.poll_s)
+                    continue
+                self.parked = True
+                if not self.items:
+                    self.wake.wait()
+                self.wake.clear()
+                self.parked = False
+                idle_since = None
+                continue
+            idle_since = None
             if item is _STOP:
                 return
             if self.window is not None:
@@ -147,7 +195,7 @@ class _Learner:
     def _wait(self, ready, thread: threading.Thread | None, engine: bool = False) -> None:
         if thread is None:
             while not ready():
-                self.apply(self.queue.get_nowait())
+                self.apply(self.items.popleft())
             return
         window = self.window.waiting() if engine and self.window is not None else nullcontext()
         with window, self.cond:
@@ -157,13 +205,15 @@ class _Learner:
                 self.cond.wait(0.5)
 
     def stop(self) -> None:
-        self.queue.put(_STOP)
+        self.items.append(_STOP)
+        self.wake.set()
 
 
 class PlannedPolicy(StepPolicyBase):
     """A `CostModelPolicy` whose learning runs on a worker thread, one round behind; a `StepPolicy`."""
 
-    def __init__(self, policy, *, threaded: bool = True, keep_rounds: int = 64):
+    def __init__(self, policy, *, threaded: bool = True, keep_rounds: int = 64, poll_s: float = POLL_S,
+                 park_after_s: float = PARK_AFTER_S):
         check_policy(policy)
         if policy.chooses_trees:
             raise ConfigError(f"policy: {policy.name} chooses trees round by round; plan its tree "
@@ -174,7 +224,9 @@ class PlannedPolicy(StepPolicyBase):
         self.name, self.early_stop, self.truncates = policy.name, policy.early_stop, policy.truncates
         self.tree_rounds = policy.tree_rounds
         self.threaded, self.keep_rounds = threaded, keep_rounds
-        self._learner = _Learner(policy, keep_rounds)
+        if not (poll_s > 0 and park_after_s >= 0):
+            raise ConfigError(f"poll_s, park_after_s: must be > 0 and >= 0 seconds, got {poll_s!r}, {park_after_s!r}")
+        self._learner = _Learner(policy, keep_rounds, poll_s, park_after_s)
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._learner.run, name="policy-planner", daemon=True)
@@ -185,6 +237,7 @@ class PlannedPolicy(StepPolicyBase):
         self._submitted = 0  # rounds queued (engine thread)
         self._queued = 0  # items queued: rounds and calls
         self._plan: BatchPlan | None = None  # the current round's
+        self._slot_of: dict[int, int] = {}  # batch size -> slot index (`_nearest`)
         self._k = 0
         self._probing = False
 
@@ -196,21 +249,43 @@ class PlannedPolicy(StepPolicyBase):
 
     def steps_for(self, batch_size: int, ctx_len: float = 0) -> int:
         """K from the plan learnt through the round before the last (the probe schedule applied)."""
-        plan = self._learner.wait_for(max(0, self._submitted - 1), self._thread, engine=True).get(batch_size)
-        if plan is None:  # this batch size's first round: learn everything queued, plan here
-            self._learner.wait_idle(self._queued, self._thread, engine=True)
+        learner, n = self._learner, max(0, self._submitted - 1)
+        # `wait_for`'s lock-free case inline: plans[n] is stored before learnt = n
+        plans = learner.plans[n] if learner.learnt >= n else learner.wait_for(n, self._thread, engine=True)
+        plan = plans.get(batch_size)
+        if plan is None:  # a new batch size: the nearest planned size of its slot
+            plan = self._nearest(plans, batch_size)
+        if plan is None:  # a slot without plans: learn everything queued, plan here
+            learner.wait_idle(self._queued, self._thread, engine=True)
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
-        self._k = self.policy.schedule(batch_size, plan.steps)
-        self._probing = self.policy.probing(batch_size)
+        self._k, self._probing = self.policy.schedule(batch_size, plan.steps)
         return self._k
+
+    def _nearest(self, plans: dict[int, BatchPlan], batch_size: int) -> BatchPlan | None:
+        """The plan of the batch size nearest `batch_size` in its slot (the smaller on a tie), or None."""
+        slot_of, slot_index = self._slot_of, self.policy.adaptive.slot_index
+        slot = slot_of.get(batch_size)
+        if slot is None:
+            slot = slot_of[batch_size] = slot_index(batch_size)
+        best, best_key = None, None
+        for size, plan in plans.items():
+            s = slot_of.get(size)
+            if s is None:
+                s = slot_of[size] = slot_index(size)
+            key = (abs(size - batch_size), size)
+            if s == slot and (best_key is None or key < best_key):
+                best, best_key = plan, key
+        return best
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
         if not (isinstance(step_index, int) and step_index >= 1):
             raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
         if self._probing:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < self._k
-        return self._plan.should_continue(step_index, draft_confidence)
+        plan = self._plan  # `BatchPlan.should_continue`, one call fewer
+        stops = plan.stops
+        return continue_on(stops[step_index - 1] if step_index <= len(stops) else None, draft_confidence, plan.calib)
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
         return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)
@@ -218,7 +293,7 @@ class PlannedPolicy(StepPolicyBase):
     def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:
         """Queue the round for the worker (the engine hands over its lists and arrays and never
         writes to them again); returns the K the round ran."""
-        self._learner.queue.put(("round", batch_size, accepted, round_))
+        self._learner.put(("round", batch_size, accepted, round_))
         self._submitted += 1
         self._queued += 1
         return self._k
@@ -234,7 +309,7 @@ class PlannedPolicy(StepPolicyBase):
         self._learner.window = window
 
     def rewarm(self) -> None:
-        self._learner.queue.put(("call", self.policy.rewarm))
+        self._learner.put(("call", self.policy.rewarm))
         self._queued += 1
 
     # -- any thread -----------------------------------------------------------------------------
@@ -255,7 +330,7 @@ class PlannedPolicy(StepPolicyBase):
         self._learner.wait_idle(self._queued, self._thread)
         self.policy.load_state_dict(state)
         with self._learner.cond:  # plans built from the state before are void
-            self._learner.plans = {0: {}}
+            self._learner.plans = {0: self._learner.initial_plans()}
             self._learner.learnt = self._learner.done = 0
             self._learner.seen = {}
         self._submitted = self._queued = 0
@@ -269,7 +344,8 @@ class PlannedPolicy(StepPolicyBase):
     def __deepcopy__(self, memo):
         """A copy with its own worker, from the policy as learnt through every queued round."""
         self._learner.wait_idle(self._queued, self._thread)
-        return PlannedPolicy(copy.deepcopy(self.policy, memo), threaded=self.threaded, keep_rounds=self.keep_rounds)
+        return PlannedPolicy(copy.deepcopy(self.policy, memo), threaded=self.threaded, keep_rounds=self.keep_rounds,
+                             poll_s=self._learner.poll_s, park_after_s=self._learner.park_after_s)
 
 
 def plan_ahead(policy, *, threaded: bool = True):

@@ -30,7 +30,7 @@ def bare_policy() -> CostModelPolicy:
                                          "4": {"candidate_steps": [0, 1, 3]}})
     # a short acceptance window: K answers within a round or two, so a decision one round late shows
     return CostModelPolicy(adaptive, CostPolicyConfig(accept_window=3.0, probe_interval=8),
-                           CostModel.with_coefficients((0.01, 0.001, 0, 0.002, 0), (0.1, 0.004, 0.02, 0, 0.001)))
+                           CostModel.with_coefficients((0.01, 0.001, 0, 0.002, 0), (0.1, 0.004, 0.02, 0.02, 0.001)))
 
 
 def traffic(seed: int, rounds: int = 160):
@@ -40,7 +40,7 @@ def traffic(seed: int, rounds: int = 160):
     rng = random.Random(seed)
     out = []
     for n in range(rounds):
-        b = rng.choice([1, 1, 2, 4, 6])
+        b = rng.choice([1, 1, 2, 4, 5, 6])
         conf = np.array([[rng.random() ** (0.2 if (n // 3) % 2 else 3.0) for _ in range(5)] for _ in range(b)],
                         dtype=np.float32)
         out.append((b, conf, n % 53 == 52))
@@ -63,7 +63,8 @@ def drive(policy, stream):
         k = policy.steps_for(b, ctx)
         stops, kept = [], k
         for i in range(1, k):
-            go = policy.should_continue(i, drafts[:, i - 1], b, ctx)
+            column = drafts[:, i - 1]  # the engine passes a list of floats; a numpy column every other step
+            go = policy.should_continue(i, column.tolist() if i % 2 else column, b, ctx)
             stops.append(go)
             if not go:
                 kept = i
@@ -80,31 +81,57 @@ def drive(policy, stream):
 
 
 class LaggedReference:
-    """The planner's contract written out naively over the bare policy: before round m (1-based)
-    the rounds 1..m-2 are learnt if the batch size was served in the `keep` rounds up to m-2
-    (its plan exists), else every round so far; rewarms are learnt after their round."""
+    """The planner's contract written out naively over the bare policy. Before round m (1-based)
+    the rounds 1..n = m - 2 are learnt (n = 0: none); the plans then are those of the batch sizes
+    served in rounds n - keep + 1..n, each at its last context (n = 0: each slot's smallest size
+    at context 0). A batch size with a plan decides as the bare policy at that context; one
+    without decides by the plan of the nearest size of its slot (the smaller on a tie); a slot
+    without plans learns every round so far and decides at the round's own size and context.
+    Rewarms are learnt after their round."""
 
     def __init__(self, policy, keep: int):
-        self.policy, self.keep, self.queue, self.learnt, self.sizes = policy, keep, [], 0, []
+        self.policy, self.keep, self.queue, self.learnt, self.rounds = policy, keep, [], 0, []
+        self.plan = self.probing = self.k = None
 
     def steps_for(self, b, ctx):
-        want = max(0, len(self.sizes) - 1)
-        if b not in self.sizes[max(0, want - self.keep):want]:
-            want = len(self.sizes)
-        while self.learnt < want:
+        p = self.policy
+        n = max(0, len(self.rounds) - 1)
+        while self.learnt < n:
             for fn in self.queue[self.learnt]:
                 fn()
             self.learnt += 1
-        return self.policy.steps_for(b, ctx)
+        if n == 0:
+            planned = {max(1, s.min_batch_size): 0 for s in p.adaptive.slots}
+        else:
+            planned = {size: c for size, c in self.rounds[max(0, n - self.keep):n]}  # the last context wins
+        slot = p.adaptive.slot_index
+        near = sorted((abs(s - b), s) for s in planned if slot(s) == slot(b))
+        if b in planned or not near:
+            if not near:
+                while self.learnt < len(self.rounds):
+                    for fn in self.queue[self.learnt]:
+                        fn()
+                    self.learnt += 1
+            self.plan, c = None, planned.get(b, ctx)
+            self.ctx = c
+            return p.steps_for(b, c)
+        size = near[0][1]
+        self.plan = p.plan(size, planned[size])
+        self.k, self.probing = p.schedule(b, self.plan.steps)
+        return self.k
 
-    def should_continue(self, *a):
-        return self.policy.should_continue(*a)
+    def should_continue(self, i, conf, b, ctx):
+        if self.plan is None:
+            return self.policy.should_continue(i, conf, b, self.ctx)
+        return i < self.k if self.probing else self.plan.should_continue(i, conf)
 
-    def verify_lengths(self, *a, **k):
-        return self.policy.verify_lengths(*a, **k)
+    def verify_lengths(self, conf, ctx, padded=False):
+        if self.plan is None:
+            return self.policy.verify_lengths(conf, self.ctx, padded=padded)
+        return self.plan.verify_lengths(conf, padded=padded, keep_all=self.probing)
 
     def update(self, b, accepted, **kw):
-        self.sizes.append(b)
+        self.rounds.append((b, kw["ctx_len"]))
         self.queue.append([lambda: self.policy.update(b, accepted, **kw)])
 
     def rewarm(self):
@@ -123,6 +150,27 @@ def test_decisions_are_the_bare_policy_one_round_behind(keep):
     assert drive(bare_policy(), stream) != reference
 
 
+def test_a_new_batch_size_runs_the_nearest_plan_of_its_slot():
+    """Named cases of the plans a batch size without its own reads (slots 1-3 and 4+)."""
+    planned = PlannedPolicy(bare_policy(), threaded=False)
+    bare = bare_policy()
+    # before any round: each slot's smallest size at context 0, whatever the round's context
+    assert planned.steps_for(2, 5000) == bare.schedule(2, bare.plan(1, 0).steps)[0]
+    assert (planned._plan.batch_size, planned._plan.ctx_len) == (1, 0)
+    planned.update(2, [1, 0], num_steps=1, ctx_len=5000)
+    assert planned.steps_for(7, 300) and (planned._plan.batch_size, planned._plan.ctx_len) == (4, 0)
+    planned.update(7, [0] * 7, num_steps=1, ctx_len=300)
+    planned.steps_for(6, 50)  # plans through round 1: size 2 at its context; slot 4+ has none: inline
+    assert (planned._plan.batch_size, planned._plan.ctx_len) == (6, 50)
+    for b, ctx in ((6, 50), (4, 80), (4, 80), (4, 80)):
+        planned.update(b, [0] * b, num_steps=1, ctx_len=ctx)
+        planned.steps_for(b, ctx)
+    planned.steps_for(5, 10)  # 4 and 6 planned: the tie goes to the smaller
+    assert (planned._plan.batch_size, planned._plan.ctx_len) == (4, 80)
+    planned.steps_for(3, 10)  # slot 1-3: size 2, at its last context
+    assert (planned._plan.batch_size, planned._plan.ctx_len) == (2, 5000)
+
+
 def test_the_worker_thread_decides_as_the_engine_thread_does():
     stream = traffic(seed=7, rounds=240)
     threaded = PlannedPolicy(bare_policy(), threaded=True)
@@ -135,6 +183,43 @@ def test_the_worker_thread_decides_as_the_engine_thread_does():
     copy_ = copy.deepcopy(threaded)
     assert copy_.state_dict() == threaded.state_dict()
     threaded.close()
+
+
+def test_a_parked_worker_is_woken_by_the_next_round():
+    """park_after_s 0: the worker parks whenever it has learnt everything, so each round's
+    `update` finds it parked and must wake it (a round that did not would leave the next
+    `steps_for` waiting for good); it decides as learning on the engine thread does."""
+    stream = traffic(seed=11, rounds=80)
+    planned = PlannedPolicy(bare_policy(), threaded=True, park_after_s=0.0)
+    out = []
+    driver = threading.Thread(target=lambda: out.append(drive(planned, stream)), daemon=True)
+    driver.start()
+    driver.join(timeout=60)
+    assert not driver.is_alive(), "a round did not wake the parked worker"
+    assert out[0] == drive(PlannedPolicy(bare_policy(), threaded=False), stream)
+    for _ in range(200):  # idle again: it parks
+        if planned._learner.parked:
+            break
+        threading.Event().wait(0.01)
+    assert planned._learner.parked and planned.info()["planner"]["rounds_learnt"] == 80
+    planned.close()
+    assert not planned._thread.is_alive()
+
+
+def test_a_worker_following_a_host_window_parks_at_once():
+    """On a GPU (a host window) the worker does not poll: it parks after each round, well within
+    the default `park_after_s` (2 s) that a CPU worker polls for."""
+    from online_spec.host_window import HostWindow
+    planned = PlannedPolicy(bare_policy())
+    planned.follow_window(HostWindow(wait_s=0.001))
+    stream = traffic(seed=2, rounds=6)
+    assert drive(planned, stream) == drive(PlannedPolicy(bare_policy(), threaded=False), stream)
+    for _ in range(50):
+        if planned._learner.parked:
+            break
+        threading.Event().wait(0.01)
+    assert planned._learner.parked
+    planned.close()
 
 
 class FailingOnce(CostModelPolicy):

@@ -8,7 +8,7 @@
   - `acceptance`: `AcceptanceEstimate` and `ConfidenceCalibrator`, the expected accepted drafts
     of K (also the swap gate's arithmetic).
 - `plan`: `BatchPlan`, the cost policy's decisions for one batch size as an immutable snapshot,
-  and the in-round rules both run (`continue_pays`, `verify_cut`); serving/policy_planner.py
+  and the in-round rules both run (`continue_on`, `verify_cut`); serving/policy_planner.py
   builds plans on a worker thread.
 - `static`: `StaticSteps`, K fixed (baselines).
 - `base`: the `StepPolicy` protocol every policy implements (what the engine and server may call,

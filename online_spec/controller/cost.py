@@ -28,7 +28,7 @@ from online_spec.config import ConfigError, check, doc
 from online_spec.controller.acceptance import PRIOR_TRIALS, AcceptanceEstimate, ConfidenceCalibrator, expected_accepted
 from online_spec.controller.base import StepPolicyBase
 from online_spec.controller.config import AdaptiveConfig
-from online_spec.controller.plan import BatchPlan, continue_pays, verify_cut
+from online_spec.controller.plan import BatchPlan, continue_on, plan_seconds, verify_cut
 from online_spec.controller.round_time import CostModel
 from online_spec.controller.tree_choice import TreeChoiceConfig, TreeChooser
 from online_spec.tree import TreeShape
@@ -181,11 +181,11 @@ class CostModelPolicy(StepPolicyBase):
         same low estimate the probe is there to re-measure, and would cut every probe back to one
         draft (measured in an e2e run: a position-2 estimate that three misses after a swap had put
         at 0.35, true ~0.6, held K at 1 for the last 60 s; docs/controller.md)."""
-        return self.schedule(batch_size, self.choose_steps(batch_size, ctx_len))
+        return self.schedule(batch_size, self.choose_steps(batch_size, ctx_len))[0]
 
-    def schedule(self, batch_size: int, k: int) -> int:
-        """The K a round runs when the estimates chose `k`: the probe schedule of `steps_for`,
-        which counts the slot's decisions (so call it once per round)."""
+    def schedule(self, batch_size: int, k: int) -> tuple[int, bool]:
+        """(the K a round runs when the estimates chose `k`, whether that round is a probe): the
+        probe schedule of `steps_for`, which counts the slot's decisions (so call it once per round)."""
         i = self._slot(batch_size)
         tiers = self._slots[i].candidate_steps
         self._probing[i] = False
@@ -199,7 +199,7 @@ class CostModelPolicy(StepPolicyBase):
             self._below[i] = 0
         self._last[i] = k
         self._decisions[i] += 1
-        return k
+        return k, self._probing[i]
 
     def probing(self, batch_size: int) -> bool:
         """The slot's current round (the last `schedule`d) is a probe: drafted and verified whole."""
@@ -218,12 +218,8 @@ class CostModelPolicy(StepPolicyBase):
         i = self._slot(batch_size)
         if self._probing[i]:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < (self._last[i] or 0)
-        terms = self._continue_terms(i, step_index, batch_size, ctx_len)
-        if terms is None:
-            return False
-        calib = self._calib.snapshot()
-        p_last = calib(draft_confidence) if isinstance(draft_confidence, (int, float)) else calib.mean(draft_confidence)
-        return continue_pays(terms, p_last)
+        return continue_on(self._continue_terms(i, step_index, batch_size, ctx_len), draft_confidence,
+                           self._calib.snapshot())
 
     def _continue_terms(self, i: int, step_index: int, batch_size: int, ctx_len: float) -> tuple | None:
         """What `should_continue` needs besides the draft's confidence, after `step_index` drafts:
@@ -276,9 +272,9 @@ class CostModelPolicy(StepPolicyBase):
         steps = self.choose_steps(batch_size, ctx_len)
         depth = len(self._accept[i].estimates())
         stops = tuple(self._continue_terms(i, s, batch_size, ctx_len) for s in range(1, depth))
-        return BatchPlan(batch_size, ctx_len, steps, stops, self._calib.snapshot(),
-                         self.cost.round_terms(batch_size, ctx_len), self.cost.verify_token_s(),
-                         self.cost.predict_round_s(batch_size, 0, ctx_len))
+        terms = self.cost.round_terms(batch_size, ctx_len)
+        return BatchPlan(batch_size, ctx_len, steps, stops, self._calib.snapshot(), terms, self.cost.verify_token_s(),
+                         self.cost.predict_round_s(batch_size, 0, ctx_len), plan_seconds(terms, depth))
 
     # -- after verify ------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@
 In: what `CostModelPolicy.plan(batch_size, ctx_len)` knows after the rounds it has learnt from.
 Out: a `BatchPlan` — K for the next round, the terms of the in-round early-stop test per draft
 step, the confidence calibration (`CalibrationTable`), the round-time terms of the verify-length
-cut — and the two in-round rules run on it: `continue_pays` (does one more draft step raise
-tokens per second?) and `verify_cut` (how many drafts to verify). The policy itself runs the
-same two rules on its live state, so there is one implementation of each.
+cut and its round seconds per K drafted and length kept (`plan_seconds`) — and the two in-round
+rules run on it: `continue_on` (does one more draft step raise tokens per second?) and
+`verify_cut` (how many drafts to verify). The policy itself runs the same two rules on its live
+state, so there is one implementation of each.
 
 A plan and its table never change once built (tuples, and a list and an array nothing writes
 to), so one thread may build the next plan while another reads the current one: this is what
@@ -20,14 +21,30 @@ from typing import Sequence
 
 import numpy as np
 
-from online_spec.controller.acceptance import CalibrationTable, confidence_array, small_rows
+from online_spec.controller.acceptance import SMALL_BATCH, CalibrationTable, confidence_array, small_rows
+
+PADDED_PYTHON = 128  # confidences up to which a padded verify cut runs on Python floats (B 16 x K 8)
 
 
-def continue_pays(terms: tuple, p_last: float) -> bool:
-    """After s drafts, the last accepted with calibrated probability `p_last`: is one more draft
-    predicted to raise tokens per second? terms: (t_now, t_next - t_now, E and survival through
-    the first s - 1 drafts, a_{s+1}) (`CostModelPolicy._continue_terms`). The next draft adds
-    P(drafts 1..s accepted) * a_{s+1} tokens per request and costs t_next - t_now."""
+def continue_on(terms: tuple | None, draft_confidence, calib: CalibrationTable) -> bool:
+    """After s drafts, the last with `draft_confidence` (a value, or one per request: their mean
+    calibrated value p_last): is one more draft predicted to raise tokens per second? terms:
+    (t_now, t_next - t_now, E and survival through the first s - 1 drafts, a_{s+1})
+    (`CostModelPolicy._continue_terms`), None where one more draft never pays. The next draft
+    adds P(drafts 1..s accepted) * a_{s+1} tokens per request and costs t_next - t_now.
+
+    A list of up to `SMALL_BATCH` confidences (the engine's per-step probabilities) is binned
+    inline: inside an engine round every call runs on cold caches, each costing microseconds."""
+    if terms is None:
+        return False
+    if type(draft_confidence) is list and 0 < len(draft_confidence) <= SMALL_BATCH:
+        tbl, n = calib.lookup, len(calib.values)
+        p_last = sum([tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]
+                      for c in draft_confidence]) / len(draft_confidence)  # `CalibrationTable.mean`, inline
+    elif isinstance(draft_confidence, (int, float)):
+        p_last = calib(draft_confidence)
+    else:
+        p_last = calib.mean(draft_confidence)
     t_now, t_more, expected, surv, a_next = terms
     surv *= p_last
     expected += surv
@@ -44,17 +61,58 @@ def padded_cut(gain: list[float], full: list[int], draft_s: float, base: float, 
     sum over requests of the survivals S_rm, 0 past a row's last draft); full: each row's
     drafts; base, per_token: the verify line of `CostModel.verify_terms`; v_extra: a verify
     of drafts (L > 0) costs that much more than the line."""
+    return best_common_length(gain, full, padded_seconds(len(gain), draft_s, base, per_token, v_extra))
+
+
+def padded_seconds(k: int, draft_s: float, base: float, per_token: float, v_extra: float = 0.0) -> list[float]:
+    """seconds[L], L = 0..k: the round's seconds when every request verifies L of its k drafts
+    (draft seconds + verify(b, L), floored at 1e-12), what `best_common_length` divides by."""
+    out = []
+    for n in range(k + 1):
+        v = base + per_token * (n + 1) + (v_extra if n else 0.0)
+        out.append(max(draft_s + (v if v > 0.0 else 0.0), 1e-12))
+    return out
+
+
+def best_common_length(gain: list[float], full: list[int], seconds: list[float]) -> list[int]:
+    """`padded_cut` given the round's seconds per common length (`padded_seconds`)."""
     best_n, best_rate, tokens = 0, -1.0, float(len(full))
     for n in range(len(gain) + 1):
         if n:
             tokens += gain[n - 1]
-        v = base + per_token * (n + 1) + (v_extra if n else 0.0)
-        rate = tokens / max(draft_s + (v if v > 0.0 else 0.0), 1e-12)
+        rate = tokens / seconds[n]
         if rate >= best_rate:
             best_n, best_rate = n, rate
     if best_n <= min(full):  # the usual case: every row drafted at least L
         return [best_n] * len(full)
     return [min(best_n, m) for m in full]
+
+
+def padded_cut_rows(rows: list[list[float]], lookup: list[float], bins: int, seconds: Sequence[float]) -> list[int]:
+    """`padded_cut` of Python rows of confidences, k = len(seconds) - 1 drafts at most: the gain
+    of draft m + 1 is gain[m] = sum_r S_rm, the survival S_rm = prod_{j<=m} p(conf_rj) with p the
+    calibration (`CalibrationTable.lookup`; rows end at their length), summed over the rows in
+    order, as numpy's column sums of the [B, k] survivals add them; seconds: `padded_seconds`."""
+    gain, full = [0.0] * (len(seconds) - 1), []
+    for row in rows:
+        full.append(len(row))
+        sv = 1.0
+        for m, c in enumerate(row):
+            sv *= lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]  # the bin, inline
+            gain[m] += sv
+    return best_common_length(gain, full, seconds)
+
+
+def padded_rows(confidences) -> list[list[float]] | None:
+    """The confidences of a padded verify cut as Python rows, or None for numpy's turn: up to
+    `PADDED_PYTHON` confidences, and a one-draft batch up to `SMALL_BATCH` (numpy sums a single
+    column in blocks of eight, rows in order otherwise, and the cut must add as it does)."""
+    if isinstance(confidences, np.ndarray) and confidences.ndim == 2:
+        b, k = confidences.shape
+        if b * k > PADDED_PYTHON or (k == 1 and b > SMALL_BATCH):
+            return None
+        return confidences.tolist()
+    return small_rows(confidences)
 
 
 def verify_cut(confidences, calib: CalibrationTable, terms: tuple, verify_token_s: float, *,
@@ -69,7 +127,7 @@ def verify_cut(confidences, calib: CalibrationTable, terms: tuple, verify_token_
     engine's batch is rectangular), so a request cut shorter than the longest saves nothing
     and only loses drafts; then one common length is chosen for the whole batch
     (`padded_cut`). Per-request lengths pay only where the verify packs ragged rows."""
-    rows = small_rows(confidences) if padded else None  # a small padded batch: Python floats
+    rows = padded_rows(confidences) if padded else None  # a padded batch up to B 16 x K 8: Python floats
     if rows is not None:
         full = [len(r) for r in rows]
         b, k = len(rows), max(full, default=0)
@@ -84,14 +142,7 @@ def verify_cut(confidences, calib: CalibrationTable, terms: tuple, verify_token_
     step_s, base, per_token, d_extra, v_extra = terms
     draft_s = max(0.0, k * step_s + d_extra)  # already spent, part of the round
     if rows is not None:
-        # gain[m] = sum_r S_rm, the survival S_rm = prod_{j<=m} p(conf_rj) (rows end at their length)
-        tbl, n, gain = calib.lookup, calib.bins, [0.0] * k
-        for row in rows:
-            sv = 1.0
-            for m, c in enumerate(row):
-                sv *= tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]  # the bin, inline
-                gain[m] += sv
-        return padded_cut(gain, full, draft_s, base, per_token, v_extra)
+        return padded_cut_rows(rows, calib.lookup, calib.bins, padded_seconds(k, draft_s, base, per_token, v_extra))
     # survival S_rm = prod_{j<=m} p(conf_rj), 0 past a row's last draft
     surv = calib.calibrated(conf).cumprod(axis=1)  # the method: np.cumprod's dispatch costs ~1 us more
     if lens is not None:
@@ -119,6 +170,14 @@ def verify_cut(confidences, calib: CalibrationTable, terms: tuple, verify_token_
     return (surv >= flat[best_m - 1]).sum(axis=1).tolist()
 
 
+def plan_seconds(terms: tuple, depth: int) -> tuple:
+    """seconds[k][L] (`padded_seconds`) of a round that drafted k = 0..depth, from its round
+    terms: the padded verify cut of a plan divides by them without recomputing the line."""
+    step_s, base, per_token, d_extra, v_extra = terms
+    return tuple(tuple(padded_seconds(k, max(0.0, k * step_s + d_extra), base, per_token, v_extra))
+                 for k in range(depth + 1))
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """The cost policy's decisions for one batch size, from the rounds it had learnt from when
@@ -129,24 +188,31 @@ class BatchPlan:
     steps: int
     """K for the round (`choose_steps`), before the probe schedule."""
     stops: tuple
-    """stops[s - 1]: the `continue_pays` terms after s drafts, or None where one more never pays."""
+    """stops[s - 1]: the `continue_on` terms after s drafts, or None where one more never pays."""
     calib: CalibrationTable
     terms: tuple
     """`CostModel.round_terms` of this batch size and context."""
     verify_token_s: float
     plain_round_s: float
     """Predicted seconds of a round at K = 0 (what the drift monitor compares drafting with)."""
+    seconds: tuple = ()
+    """`plan_seconds(terms, depth)`: the padded verify cut's round seconds per K drafted and
+    length kept (a K beyond them takes `verify_cut`'s own arithmetic)."""
 
     def should_continue(self, step_index: int, draft_confidence: float | Sequence[float]) -> bool:
         """`CostModelPolicy.should_continue` on this plan (outside a probe round)."""
-        terms = self.stops[step_index - 1] if step_index <= len(self.stops) else None
-        if terms is None:
-            return False
-        p_last = self.calib(draft_confidence) if isinstance(draft_confidence, (int, float)) \
-            else self.calib.mean(draft_confidence)
-        return continue_pays(terms, p_last)
+        stops = self.stops
+        return continue_on(stops[step_index - 1] if step_index <= len(stops) else None, draft_confidence,
+                           self.calib)
 
     def verify_lengths(self, confidences, *, padded: bool = False, keep_all: bool = False) -> list[int]:
-        """`CostModelPolicy.verify_lengths` on this plan."""
+        """`CostModelPolicy.verify_lengths` on this plan: a padded cut of up to `PADDED_PYTHON`
+        confidences reads the plan's round seconds (`best_common_length`), any other `verify_cut`."""
+        if padded and not keep_all and self.verify_token_s > 0 and isinstance(confidences, np.ndarray) \
+                and confidences.ndim == 2:  # the engine's [B, K] array
+            b, k = confidences.shape
+            if b and 0 < k < len(self.seconds) and b * k <= PADDED_PYTHON and (k > 1 or b <= SMALL_BATCH):
+                calib = self.calib  # the rows `padded_rows` gives, without its call
+                return padded_cut_rows(confidences.tolist(), calib.lookup, len(calib.values), self.seconds[k])
         return verify_cut(confidences, self.calib, self.terms, self.verify_token_s, padded=padded,
                           keep_all=keep_all)
