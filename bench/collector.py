@@ -61,8 +61,13 @@ class CollectorBenchConfig:
     serving_repeats: int = doc("paired repeats of the engine-overhead run (the median ratio reported)", 5)
     serving_waves: int = doc("waves of `batch` requests in one timed arm of the engine-overhead run", 4)
     serving_device: str = doc("device of the engine-overhead run (cpu, cuda)", "cpu")
+    serving_reader: str = doc("the reader in the engine-overhead run: 'subscriber' (decode and reassembly, what "
+                              "the trainer runs, in another process) or 'socket' (frames received and counted, "
+                              "nothing decoded: the serving process's side of the cost alone)", "subscriber")
 
     def __post_init__(self) -> None:
+        check(self.serving_reader in ("subscriber", "socket"), "serving_reader",
+              f"must be 'subscriber' or 'socket', got {self.serving_reader!r}")
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
         check(self.max_rows >= 1, "max_rows", f"{self.max_rows} < 1")
         check(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1")
@@ -240,7 +245,8 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
         for i in range(cfg.serving_repeats):
             parent, child = ctx.Pipe()
             with CapturePublisher(pub_cfg) as pub:
-                proc = ctx.Process(target=_live_subscriber, args=(pub.endpoint, child), daemon=True)
+                reader = _live_subscriber if cfg.serving_reader == "subscriber" else _socket_reader
+                proc = ctx.Process(target=reader, args=(pub.endpoint, child), daemon=True)
                 proc.start()
                 try:
                     if not (parent.poll(120) and parent.recv() == "ready" and pub.wait_for_subscriber(30)):
@@ -278,6 +284,29 @@ def _live_subscriber(endpoint: str, conn) -> None:
     stats = sub.stats()
     sub.close(flush=True)
     conn.send({"records": stats["records"], "malformed": stats["malformed"]})
+
+
+def _socket_reader(endpoint: str, conn) -> None:
+    """Child process: a bare SUB socket that receives every message and counts it, decoding
+    nothing (`serving_reader` 'socket')."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    conn.send("ready")
+    messages, stopping = 0, False
+    while True:
+        if sock.poll(200 if stopping else 10):
+            sock.recv_multipart(copy=False)
+            messages += 1
+        elif stopping:  # told to stop, and nothing more in flight
+            break
+        stopping = stopping or conn.poll(0)
+    conn.recv()
+    sock.close(0)
+    ctx.term()
+    conn.send({"records": messages, "malformed": 0, "messages": messages})
 
 
 def _endpoint(cfg: CollectorBenchConfig, tmp: str) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from online_spec.cli import main
+from online_spec.config import ConfigError
 
 
 def test_bench_collector_writes_its_figures(tmp_path: Path):
@@ -32,3 +35,19 @@ def test_bench_collector_writes_its_figures(tmp_path: Path):
     assert abs(res["serving_overhead_pct"]["2"] - 100 * (1 - over["capture_ratio"])) < 1e-9
     assert over["publisher_stats"]["sent"] > 0 and over["subscriber_received"]["records"] > 0
     assert over["subscriber_received"]["malformed"] == 0
+
+
+def test_the_serving_overhead_with_a_bare_socket_reader(tmp_path: Path):
+    """--serving-reader socket: a reader that receives every frame and decodes nothing, so the
+    overhead is the serving process's side alone; every message the publisher sent arrives."""
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "collector", "--quick", "--hidden-size", "16", "--batch-size", "8",
+               "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0",
+               "--serving-batches", "[2]", "--serving-tokens", "4", "--serving-repeats", "1", "--serving-waves", "1",
+               "--serving-reader", "socket", "--json", str(out)])
+    assert rc == 0
+    over = json.loads(out.read_text())["serving_overhead"]["2"]
+    assert over["subscriber_received"]["messages"] > 0
+    assert over["subscriber_received"]["messages"] >= over["publisher_stats"]["sent"]
+    with pytest.raises(ConfigError, match="serving_reader"):
+        main(["bench", "collector", "--serving-reader", "pickle", "--json", str(out)])
