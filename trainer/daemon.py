@@ -228,8 +228,7 @@ class TrainerDaemon:
         # resting by choice (futile training) is not waiting traffic: no trainer_starved
         trainable = self.buffer.num_tokens >= self.cfg.min_buffer_tokens and not self.duty_cycle.resting()
         return self.starvation_watch.check(time.monotonic() if now is None else now, self.distiller.step,
-                                           trainable, self.publisher,
-                                           self.subscriber, self.state["live_version"])
+                                           trainable, self.publisher, self.subscriber, self.state["live_version"])
 
     def _usable(self, spans: list) -> list:
         """`spans` without those that do not fit the target (stored before they were checked)."""

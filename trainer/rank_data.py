@@ -137,7 +137,6 @@ class DataPipe:
         self.dropped_spans = 0  # a receiver: read spans that did not fit the target
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
-        self._started = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._guarded, daemon=True, name=f"data-pipe-{rank}")
         self._thread.start()
@@ -152,10 +151,6 @@ class DataPipe:
             except queue.Empty:
                 if not self._thread.is_alive():
                     raise RuntimeError(f"the data pipe of rank {self.rank} stopped: {self.error!r}")
-
-    def started(self, timeout_s: float | None = None) -> bool:
-        """Whether the start (rank 0: which ranks read the buffer) is done."""
-        return self._started.wait(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._stop.set()
@@ -219,7 +214,6 @@ class DataPipe:
         held: deque = deque()
         try:
             self._probe_ranks()
-            self._started.set()
             while not self._stop.is_set():
                 if d.buffer.num_tokens < self.min_tokens:
                     self._stop.wait(self.idle_s)
@@ -260,7 +254,6 @@ class DataPipe:
                 self._put((batch, dealt[0], dealt, {k: round(1e3 * v, 2) for k, v in timing.items()},
                            sum(len(named) for _, named in deal)))
         finally:
-            self._started.set()
             while held:
                 d.buffer.release(held.popleft())
             for r in range(1, self.world):
@@ -268,7 +261,6 @@ class DataPipe:
 
     def _receive(self) -> None:
         reader = self._answer_probe()
-        self._started.set()
         while True:
             t0 = time.perf_counter()
             kind, packed, spans, where = recv_packed(self.group)
