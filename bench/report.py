@@ -97,7 +97,8 @@ def round_costs(result: SessionResult) -> dict:
     """Where a served round's wall time goes, by K: inside the engine's step (draft, of it the
     long draft-cache catch-ups, verify, admission: the new prompts' prefills, the rest: release,
     decision) and outside it (`gap`: from the end of one round to the start of the next, the
-    server's own work between rounds: hooks, delivery, waiting for requests). Medians and means
+    server's own work between rounds: hooks, delivery, waiting for requests); `policy`: the step
+    policy's calls on the engine's thread (`RoundStats.policy_s`, inside the others). Medians and means
     in ms over consecutive rounds (a mean above its median: rare long rounds); `busy_share`: the
     engine's steps' share of the serving wall time. `one_off`: seconds of the whole run spent in
     prefills, in long catch-ups, and in rounds that captured a CUDA graph (`capture_rounds_s`,
@@ -109,7 +110,7 @@ def round_costs(result: SessionResult) -> dict:
     by_k: dict[str, dict[str, list[float]]] = {}
     for prev, r in zip(rounds, rounds[1:]):
         parts = by_k.setdefault(str(r["num_steps"]), {"round": [], "draft": [], "catchup": [], "verify": [],
-                                                      "admit": [], "other": [], "gap": []})
+                                                      "admit": [], "other": [], "gap": [], "policy": []})
         parts["round"].append(r["total_s"])
         parts["draft"].append(r["draft_s"])
         parts["catchup"].append(r.get("catchup_s", 0.0))
@@ -117,6 +118,7 @@ def round_costs(result: SessionResult) -> dict:
         parts["admit"].append(r.get("admit_s", 0.0))
         parts["other"].append(r["total_s"] - r["draft_s"] - r["verify_s"] - r.get("admit_s", 0.0))
         parts["gap"].append(max(0.0, r["t"] - prev["t"] - r["total_s"]))
+        parts["policy"].append(r.get("policy_s", 0.0))
     out = {k: {"rounds": len(v["round"]),
                **{f"{n}_ms_{stat}": round(1e3 * fn(xs), 3) for n, xs in v.items()
                   for stat, fn in (("p50", lambda xs: percentile(xs, 50)), ("mean", _mean))}}

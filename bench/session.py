@@ -135,7 +135,7 @@ class RoundLog:
             "t": now, "batch_size": stats.batch_size, "num_steps": stats.num_steps,
             "accepted": list(stats.accepted), "committed": stats.committed, "total_s": stats.total_s,
             "draft_s": stats.draft_s, "verify_s": stats.verify_s, "catchup_s": stats.catchup_s,
-            "admit_s": stats.admit_s, "admitted": stats.admitted,
+            "admit_s": stats.admit_s, "admitted": stats.admitted, "policy_s": stats.policy_s,
             "captures": stats.draft_captures + stats.verify_captures,
             "head_version": stats.head_version, "request_ids": [o.request_id for o in outs], "tags": list(tags)})
         if self.last_version is not None and stats.head_version != self.last_version:

@@ -3,7 +3,9 @@
 Runs SmolLM2 (fp32, 2 threads) with the shipped head at batch B (env B, default 1), 48 tokens of
 held-out ShareGPT prompts, with the cost policy (fixed round-time coefficients of this CPU's order;
 the decisions matter less than their cost) bare and behind `PlannedPolicy`, twice each,
-alternating; prints per call the median microseconds and per round the mean. Nothing is written.
+alternating; prints per round the engine's own timing of the policy's calls (`RoundStats.policy_s`,
+mean and median), then, through a per-call wrapper, each call's median microseconds. Nothing is
+written.
 
     python scripts/policy_call_costs.py          # batch 1
     B=4 python scripts/policy_call_costs.py
@@ -51,11 +53,25 @@ def make():
     ad = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]}})
     return CostModelPolicy(ad, cost_model=CostModel.with_coefficients((0.006, 0.0005, 0, 0.004, 0), (0.05, 0.002, 0.0006, 0, 0.002)))
 
-for label, pol in (("bare", make()), ("planned", PlannedPolicy(make())), ("bare", make()), ("planned", PlannedPolicy(make()))):
-    rec = Rec(pol)
+def run(label, pol, wrapped):
+    rec = Rec(pol) if wrapped else pol
     eng = Engine(target, head, EngineConfig(max_batch=B, max_len=512, max_steps=5), policy=rec)
+    own = []  # the engine's own timing of the policy's calls (`RoundStats.policy_s`), no wrapper
+    eng.on_round.append(lambda stats, outs: own.append(stats.policy_s * 1e6))
     eng.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
-    n = len(rec.ns["update"])
-    per = {k: round(statistics.median(v) / 1000, 1) for k, v in rec.ns.items()}
-    tot = {k: round(sum(v) / 1000 / n, 1) for k, v in rec.ns.items()}
-    print(label, "B", B, "rounds", n, "median us per call", per, "per round (mean)", tot, "sum", round(sum(tot.values()), 1), flush=True)
+    line = f"{label} {'wrapped' if wrapped else 'engine'} B {B} rounds {len(own)} engine-timed us a round: " \
+           f"mean {statistics.fmean(own):.1f} median {statistics.median(own):.1f}"
+    if wrapped:
+        n = len(rec.ns["update"])
+        per = {k: round(statistics.median(v) / 1000, 1) for k, v in rec.ns.items()}
+        tot = {k: round(sum(v) / 1000 / n, 1) for k, v in rec.ns.items()}
+        line += f" | wrapper: median us per call {per} per round (mean) {tot} sum {round(sum(tot.values()), 1)}"
+    print(line, flush=True)
+
+# the engine's own timing, unwrapped, alternating bare / planned; then once each through the
+# per-call wrapper (its own frames cost ~5 us a call on the engine's cold caches)
+for label, make_pol in (("bare", make), ("planned", lambda: PlannedPolicy(make()))) * 2:
+    run(label, make_pol(), wrapped=False)
+if os.environ.get("PER_CALL", "1") == "1":
+    for label, make_pol in (("bare", make), ("planned", lambda: PlannedPolicy(make()))):
+        run(label, make_pol(), wrapped=True)

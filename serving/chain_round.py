@@ -12,6 +12,8 @@ committed token, drafts], stays in `Engine.step`.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from online_spec.capture import CaptureRound, RoundRow
@@ -76,9 +78,13 @@ class ChainRounds:
                         q_full[b][j] = q
             tok_steps.append(step_tok)
             prob_steps.append(step_prob)
-            if j + 1 < K and stops and not self.policy.should_continue(j + 1, step_prob, B, ctx):
-                q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
-                break
+            if j + 1 < K and stops:
+                tp = time.perf_counter_ns()
+                go = self.policy.should_continue(j + 1, step_prob, B, ctx)
+                self._policy_ns += time.perf_counter_ns() - tp
+                if not go:
+                    q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
+                    break
         drafts = torch.tensor(tok_steps, dtype=torch.long).T.contiguous()  # [B, steps drafted]
         # float32, as the probabilities were computed: the policy read the same values
         probs = torch.tensor(prob_steps, dtype=torch.float32).T.contiguous()

@@ -84,6 +84,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self._spare_cache = None
         self._filled = 0
         self._catchup_s = 0.0  # this round's long catch-ups (RoundStats.catchup_s)
+        self._policy_ns = 0  # this round's policy calls on the engine thread (RoundStats.policy_s)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.on_round: list[Callable[[RoundStats, list[RequestOutput]], None]] = []
@@ -215,6 +216,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         tlen = [self.tcache.lengths[b] for b in range(B)]
         ctx = sum(tlen) // B
         room = self.cfg.max_len - max(tlen) - 2
+        tp = time.perf_counter_ns()  # the policy's calls are timed where they are made (RoundStats.policy_s)
         K = 0 if self.head is None else max(0, min(self.policy.steps_for(B, ctx), self.cfg.max_steps, room))
 
         shape: TreeShape | None = None  # this round's tree, or None for a chain of K
@@ -225,7 +227,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             while K > 0 and self.cfg.tree_shape(K).footprint > room:
                 K -= 1
             shape = self.cfg.tree_shape(K) if K > 0 else None
-        t1 = time.perf_counter()
+        t1, self._policy_ns = time.perf_counter(), time.perf_counter_ns() - tp
         tl.mark("decide")
         captures = [self._captures()]
         self._catchup_s = 0.0
@@ -261,7 +263,9 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             drafted = K
             confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
             if K > 0 and self.policy.truncates and self.cuts:
+                tp = time.perf_counter_ns()
                 lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
+                self._policy_ns += time.perf_counter_ns() - tp
                 K = max(lens)
                 drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
                 confidences = confidences[:, :K]
@@ -298,8 +302,11 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         # learns steady round times: one-off work (long catch-ups, graph captures) would read as
         # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
         if self.head is not None:
+            tp = time.perf_counter_ns()
             self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=stats.steady_draft_s,
                                verify_s=stats.steady_verify_s, confidences=confidences, tree=shape)
+            self._policy_ns += time.perf_counter_ns() - tp
+        stats.policy_s = self._policy_ns * 1e-9
         if self.publisher is not None and records:
             self.publisher.submit(records)
         for hook in self.on_round:

@@ -80,6 +80,7 @@ class RoundStats:
     num_draft_tokens: int = 0  # tokens verified per request, the root included (a chain: num_steps + 1)
     admitted: int = 0  # requests admitted (prefilled) at the start of this round
     admit_s: float = 0.0  # of total_s: their prefills (the target over each new prompt)
+    policy_s: float = 0.0  # the step policy's calls on the engine's thread this round (its decision cost)
 
     @property
     def steady_draft_s(self) -> float | None:

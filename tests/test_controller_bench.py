@@ -298,3 +298,60 @@ def test_a_round_with_a_graph_capture_teaches_no_time():
     verified = RoundStats(**base, verify_captures=1)
     assert verified.steady_verify_s is None and verified.steady_draft_s == pytest.approx(0.012)
     assert RoundTiming.of_round(drafted) is None and RoundTiming.of_round(verified) is None
+
+
+class _SlowPolicy(_RecordingPolicy):
+    """`_RecordingPolicy` with an early stop and a verify cut, each call sleeping `pause` seconds
+    and counted."""
+
+    early_stop = truncates = True
+
+    def __init__(self, schedule, pause):
+        super().__init__(schedule)
+        self.pause, self.calls = pause, []
+
+    def _call(self, name):
+        self.calls[-1] += 1
+        time.sleep(self.pause)
+
+    def steps_for(self, batch_size, ctx_len=0):
+        self.calls.append(0)
+        self._call("steps_for")
+        return super().steps_for(batch_size, ctx_len)
+
+    def should_continue(self, step_index, draft_confidence, batch_size, ctx_len=0):
+        self._call("should_continue")
+        return True
+
+    def verify_lengths(self, confidences, ctx_len=0, *, padded=False):
+        self._call("verify_lengths")
+        return [len(row) for row in confidences]
+
+    def update(self, batch_size, accepted, **kw):
+        self._call("update")
+        self.fed.append(kw)
+        return 0
+
+
+def test_round_stats_time_the_policys_calls_on_the_engine_thread(tiny8):
+    """`RoundStats.policy_s` sums every policy call of the round where the engine makes it
+    (steps_for, each early-stop check, the verify cut, update): calls that each sleep 20 ms
+    give at least 50 ms per call of that round and less than one call more (what else runs
+    between them takes milliseconds on this target); a round with no head calls nothing."""
+    target, head = tiny8
+    pause = 0.05
+    policy = _SlowPolicy([3, 2, 0, 3], pause)
+    engine = Engine(target, head, EngineConfig(max_batch=2, max_len=128, max_steps=3, in_round_cuts="on"),
+                    policy=policy)
+    rounds = []
+    engine.on_round.append(lambda stats, outs: rounds.append(stats))
+    engine.generate(random_prompts(2, 10, seed=3), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(rounds) == len(policy.calls) >= 4
+    assert sorted(set(policy.calls[:4])) == [2, 4, 5]  # K = 0: steps_for, update; K = 2 / 3: checks, the cut
+    for stats, calls in zip(rounds, policy.calls):
+        assert calls * pause <= stats.policy_s < (calls + 1) * pause, (stats.num_steps, calls)
+        assert stats.policy_s < stats.total_s + pause + 0.01  # update runs after the round's clock stops
+    plain = Engine(target, None, EngineConfig(max_batch=2, max_len=128, num_steps=0))
+    plain.on_round.append(lambda stats, outs: rounds.append(stats))
+    plain.generate(random_prompts(1, 10, seed=4), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert rounds[-1].policy_s < pause

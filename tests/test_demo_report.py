@@ -184,6 +184,8 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
     for r in res.rounds[4:6]:
         r.update(admit_s=0.002, admitted=1)
     res.rounds[15]["captures"] = 1
+    for r in res.rounds[10:]:  # the K = 2 rounds' policy calls (a round log without them: 0)
+        r["policy_s"] = 0.0002
     costs = round_costs(res)
     plain, spec = costs["by_k"]["0"], costs["by_k"]["2"]
     assert plain["admit_ms_mean"] == round(1e3 * 2 * 0.002 / 9, 3) and plain["admit_ms_p50"] == 0.0
@@ -194,6 +196,7 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
     assert plain["round_ms_p50"] == 5.0 and plain["gap_ms_p50"] == 2.0 and plain["other_ms_p50"] == 1.0
     assert spec["round_ms_p50"] == 10.0 and spec["draft_ms_p50"] == 3.0 and spec["verify_ms_p50"] == 5.0
     assert spec["gap_ms_p50"] == 15.0 and spec["gap_ms_mean"] == 15.0 and spec["catchup_ms_mean"] == 0.0
+    assert spec["policy_ms_p50"] == 0.2 and plain["policy_ms_mean"] == 0.0
     busy = (10 * 0.005 + 10 * 0.010) / (9 * 0.007 + 10 * 0.025 + 0.005)
     assert abs(costs["busy_share"] - busy) < 1e-3
     res.rounds = [{k: v for k, v in r.items() if k != "draft_s"} for r in res.rounds]  # older round logs
