@@ -255,23 +255,25 @@ def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
         raise WireError(f"unknown token_dtype {tname!r}")
     fdt, tdt = FLOAT_DTYPES[fname], TOKEN_DTYPES[tname]
     shapes = row_shapes(rows, hidden)
+    # numpy end to end, one torch tensor per array at the end: each torch call costs the
+    # trainer's reader microseconds of dispatch, and on 2 cores its time is the engine's
     parts = {
-        "tokens": _tensor(bufs[1], tdt, shapes["tokens"], "tokens"),
-        "features": _tensor(bufs[2], fdt, shapes["features"], "features"),
-        "final_hidden": _tensor(bufs[3], fdt, shapes["final_hidden"], "final_hidden"),
-        "draft_tokens": _tensor(bufs[4], torch.int32, (steps,), "draft_tokens"),
-        "draft_probs": _tensor(bufs[5], torch.float32, (steps,), "draft_probs"),
+        "tokens": _array(bufs[1], tdt, shapes["tokens"], "tokens"),
+        "features": _array(bufs[2], fdt, shapes["features"], "features"),
+        "final_hidden": _array(bufs[3], fdt, shapes["final_hidden"], "final_hidden"),
+        "draft_tokens": _array(bufs[4], torch.int32, (steps,), "draft_tokens"),
+        "draft_probs": _array(bufs[5], torch.float32, (steps,), "draft_probs"),
     }
     request_id = _get_str(meta, "request_id", nonempty=True)
-    _check_values(parts, request_id)
+    _check_arrays(parts, fdt, request_id)
     record = CaptureRecord(
         request_id=request_id,
         first_pos=_get_int(meta, "first_pos", *META_BOUNDS["first_pos"]),
-        tokens=parts["tokens"].to(torch.int64),
-        features=parts["features"],
-        final_hidden=parts["final_hidden"],
-        draft_tokens=parts["draft_tokens"].to(torch.int64),
-        draft_probs=parts["draft_probs"],
+        tokens=torch.from_numpy(parts["tokens"].astype(np.int64)),
+        features=_floats(parts["features"], fdt),
+        final_hidden=_floats(parts["final_hidden"], fdt),
+        draft_tokens=torch.from_numpy(parts["draft_tokens"].astype(np.int64)),
+        draft_probs=torch.from_numpy(parts["draft_probs"]),
         accept_len=_get_int(meta, "accept_len", 0, steps),
         num_steps=steps,
         batch_size=_get_int(meta, "batch_size", *META_BOUNDS["batch_size"]),
@@ -406,38 +408,48 @@ def _get_str(meta: dict, key: str, nonempty: bool = False) -> str:
     return v
 
 
-def _tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> torch.Tensor:
+
+
+# torch dtype -> the numpy dtype its bytes are read as (numpy has no bfloat16: its bits, int16)
+_NUMPY_OF = {torch.bfloat16: np.int16, torch.float16: np.float16, torch.float32: np.float32,
+             torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _array(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """The frame as a fresh writable numpy array of `dtype`'s bytes (`_NUMPY_OF`), owning its
+    memory (a copy: ZMQ's buffer is not ours)."""
     expected = math.prod(shape) * dtype.itemsize
     if buf.nbytes != expected:
         raise WireError(f"{name} frame has {buf.nbytes} bytes, expected {expected} for shape {list(shape)} {dtype}")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    # bytearray copies the frame: the tensor owns writable memory independent of ZMQ's buffer.
-    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype).reshape(shape)
+    return np.frombuffer(buf, dtype=_NUMPY_OF[dtype]).reshape(shape).copy()
+
+
+def _floats(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """`_array`'s floats as the torch tensor of `dtype` (bfloat16: a view of its int16 bits)."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def _check_arrays(parts: dict[str, np.ndarray], fdt: torch.dtype, request_id: str) -> None:
+    """`_check_values` on `_array`'s numpy arrays."""
+    mask = _EXPONENT_MASK.get(fdt)
+    for name in ("features", "final_hidden"):
+        a = parts[name]
+        if mask is not None:  # on the bit pattern: several times faster than isfinite on 16-bit floats
+            bits = a.view(np.int16)
+            bad = bool(((bits & mask) == mask).any())
+        else:
+            bad = not np.isfinite(a).all()
+        if bad:
+            raise WireError(f"record {request_id!r}: {name} has non-finite values (NaN/inf)")
+    p = parts["draft_probs"]
+    if p.size and not ((p >= 0) & (p <= 1)).all():  # NaN fails both comparisons
+        raise WireError(f"record {request_id!r}: draft_probs not finite or outside [0, 1]")
+    for name in ("tokens", "draft_tokens"):
+        t = parts[name]
+        if t.size and t.min() < 0:
+            raise WireError(f"record {request_id!r}: {name} has a negative token id")
 
 
 # Exponent bits of the 16-bit floats: all ones means inf or NaN.
 _EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    # On the bit pattern with numpy: several times faster than torch.isfinite on bf16 here.
-    mask = _EXPONENT_MASK.get(t.dtype)
-    if mask is None:
-        return bool(np.isfinite(t.numpy()).all())
-    bits = t.reshape(-1).view(torch.int16).numpy()
-    return not bool(((bits & mask) == mask).any())
-
-
-def _check_values(parts: dict[str, torch.Tensor], request_id: str) -> None:
-    for name in ("features", "final_hidden"):
-        if not _all_finite(parts[name]):
-            raise WireError(f"record {request_id!r}: {name} has non-finite values (NaN/inf)")
-    # The small arrays go through numpy: a torch op costs microseconds of dispatch each.
-    p = parts["draft_probs"].numpy()
-    if p.size and not ((p >= 0) & (p <= 1)).all():  # NaN fails both comparisons
-        raise WireError(f"record {request_id!r}: draft_probs not finite or outside [0, 1]")
-    for name in ("tokens", "draft_tokens"):
-        t = parts[name].numpy()
-        if t.size and t.min() < 0:
-            raise WireError(f"record {request_id!r}: {name} has a negative token id")
