@@ -17,7 +17,9 @@ not to mutate them after submitting), and sends each record's frames with `zmq.N
 the GIL, and each hand-over stalls the engine's thread: per-record encoding cost an H100 engine
 18 % of its tokens/s at batch 1 and 31 % at batch 16 (docs/collector.md). For the same reason,
 given the engine's host window (`follow_window`: a GPU engine's), the sender starts each round's
-work when the engine's thread next waits on the device (online_spec/host_window.py). An engine on
+work when the engine's thread next waits on the verify forward (the round's longest wait), and
+sends each further record only while it still waits, else in its next wait
+(online_spec/host_window.py). An engine on
 a CPU has the publisher encode and send on its own thread instead (`send_inline`), between
 forwards, where the work costs only its own time.
 
@@ -212,8 +214,9 @@ class CapturePublisher:
         self._queue.put_nowait(EndOfRequest(request_id, time.time()))
 
     def follow_window(self, window: HostWindow | None) -> None:
-        """Start each queued round's work when the engine's thread next waits on the device (at
-        most the window's `wait_s` later; online_spec/host_window.py)."""
+        """Start each queued round's work when the engine's thread next waits on the verify (at
+        most the window's `wait_s` later), and send a round's further records only inside such
+        waits (online_spec/host_window.py)."""
         self._window = window
 
     def send_inline(self, on: bool = True) -> None:
@@ -303,7 +306,7 @@ class CapturePublisher:
                     break
                 window = self._window
                 if window is not None:
-                    window.wait()
+                    window.wait(long=True)
                 self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)
                 self._deliver(item)
         finally:
@@ -339,7 +342,10 @@ class CapturePublisher:
         if not self._topics:
             self.dropped_no_subscriber += len(item)
             return
-        for frames in encode_round(item, self.cfg.wire_dtype):
+        window = None if self._inline else self._window
+        for i, frames in enumerate(encode_round(item, self.cfg.wire_dtype)):
+            if i and window is not None and not window.is_open():
+                window.wait(long=True)  # the engine's thread runs again: the next record in its next wait
             if isinstance(frames, WireError):
                 self.dropped_invalid += 1
                 self._warn("invalid", f"capture publisher: dropping an invalid record: {frames}")

@@ -11,8 +11,10 @@ same K 0.4-0.9 ms slower in each configuration that adds such a thread).
 The engine opens the window just before a blocking read-back and closes it just after
 (`waiting()`); a background thread calls `wait(timeout_s)` before a piece of work, so it runs it
 while the engine waits on the device. The timeout bounds the wait when no window opens (an idle
-engine, a CPU engine, which opens none: there the engine's read-backs do not wait). Work that
-is still running when the window closes goes on; only its start is placed.
+engine, a CPU engine, which opens none: there the engine's read-backs do not wait). A piece of
+work still running when the window closes goes on; a thread with several pieces checks
+`is_open()` between them and waits for the next window. Work longer than a draft read-back
+waits for a long window (`wait(long=True)`): the verify's read-back, the round's longest wait.
 
     window = HostWindow()
     with window.waiting():             # engine thread, around `x.cpu()`
@@ -35,20 +37,31 @@ class HostWindow:
     def __init__(self, wait_s: float = WAIT_S) -> None:
         self.wait_s = wait_s  # how long `wait()` waits for a window, at most
         self._open = threading.Event()
+        self._long = threading.Event()  # open, and the wait is the verify's (the round's longest)
         self.opened = 0  # windows opened so far (the engine's thread is the only writer)
 
     @contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self, long: bool = False) -> Iterator[None]:
+        """The engine's thread is about to block on the device; `long`: on the verify forward, the
+        round's longest wait (the draft chain's read-back lasts a fraction of it)."""
         self.opened += 1
         self._open.set()
+        if long:
+            self._long.set()
         try:
             yield
         finally:
+            self._long.clear()
             self._open.clear()
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Until a window is open (True) or `timeout_s` (default `wait_s`) passed (False)."""
-        return self._open.wait(self.wait_s if timeout_s is None else timeout_s)
+    def wait(self, timeout_s: float | None = None, long: bool = False) -> bool:
+        """Until a window (with `long`, a long one) is open (True) or `timeout_s` (default
+        `wait_s`) passed (False)."""
+        return (self._long if long else self._open).wait(self.wait_s if timeout_s is None else timeout_s)
+
+    def is_open(self) -> bool:
+        """Whether the engine's thread is blocked on the device now."""
+        return self._open.is_set()
 
 
 class FollowsHostWindow(Protocol):

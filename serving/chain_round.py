@@ -116,7 +116,7 @@ class ChainRounds:
         records, a `CaptureRound` of the sampled requests' committed rows, built off this thread."""
         B, T = len(reqs), feats.shape[1]
         accepted, rows, index, round_outs = [], [], [], []
-        greedy_choice = self._host(logits.argmax(-1)) if any(r.params.greedy for r in reqs) else None
+        greedy_choice = self._host(logits.argmax(-1), long=True) if any(r.params.greedy for r in reqs) else None
         for b, r in enumerate(reqs):
             n = lens[b]
             if r.params.greedy:

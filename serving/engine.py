@@ -67,8 +67,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.feat_buf = torch.zeros(S, L, 3 * info.hidden_size, dtype=target.dtype, device=target.device)
         self.graphs = CudaGraphs.for_engine(target, S, L, c.cuda_graphs)  # None on CPU
         self.cuts = c.cuts_on(target.device)  # ask the policy's in-round early stop / verify cut
-        # opened around the round's blocking read-backs; the publisher and a planned policy start
-        # their Python there (online_spec/host_window.py)
+        # around the blocking read-backs: the publisher and a planned policy run there (online_spec/host_window.py)
         self.window = HostWindow() if c.windows_on(target.device) else None
         self.publisher = publisher
         follow(self.policy, self.window)
@@ -317,11 +316,12 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         return outs + round_outs
 
     # -- pieces of a round ------------------------------------------------------------------
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` on the host: a blocking read-back on a GPU, inside a host window where the engine has one."""
+    def _host(self, t: torch.Tensor, long: bool = False) -> torch.Tensor:
+        """`t` on the host: a blocking read-back on a GPU, inside a host window where the engine
+        has one (`long`: the verify's read-back, the round's longest wait)."""
         if self.window is None:
             return t.cpu()
-        with self.window.waiting():
+        with self.window.waiting(long):
             return t.cpu()
 
     def _captures(self) -> int:

@@ -29,7 +29,8 @@ engine thread only reading a plan:
   learnt (planning inline on cold caches, and waiting for the worker, cost the engine's thread
   1-4 ms at each new batch size, as requests left a batch of 16 one by one).
 - Given the engine's host window (`follow_window`), the worker starts each queued round when
-  the engine's thread next waits on the device (at most the window's `wait_s` later), so its Python
+  the engine's thread next waits on the verify forward, the round's longest wait (at most the
+  window's `wait_s` later), so its Python
   does not take turns on the interpreter lock with the engine's; the engine's thread waiting
   for a plan opens the window itself.
 - `should_continue` / `verify_lengths` run the plan's rules (`continue_on`, and `verify_cut`
@@ -137,7 +138,7 @@ class _Learner:
             if item is _STOP:
                 return
             if self.window is not None:
-                self.window.wait()
+                self.window.wait(long=True)
             self.apply(item)
 
     def apply(self, item: tuple) -> None:
@@ -197,7 +198,7 @@ class _Learner:
             while not ready():
                 self.apply(self.items.popleft())
             return
-        window = self.window.waiting() if engine and self.window is not None else nullcontext()
+        window = self.window.waiting(long=True) if engine and self.window is not None else nullcontext()
         with window, self.cond:
             while not ready():
                 if not thread.is_alive():

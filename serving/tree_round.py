@@ -109,7 +109,7 @@ class TreeRounds:
             a, bonus, path, feats, final = out
             # one read-back (in a host window on a GPU): ids are exact in float32 (below 2^24)
             host = self._host(torch.cat([a[:, None].float(), bonus[:, None].float(), path.float(),
-                                         tokens.float(), parents.float(), depth.float(), probs], 1))
+                                         tokens.float(), parents.float(), depth.float(), probs], 1), long=True)
             head_cols = host[:, :2 + steps].long()
             tok_h, par_h, dep_h, prob_h = host[:, 2 + steps:].split(N, 1)
             paths = [head_cols[b, 2:2 + int(head_cols[b, 0])].tolist() for b in range(B)]
@@ -123,7 +123,7 @@ class TreeRounds:
                 logits, feats, final = self.target.forward(tokens, batch, self.tcache)  # [B, N, V]
             self.timeline.mark("verify")
             host = self._host(torch.cat([tokens.float(), parents.float(), depth.float(), probs,
-                                         logits.argmax(-1).float()], 1))
+                                         logits.argmax(-1).float()], 1), long=True)
             tok_h, par_h, dep_h, prob_h, choice_h = host.split(N, 1)
             host_tree = DraftTree(tok_h.long(), par_h.long(), dep_h.long(), prob_h)
             kids, tok_l, choice_l = host_tree.children(), host_tree.tokens.tolist(), choice_h.long().tolist()

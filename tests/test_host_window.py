@@ -76,12 +76,46 @@ def test_the_publisher_sends_a_round_only_inside_a_window(tmp_path):
         pub.submit(first)
         time.sleep(0.5)
         assert pub.stats()["sent"] == 0  # queued, waiting for the engine's next device wait
-        with window.waiting():
+        with window.waiting():  # a short wait (the draft chain's read-back) does not start it
+            time.sleep(0.3)
+            assert pub.stats()["sent"] == 0
+        with window.waiting(long=True):  # the verify's does
             assert pub.drain(10.0)
         assert pub.stats()["sent"] == len(first)
         pub.follow_window(None)
         pub.submit(second)
         assert pub.drain(10.0) and pub.stats()["sent"] == len(first) + len(second)  # no window: at once
+
+
+class _ScriptedWindow(HostWindow):
+    """A window that is never open and whose waits return at once, each recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+    def wait(self, timeout_s=None, long=False):
+        self.waits.append(long)
+        return True
+
+    def is_open(self):
+        return False
+
+
+def test_the_publisher_sends_a_rounds_later_records_only_in_later_windows(tmp_path):
+    """Once the engine's thread runs again (its window closed), the sender waits for its next
+    long wait before each further record of the round, rather than take turns with it."""
+    rounds = request_records("r1", 2)  # a prefill record and two verify records
+    with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap.sock")) as pub, \
+            CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
+        assert pub.wait_for_subscriber(10.0)
+        window = _ScriptedWindow()
+        pub.follow_window(window)
+        time.sleep(0.15)  # the sender is back at its queue, now following the window
+        window.waits.clear()
+        pub.submit(rounds)  # one round of three records
+        assert pub.drain(10.0) and pub.stats()["sent"] == 3
+        assert window.waits == [True, True, True]  # the round's start, then before records 2 and 3
 
 
 def test_engine_windows_change_nothing_but_where_the_workers_run():
