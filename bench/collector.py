@@ -17,7 +17,9 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         arms back to back (off then on, then on then off in the next repeat, so a drift of the
         machine's speed falls on both), each arm `serving_waves` waves of `batch` requests;
         `capture_ratio` = the median over repeats of on / off (the paired ratio),
-        `serving_overhead_pct` = 100 x (1 - capture_ratio) per batch size
+        `serving_overhead_pct` = 100 x (1 - capture_ratio) per batch size; `reader_cpu_share`:
+        the reader process's CPU seconds while connected over the capture-on arm's wall (the
+        share of a core it takes from the engine's: on 2 cores, capture's cost beside serving's)
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -231,17 +233,20 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
         # CUDA graph captures (tens of ms each on a GPU) in both arms and drown the difference
         eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=cfg.serving_steps))
 
+        walls = []  # the capture-on arms' seconds
+
         def run_decode(pub: CapturePublisher | None) -> float:
             eng.publisher = pub
             t0 = time.perf_counter()
             n = sum(len(o) for o in eng.generate(ps, sp))
             if pub is not None:
                 pub.drain(60)
+                walls.append(time.perf_counter() - t0)
             eng.publisher = None
             return n / (time.perf_counter() - t0)
 
         run_decode(None)  # warm-up
-        without, with_pub, stats = [], [], {}
+        without, with_pub, stats, reader_cpu = [], [], {}, []
         for i in range(cfg.serving_repeats):
             parent, child = ctx.Pipe()
             with CapturePublisher(pub_cfg) as pub:
@@ -264,12 +269,18 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
                     proc.join(10)
                     if proc.is_alive():
                         proc.kill()
+                reader_cpu.append((received or {}).get("cpu_s"))
         ratios = [c / b for b, c in zip(without, with_pub)]
         ratio = statistics.median(ratios)
+        # the reader's CPU seconds while connected (its idle polling in the capture-off arm included)
+        # over the capture-on arm's wall: the share of a core it took from the engine's cores
+        shares = [c / w for c, w in zip(reader_cpu, walls) if c is not None and w > 0]
         out[str(batch)] = {"tokens_per_s_capture_off": statistics.median(without),
                            "tokens_per_s_capture_on": statistics.median(with_pub),
                            "tokens_per_s_off_runs": without, "tokens_per_s_on_runs": with_pub,
                            "capture_ratios": [round(r, 4) for r in ratios], "capture_ratio": ratio,
+                           "reader_cpu_share": statistics.median(shares) if shares else None,
+                           "reader_cpu_shares": [round(x, 4) for x in shares],
                            "overhead_pct": 100.0 * (1.0 - ratio), "publisher_stats": stats,
                            "subscriber_received": received}
     return out
@@ -279,11 +290,12 @@ def _live_subscriber(endpoint: str, conn) -> None:
     """Child process: a real subscriber that keeps up until told to stop."""
     sub = CaptureSubscriber(SubscriberConfig(endpoint=endpoint, recv_hwm=100_000, poll_ms=10), on_span=lambda s: None)
     sub.start()
+    cpu0 = time.process_time()  # this process's CPU from here: the reader's work on the stream
     conn.send("ready")
     conn.recv()
     stats = sub.stats()
     sub.close(flush=True)
-    conn.send({"records": stats["records"], "malformed": stats["malformed"]})
+    conn.send({"records": stats["records"], "malformed": stats["malformed"], "cpu_s": time.process_time() - cpu0})
 
 
 def _socket_reader(endpoint: str, conn) -> None:
@@ -296,6 +308,7 @@ def _socket_reader(endpoint: str, conn) -> None:
     sock.connect(endpoint)
     conn.send("ready")
     messages, stopping = 0, False
+    cpu0 = time.process_time()
     while True:
         if sock.poll(200 if stopping else 10):
             sock.recv_multipart(copy=False)
@@ -306,7 +319,7 @@ def _socket_reader(endpoint: str, conn) -> None:
     conn.recv()
     sock.close(0)
     ctx.term()
-    conn.send({"records": messages, "malformed": 0, "messages": messages})
+    conn.send({"records": messages, "malformed": 0, "messages": messages, "cpu_s": time.process_time() - cpu0})
 
 
 def _endpoint(cfg: CollectorBenchConfig, tmp: str) -> str:

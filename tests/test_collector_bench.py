@@ -35,6 +35,10 @@ def test_bench_collector_writes_its_figures(tmp_path: Path):
     assert abs(res["serving_overhead_pct"]["2"] - 100 * (1 - over["capture_ratio"])) < 1e-9
     assert over["publisher_stats"]["sent"] > 0 and over["subscriber_received"]["records"] > 0
     assert over["subscriber_received"]["malformed"] == 0
+    # the reader's CPU while connected over each capture-on arm's wall, one share per repeat
+    assert len(over["reader_cpu_shares"]) == 2 and over["subscriber_received"]["cpu_s"] > 0
+    assert over["reader_cpu_share"] == sum(over["reader_cpu_shares"]) / 2 or \
+        abs(over["reader_cpu_share"] - sum(over["reader_cpu_shares"]) / 2) < 1e-3
 
 
 def test_the_serving_overhead_with_a_bare_socket_reader(tmp_path: Path):
