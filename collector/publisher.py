@@ -305,26 +305,27 @@ class CapturePublisher:
                 if item is _STOP:
                     break
                 window = self._window
-                if window is not None:
-                    window.wait(long=True)
+                # in a window: the round's further records wait for the engine's next ones too; no
+                # window within `wait_s` (an idle engine, rounds with no verify read-back): none do
+                in_window = window is not None and window.wait(long=True)
                 self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)
-                self._deliver(item)
+                self._deliver(item, in_window)
         finally:
             with self._sock_lock:
                 self._sock.close()
 
-    def _deliver(self, item: list[CaptureRecord] | EndOfRequest) -> None:
+    def _deliver(self, item: list[CaptureRecord] | EndOfRequest, in_window: bool = False) -> None:
         """Send one item (the sender thread's, or the caller's when inline); never raises."""
         try:
             with self._sock_lock:
-                self._send_item(item)
+                self._send_item(item, in_window)
         except Exception:  # keep serving: one bad record must not stop the stream
             self.send_errors += 1
             log.exception("capture publisher: failed to send a message; continuing")
         finally:
             self._ends_done += isinstance(item, EndOfRequest)
 
-    def _send_item(self, item: list[CaptureRecord] | EndOfRequest) -> None:
+    def _send_item(self, item: list[CaptureRecord] | EndOfRequest, in_window: bool = False) -> None:
         self._read_subscriptions()
         if isinstance(item, EndOfRequest):
             try:
@@ -342,10 +343,10 @@ class CapturePublisher:
         if not self._topics:
             self.dropped_no_subscriber += len(item)
             return
-        window = None if self._inline else self._window
+        window = self._window if in_window else None
         for i, frames in enumerate(encode_round(item, self.cfg.wire_dtype)):
-            if i and window is not None and not window.is_open():
-                window.wait(long=True)  # the engine's thread runs again: the next record in its next wait
+            if i and window is not None and not window.is_open() and not window.wait(long=True):
+                window = None  # the engine's thread runs again, and no long wait came: send the rest now
             if isinstance(frames, WireError):
                 self.dropped_invalid += 1
                 self._warn("invalid", f"capture publisher: dropping an invalid record: {frames}")

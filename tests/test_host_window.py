@@ -88,15 +88,16 @@ def test_the_publisher_sends_a_round_only_inside_a_window(tmp_path):
 
 
 class _ScriptedWindow(HostWindow):
-    """A window that is never open and whose waits return at once, each recorded."""
+    """A window that is never open and whose waits return at once, each recorded: the first
+    `opens` of them as if a window opened, the rest as if none came within the bound."""
 
-    def __init__(self):
+    def __init__(self, opens=1_000_000):
         super().__init__()
-        self.waits = []
+        self.waits, self.opens = [], opens
 
     def wait(self, timeout_s=None, long=False):
         self.waits.append(long)
-        return True
+        return len(self.waits) <= self.opens
 
     def is_open(self):
         return False
@@ -116,6 +117,17 @@ def test_the_publisher_sends_a_rounds_later_records_only_in_later_windows(tmp_pa
         pub.submit(rounds)  # one round of three records
         assert pub.drain(10.0) and pub.stats()["sent"] == 3
         assert window.waits == [True, True, True]  # the round's start, then before records 2 and 3
+        # no long wait within the bound (an idle engine; rounds that read nothing back in one):
+        # the round goes out whole after that one wait, as it did before windows knew their length
+        window.opens, window.waits = 0, []
+        pub.submit(request_records("r2", 2))
+        assert pub.drain(10.0) and pub.stats()["sent"] == 6
+        assert window.waits == [True]
+        # a window for the start, none for the second record: the third goes out without waiting
+        window.opens, window.waits = 1, []
+        pub.submit(request_records("r3", 2))
+        assert pub.drain(10.0) and pub.stats()["sent"] == 9
+        assert window.waits == [True, True]
 
 
 def test_engine_windows_change_nothing_but_where_the_workers_run():
@@ -158,9 +170,9 @@ def _thread_spy(pub: CapturePublisher) -> list[str]:
     names: list[str] = []
     send = pub._send_item
 
-    def spy(item):
+    def spy(item, *args):
         names.append(threading.current_thread().name)
-        send(item)
+        send(item, *args)
 
     pub._send_item = spy
     return names
