@@ -408,11 +408,11 @@ def _get_str(meta: dict, key: str, nonempty: bool = False) -> str:
     return v
 
 
-
-
 # torch dtype -> the numpy dtype its bytes are read as (numpy has no bfloat16: its bits, int16)
 _NUMPY_OF = {torch.bfloat16: np.int16, torch.float16: np.float16, torch.float32: np.float32,
              torch.int32: np.int32, torch.int64: np.int64}
+# Exponent bits of the 16-bit floats: all ones means inf or NaN.
+_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
 def _array(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
@@ -431,7 +431,8 @@ def _floats(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_arrays(parts: dict[str, np.ndarray], fdt: torch.dtype, request_id: str) -> None:
-    """`_check_values` on `_array`'s numpy arrays."""
+    """Raise WireError for non-finite hidden states (16-bit floats: on their exponent bits),
+    draft probabilities outside [0, 1] or a negative token id, on `_array`'s numpy arrays."""
     mask = _EXPONENT_MASK.get(fdt)
     for name in ("features", "final_hidden"):
         a = parts[name]
@@ -450,6 +451,3 @@ def _check_arrays(parts: dict[str, np.ndarray], fdt: torch.dtype, request_id: st
         if t.size and t.min() < 0:
             raise WireError(f"record {request_id!r}: {name} has a negative token id")
 
-
-# Exponent bits of the 16-bit floats: all ones means inf or NaN.
-_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
