@@ -217,16 +217,17 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         room = self.cfg.max_len - max(tlen) - 2
         tp = time.perf_counter_ns()  # the policy's calls are timed where they are made (RoundStats.policy_s)
         K = 0 if self.head is None else max(0, min(self.policy.steps_for(B, ctx), self.cfg.max_steps, room))
-
         shape: TreeShape | None = None  # this round's tree, or None for a chain of K
-        if self.head is not None and self.policy.chooses_trees:
+        policy_trees = self.head is not None and self.policy.chooses_trees
+        if policy_trees:
             shape = self.policy.tree_for(B, ctx)
             shape = shape if shape is not None and shape.footprint <= room else None
-        elif self.cfg.tree:  # a tree's cache footprint must fit the room left
-            while K > 0 and self.cfg.tree_shape(K).footprint > room:
+        self._policy_ns = time.perf_counter_ns() - tp
+        if not policy_trees and self.cfg.tree:
+            while K > 0 and self.cfg.tree_shape(K).footprint > room:  # a tree's cache footprint must fit
                 K -= 1
             shape = self.cfg.tree_shape(K) if K > 0 else None
-        t1, self._policy_ns = time.perf_counter(), time.perf_counter_ns() - tp
+        t1 = time.perf_counter()
         tl.mark("decide")
         captures = [self._captures()]
         self._catchup_s = 0.0
@@ -297,9 +298,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                            draft_captures=captures[1] - captures[0], verify_captures=captures[2] - captures[1],
                            drafted_steps=drafted, topk=shape.topk if shape is not None else 1,
                            num_draft_tokens=verified if K > 0 else 1, admitted=len(outs), admit_s=admit_s)
-        # every round counts, K=0 too: SGLang's policy probes up from plain decode. The cost policy
-        # learns steady round times: one-off work (long catch-ups, graph captures) would read as
-        # the price of drafting and hold K at 0, where every probe pays a catch-up (GPU e2e run).
+        # every round counts, K=0 too (SGLang's policy probes up from plain decode); the cost policy learns steady
+        # round times: one-off work (long catch-ups, graph captures) would hold K at 0 (GPU e2e run).
         if self.head is not None:
             tp = time.perf_counter_ns()
             self.policy.update(B, accepted, num_steps=lens, ctx_len=ctx, draft_s=stats.steady_draft_s,
