@@ -350,7 +350,7 @@ def test_round_stats_time_the_policys_calls_on_the_engine_thread(tiny8):
     assert sorted(set(policy.calls[:4])) == [2, 4, 5]  # K = 0: steps_for, update; K = 2 / 3: checks, the cut
     for stats, calls in zip(rounds, policy.calls):
         assert calls * pause <= stats.policy_s < (calls + 1) * pause, (stats.num_steps, calls)
-        assert stats.policy_s < stats.total_s + pause + 0.01  # update runs after the round's clock stops
+        assert stats.policy_s < stats.total_s + 2 * pause  # update runs after the round's clock stops
     plain = Engine(target, None, EngineConfig(max_batch=2, max_len=128, num_steps=0))
     plain.on_round.append(lambda stats, outs: rounds.append(stats))
     plain.generate(random_prompts(1, 10, seed=4), SamplingParams(max_tokens=4, ignore_eos=True))
