@@ -288,7 +288,7 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
 
 def _live_subscriber(endpoint: str, conn) -> None:
     """Child process: a real subscriber that keeps up until told to stop."""
-    # the trainer's subscriber as `online-spec train` configures it (its polls, its coalescing)
+    # the trainer's subscriber as `online-spec train` configures it (its 100 ms polls)
     sub = CaptureSubscriber(SubscriberConfig(endpoint=endpoint, recv_hwm=100_000), on_span=lambda s: None)
     sub.start()
     cpu0 = time.process_time()  # this process's CPU from here: the reader's work on the stream
