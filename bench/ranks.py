@@ -201,8 +201,8 @@ def journal_figures(run_dir: Path, n: int, warmup: int) -> dict:
             "pipe_ms_median": [{k: round(statistics.median(x["pipe"][k] for x in rank if k in x.get("pipe", {})), 2)
                                 for k in sorted({k for x in rank for k in x.get("pipe", {})})} for rank in timed_lines],
             # per rank > 0, the share of its spans that went by name (read from the buffer's directory)
-            "named_share": [round(sum(x.get("named", 0) for x in rank) / max(1, sum(len(x.get("spans", ())) for x in rank)), 3)
-                            for rank in timed_lines[1:]],
+            "named_share": [round(sum(x.get("named", 0) for x in rank)
+                                  / max(1, sum(len(x.get("spans", ())) for x in rank)), 3) for rank in timed_lines[1:]],
             # padding: the rows a step computes (batch rows x its longest) over those it trains on
             "padded_over_rows_median": [round(statistics.median(x.get("padded", x["rows"]) / x["rows"]
                                                                 for x in rank), 3) for rank in timed_lines]}

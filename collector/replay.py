@@ -440,16 +440,13 @@ class ReplayBuffer:
     def _refill_recent(self) -> None:
         newest_first: list[tuple[CaptureSpan, tuple[int, int]]] = []
         size = 0
-        for g in reversed(self._gens):
-            for i in reversed(range(len(g.lens["train"]))):
-                span = g.span("train", i)
-                if size + span.nbytes > self.cfg.memory_bytes:
-                    break
-                newest_first.append((span, (g.index, i)))
-                size += span.nbytes
-            else:
-                continue
-            break
+        stored = ((g, i) for g in reversed(self._gens) for i in reversed(range(len(g.lens["train"]))))
+        for g, i in stored:  # the stored train spans, newest first, with their locations
+            span = g.span("train", i)
+            if size + span.nbytes > self.cfg.memory_bytes:
+                break
+            newest_first.append((span, (g.index, i)))
+            size += span.nbytes
         for span, at in reversed(newest_first):
             self._remember(span, at)
 

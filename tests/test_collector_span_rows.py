@@ -19,7 +19,8 @@ def random_records(rng: random.Random, n: int) -> list[CaptureRecord]:
         rows = rng.randint(1, 6) if prefill else a + 1
         tokens = torch.tensor([last] + [rng.randrange(1000) for _ in range(rows)])
         records.append(CaptureRecord(
-            request_id="r", first_pos=pos, tokens=tokens, features=torch.randn(rows, 12), final_hidden=torch.randn(rows, 4),
+            request_id="r", first_pos=pos, tokens=tokens, features=torch.randn(rows, 12),
+            final_hidden=torch.randn(rows, 4),
             draft_tokens=torch.tensor([rng.randrange(1000) for _ in range(k)]),
             draft_probs=torch.tensor([rng.random() for _ in range(k)], dtype=torch.float32),
             accept_len=a, num_steps=k, batch_size=rng.randint(1, 16), draft_version=rng.randint(0, 9),

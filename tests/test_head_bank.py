@@ -273,7 +273,8 @@ def test_the_daemon_adopts_the_servers_head_and_trains_on_from_it(tmp_path):
     assert daemon.publish() == 2 and daemon.watch_server_head(now=0.0) is None  # the server agrees
     server.version = 1
     assert daemon.watch_server_head(now=10.0) == 1
-    assert daemon.seeds._next >= 10.0 + daemon.seeds.cfg.min_dwell_s  # the bank's swap stands a dwell before a seed check
+    # the bank's swap stands a dwell before a seed check
+    assert daemon.seeds._next >= 10.0 + daemon.seeds.cfg.min_dwell_s
     assert (daemon.state["live_version"], daemon.state["previous_version"]) == (1, 2)
     now = daemon.distiller.head.state_dict()
     for name, p in daemon.distiller.head.named_parameters():  # v1 as published (bf16 on disk)

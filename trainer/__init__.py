@@ -12,8 +12,8 @@
 - `duty`         the daemon's duty cycle: its rests beside a serving server, lower while the gate
                  keeps refusing (futility)
 - `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, publishes; `rank_data`:
-                 its deal of the micro-batches, by name to ranks that read its buffer); `launch`: `online-spec train --ranks N` starts and
-                 watches them
+                 its deal of the micro-batches, by name to ranks that read its buffer); `launch`:
+                 `online-spec train --ranks N` starts and watches them
 - `distill`      `Distiller`: one distillation step (DeepSpeed; `loss`: the EAGLE-3 loss with the
                  training-time-test unroll; `batch`: padded training batches)
 - `evaluate`     a head's simulated acceptance on held-out rows (the gate's evidence; the live

@@ -14,8 +14,8 @@ rollbacks. The other ranks hold a `Distiller` only. Every step, on every rank:
      of that size follow the distribution of one draw of batch_tokens) and deals micro-batch r to
      rank r one step ahead, on a gloo group and thread of its own (`trainer/rank_data.py`): by
      name where rank r reads the buffer's directory (it reads the stored rows itself), rows not
-     yet stored and those of a rank that cannot read it unpadded; step k + 1 travels while step k trains. Each drawn span is trained on by exactly one rank,
-     once, and nothing drawn is left out; where a draw comes back empty every rank skips the step
+     yet stored and those of a rank that cannot read it unpadded; step k + 1 travels while step
+     k trains. Each drawn span is trained on by exactly one rank, once, and nothing drawn is left out; where a draw comes back empty every rank skips the step
   3. step: `Distiller.train_step` on every rank; DeepSpeed averages the gradients (ZeRO 0-2, as
      its JSON says) and all ranks step together; a batch that fails on one rank is dropped by all
      (`StepDropped`)
@@ -250,7 +250,8 @@ class RankLoop:
             line = {"step": step, "rows": batch.num_rows, "spans": spans, "token_sums": sums, "time": time.time(),
                     "wait_s": round(t1 - t0, 5), "train_s": round(t2 - t1, 5), "agree_s": round(self._agree_s, 5),
                     "after_s": round(time.perf_counter() - t2, 5), "padded": int(batch.row_mask.numel()),
-                    "pipe": pipe, "named": named, **({"digest": digest} if digest else {}), **({"dealt": dealt} if dealt else {})}
+                    "pipe": pipe, "named": named, **({"digest": digest} if digest else {}),
+                    **({"dealt": dealt} if dealt else {})}
             if self.daemon is not None and self.daemon.state["published"] and \
                     self.daemon.state["published"][-1]["step"] == step:
                 line["published"] = self.daemon.state["published"][-1]["version"]
