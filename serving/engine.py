@@ -259,13 +259,13 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             # verify length (confidence-prior verifier): low-confidence tails are not verified. The
             # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
             # length for the batch: a request cut shorter than the rest would save nothing.
-            lens = [K] * B
-            drafted = K
+            lens, drafted = [K] * B, K
             confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
             if K > 0 and self.policy.truncates and self.cuts:
                 tp = time.perf_counter_ns()
-                lens = [min(K, n) for n in self.policy.verify_lengths(confidences, ctx, padded=True)]
+                lens = self.policy.verify_lengths(confidences, ctx, padded=True)
                 self._policy_ns += time.perf_counter_ns() - tp
+                lens = lens if max(lens) <= K else [min(K, n) for n in lens]  # never more than drafted
                 K = max(lens)
                 drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
                 confidences = confidences[:, :K]

@@ -56,6 +56,8 @@ import weakref
 from contextlib import nullcontext
 from typing import Sequence
 
+import numpy as np
+
 from online_spec.config import ConfigError
 from online_spec.controller.base import StepPolicyBase, check_policy
 from online_spec.controller.cost import CostModelPolicy
@@ -285,10 +287,16 @@ class PlannedPolicy(StepPolicyBase):
         if self._probing:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < self._k
         plan = self._plan  # `BatchPlan.should_continue`, one call fewer
+        if plan.go1 and type(draft_confidence) is list and len(draft_confidence) == 1:
+            return plan.continue_one(step_index, draft_confidence[0])  # a batch of one: its bin's verdict
         stops = plan.stops
         return continue_on(stops[step_index - 1] if step_index <= len(stops) else None, draft_confidence, plan.calib)
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
+        if padded and not self._probing and type(confidences) is np.ndarray and confidences.ndim == 2:
+            cut = self._plan.padded_lengths(confidences)  # the engine's array: `BatchPlan.verify_lengths`, one call fewer
+            if cut is not None:
+                return cut
         return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)
 
     def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:

@@ -5,7 +5,9 @@ divides by the plan's round seconds per K and length (`plan_seconds`) on Python 
 early stop bins the engine's list of per-request probabilities inline (`continue_on`). Each is
 checked over a grid of batches, draft counts, confidences (edge values included) and round-time
 coefficients against the general paths they shortcut: `verify_cut` on numpy, the policy's own
-`verify_lengths` / `should_continue`, and the rule written out naively.
+`verify_lengths` / `should_continue`, and the rule written out naively. A batch of one has
+its own shortcuts: the early stop reads a verdict per confidence bin (`BatchPlan.go1`) and the
+cut runs one row in one frame (`BatchPlan.padded_lengths`).
 """
 
 import random
@@ -15,6 +17,7 @@ import pytest
 
 import online_spec.controller.plan as plan_mod
 from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy, CostPolicyConfig
+from online_spec.controller.acceptance import CalibrationTable
 from online_spec.controller.plan import continue_on, verify_cut
 
 EDGES = [0.0, 1.0, -0.5, 1.5, float("nan"), 0.99999994, 0.05, 0.1, 0.95]
@@ -62,8 +65,9 @@ def test_the_plans_padded_cut_is_verify_cut_over_a_grid(monkeypatch):
                 assert fast == reference, (case, b, k)
                 assert fast == p.verify_lengths(conf, ctx, padded=True)  # the live policy, same state
                 assert plan.verify_lengths(conf, padded=True, keep_all=True) == [k] * b
-                cuts.add("none" if fast[0] == 0 else "all" if fast[0] == k else "inside")
-    assert cuts == {"none", "all", "inside"}  # the grid reaches every kind of cut
+                cuts.add(("none" if fast[0] == 0 else "all" if fast[0] == k else "inside", b == 1))
+    # the grid reaches every kind of cut, at batch 1 (its own loop) and above
+    assert cuts == {(kind, one) for kind in ("none", "all", "inside") for one in (True, False)}
 
 
 def naive_continue(terms, probs, calib) -> bool:
@@ -99,6 +103,9 @@ def test_the_early_stop_on_the_engines_lists_is_the_rule_over_a_grid():
                 assert got == p.should_continue(step, as_list, b, ctx)  # the live policy
                 if b == 1:
                     assert got == plan.should_continue(step, as_list[0])
+                    assert got == plan.continue_one(step, as_list[0])  # the plan's table by bin
+                else:
+                    assert plan.go1 == ()  # built for a batch of one only
                 verdicts.add(got)
     assert verdicts == {True, False}
 
@@ -141,3 +148,17 @@ def test_a_one_draft_batch_over_small_batch_takes_numpy(monkeypatch):
     assert calls == []
     plan.verify_lengths(np.full((plan_mod.SMALL_BATCH + 1, 1), 0.5, dtype=np.float32), padded=True)
     assert calls == [(plan_mod.SMALL_BATCH + 1, 1)]
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_a_tie_between_cuts_keeps_the_longer(b):
+    """Every draft survives (calibrated 1.0) and one verified draft doubles the round's seconds:
+    verifying it or not gives the same tokens a second, and the cut keeps it, at batch 1 (its own
+    loop) as above, as `verify_cut` does."""
+    calib = CalibrationTable([1.0] * 11, np.ones(10))
+    terms = (0.0, 0.0, 1.0, 0.0, 0.0)  # step, verify base, per token, draft extra, verify extra
+    plan = plan_mod.BatchPlan(b, 0.0, 1, (), calib, terms, 1.0, 1.0, plan_mod.plan_seconds(terms, 2))
+    assert plan.seconds[1] == (1.0, 2.0)
+    conf = np.full((b, 1), 0.5, dtype=np.float32)
+    assert plan.verify_lengths(conf, padded=True) == [1] * b
+    assert verify_cut(conf, calib, terms, 1.0, padded=True) == [1] * b

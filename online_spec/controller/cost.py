@@ -28,7 +28,7 @@ from online_spec.config import ConfigError, check, doc
 from online_spec.controller.acceptance import PRIOR_TRIALS, AcceptanceEstimate, ConfidenceCalibrator, expected_accepted
 from online_spec.controller.base import StepPolicyBase
 from online_spec.controller.config import AdaptiveConfig
-from online_spec.controller.plan import BatchPlan, continue_on, plan_seconds, verify_cut
+from online_spec.controller.plan import BatchPlan, continue_on, continue_table, plan_seconds, verify_cut
 from online_spec.controller.round_time import CostModel
 from online_spec.controller.tree_choice import TreeChoiceConfig, TreeChooser
 from online_spec.tree import TreeShape
@@ -186,7 +186,9 @@ class CostModelPolicy(StepPolicyBase):
     def schedule(self, batch_size: int, k: int) -> tuple[int, bool]:
         """(the K a round runs when the estimates chose `k`, whether that round is a probe): the
         probe schedule of `steps_for`, which counts the slot's decisions (so call it once per round)."""
-        i = self._slot(batch_size)
+        i = self._slot_of.get(batch_size)  # `_slot`, one call fewer: once a round, on the engine's thread
+        if i is None:
+            i = self._slot(batch_size)
         tiers = self._slots[i].candidate_steps
         self._probing[i] = False
         if self.config.probe_interval and k < tiers[-1]:
@@ -272,9 +274,10 @@ class CostModelPolicy(StepPolicyBase):
         steps = self.choose_steps(batch_size, ctx_len)
         depth = len(self._accept[i].estimates())
         stops = tuple(self._continue_terms(i, s, batch_size, ctx_len) for s in range(1, depth))
-        terms = self.cost.round_terms(batch_size, ctx_len)
-        return BatchPlan(batch_size, ctx_len, steps, stops, self._calib.snapshot(), terms, self.cost.verify_token_s(),
-                         self.cost.predict_round_s(batch_size, 0, ctx_len), plan_seconds(terms, depth))
+        terms, calib = self.cost.round_terms(batch_size, ctx_len), self._calib.snapshot()
+        return BatchPlan(batch_size, ctx_len, steps, stops, calib, terms, self.cost.verify_token_s(),
+                         self.cost.predict_round_s(batch_size, 0, ctx_len), plan_seconds(terms, depth),
+                         tuple(continue_table(t, calib) for t in stops) if batch_size == 1 else ())
 
     # -- after verify ------------------------------------------------------------------------
 

@@ -53,6 +53,19 @@ def continue_on(terms: tuple | None, draft_confidence, calib: CalibrationTable) 
     return gain * t_now > expected * t_more
 
 
+def continue_table(terms: tuple | None, calib: CalibrationTable) -> tuple | None:
+    """`continue_on` for one request's confidence, by its calibration index: entry j is the
+    verdict for every confidence whose lookup index (`CalibrationTable`'s binning) is j, for
+    j = 0..bins (the last repeats the top bin), or None where one more draft never pays. Built
+    by `continue_on` itself, on a confidence of each bin: a batch-1 early stop is then one
+    index (`BatchPlan.go1`)."""
+    if terms is None:
+        return None
+    n = len(calib.values)
+    row = tuple(continue_on(terms, [(j + 0.5) / n], calib) for j in range(n))
+    return row + row[-1:]
+
+
 def padded_cut(gain: list[float], full: list[int], draft_s: float, base: float, per_token: float,
                v_extra: float = 0.0) -> list[int]:
     """One verify length L for every request (fewer where a row has fewer drafts): the L
@@ -198,6 +211,18 @@ class BatchPlan:
     seconds: tuple = ()
     """`plan_seconds(terms, depth)`: the padded verify cut's round seconds per K drafted and
     length kept (a K beyond them takes `verify_cut`'s own arithmetic)."""
+    go1: tuple = ()
+    """go1[s - 1]: `continue_table(stops[s - 1], calib)`, the early stop after s drafts for a
+    batch of one, by the confidence's lookup index (empty: not built)."""
+
+    def continue_one(self, step_index: int, confidence: float) -> bool:
+        """`should_continue` of one request's confidence, by `go1` (which must be built)."""
+        go1 = self.go1
+        row = go1[step_index - 1] if step_index <= len(go1) else None
+        if row is None:
+            return False
+        n = len(row) - 1  # the bins
+        return row[int(confidence * n) if confidence < 1.0 else n - 1] if confidence > 0.0 else row[0]
 
     def should_continue(self, step_index: int, draft_confidence: float | Sequence[float]) -> bool:
         """`CostModelPolicy.should_continue` on this plan (outside a probe round)."""
@@ -206,13 +231,34 @@ class BatchPlan:
                            self.calib)
 
     def verify_lengths(self, confidences, *, padded: bool = False, keep_all: bool = False) -> list[int]:
-        """`CostModelPolicy.verify_lengths` on this plan: a padded cut of up to `PADDED_PYTHON`
-        confidences reads the plan's round seconds (`best_common_length`), any other `verify_cut`."""
-        if padded and not keep_all and self.verify_token_s > 0 and isinstance(confidences, np.ndarray) \
-                and confidences.ndim == 2:  # the engine's [B, K] array
-            b, k = confidences.shape
-            if b and 0 < k < len(self.seconds) and b * k <= PADDED_PYTHON and (k > 1 or b <= SMALL_BATCH):
-                calib = self.calib  # the rows `padded_rows` gives, without its call
-                return padded_cut_rows(confidences.tolist(), calib.lookup, len(calib.values), self.seconds[k])
+        """`CostModelPolicy.verify_lengths` on this plan: the engine's padded cut of up to
+        `PADDED_PYTHON` confidences by `padded_lengths`, any other by `verify_cut`."""
+        if padded and not keep_all and type(confidences) is np.ndarray and confidences.ndim == 2:
+            cut = self.padded_lengths(confidences)
+            if cut is not None:
+                return cut
         return verify_cut(confidences, self.calib, self.terms, self.verify_token_s, padded=padded,
                           keep_all=keep_all)
+
+    def padded_lengths(self, confidences: np.ndarray) -> list[int] | None:
+        """The padded verify cut of the engine's [B, K] array (`verify_cut(padded=True)` outside a
+        probe) on the plan's round seconds (`best_common_length`), or None where `verify_cut`
+        must run it: more than `PADDED_PYTHON` confidences, a K beyond the plan's seconds, no
+        verify cost. A batch of one runs in this frame: its gain per draft is its survival."""
+        b, k = confidences.shape
+        seconds = self.seconds
+        if not (b and 0 < k < len(seconds) and b * k <= PADDED_PYTHON and (k > 1 or b <= SMALL_BATCH)) \
+                or self.verify_token_s <= 0:
+            return None
+        lookup = self.calib.lookup
+        n, seconds = len(lookup) - 1, seconds[k]  # the bins; the round's seconds per length kept
+        if b > 1:
+            return padded_cut_rows(confidences.tolist(), lookup, n, seconds)
+        best, best_rate, tokens, sv = 0, 1.0 / seconds[0], 1.0, 1.0  # `best_common_length` of one row
+        for m, c in enumerate(confidences.tolist()[0], 1):
+            sv *= lookup[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else lookup[0]
+            tokens += sv
+            rate = tokens / seconds[m]
+            if rate >= best_rate:
+                best, best_rate = m, rate
+        return [best]
