@@ -294,7 +294,7 @@ class PlannedPolicy(StepPolicyBase):
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
         if padded and not self._probing and type(confidences) is np.ndarray and confidences.ndim == 2:
-            cut = self._plan.padded_lengths(confidences)  # the engine's array: `BatchPlan.verify_lengths`, one call fewer
+            cut = self._plan.padded_lengths(confidences)  # `BatchPlan.verify_lengths`, one call fewer
             if cut is not None:
                 return cut
         return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)
