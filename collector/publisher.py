@@ -11,14 +11,16 @@ The engine calls, from its round loop:
 `submit` only appends the round's records, as one item, to an in-process queue bounded in
 records (`queue_size`; records beyond it are dropped and counted). A sender thread copies the
 round's tensors into fresh CPU buffers in the wire dtype, a few tensor operations for the whole
-round (`collector.wire.encode_round`; the engine may pass views of its own tensors and promises
-not to mutate them after submitting), and sends each record's frames with `zmq.NOBLOCK` and
-`copy=False`. Whole rounds, because every torch call of the sender thread releases and retakes
+round (`collector.wire.encode_parts`; the engine may pass views of its own tensors and promises
+not to mutate them after submitting), and sends the round's records as one round message
+(`collector.wire_round`: six frames for up to 64 records, where each record was a message of
+its own) with `zmq.NOBLOCK` and `copy=False`; the HWM refuses a message whole (`dropped_hwm`
+counts its records). Whole rounds, because every torch call of the sender thread releases and retakes
 the GIL, and each hand-over stalls the engine's thread: per-record encoding cost an H100 engine
 18 % of its tokens/s at batch 1 and 31 % at batch 16 (docs/collector.md). For the same reason,
 given the engine's host window (`follow_window`: a GPU engine's), the sender starts each round's
 work when the engine's thread next waits on the verify forward (the round's longest wait), and
-sends each further record only while it still waits, else in its next wait
+sends each further message of a round only while it still waits, else in its next wait
 (online_spec/host_window.py). An engine on
 a CPU has the publisher encode and send on its own thread instead (`send_inline`), between
 forwards, where the work costs only its own time.
@@ -70,7 +72,8 @@ from online_spec.host_window import HostWindow
 from collector.curve import check_curve_files, make_curve_server
 from collector.endpoint import (check_endpoint, prepare_endpoint, remove_ipc_file, resolve_endpoint,
                                 secure_ipc_file)
-from collector.wire import FLOAT_DTYPES, EndOfRequest, WireError, encode_end, encode_round, frames_nbytes
+from collector.wire import FLOAT_DTYPES, EndOfRequest, WireError, encode_end, frames_nbytes
+from collector.wire_round import encode_messages
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,8 @@ class CapturePublisher:
         self.submitted = 0
         self.dropped_queue_full = 0
         self.dropped_closed = 0
-        self.sent = 0
+        self.sent = 0  # records
+        self.messages_sent = 0  # round messages (and record messages) that carried them
         self.dropped_hwm = 0
         self.dropped_no_subscriber = 0
         self.dropped_invalid = 0
@@ -230,7 +234,8 @@ class CapturePublisher:
         self._inline = bool(on)
 
     def stats(self) -> dict[str, Any]:
-        names = ("requests_seen", "requests_captured", "submitted", "sent", "dropped_queue_full", "dropped_hwm",
+        names = ("requests_seen", "requests_captured", "submitted", "sent", "messages_sent", "dropped_queue_full",
+                 "dropped_hwm",
                  "dropped_no_subscriber", "dropped_invalid", "dropped_closed", "bytes_sent",
                  "end_markers_sent", "end_markers_dropped", "send_errors")
         out: dict[str, Any] = {name: getattr(self, name) for name in names}
@@ -344,14 +349,15 @@ class CapturePublisher:
             self.dropped_no_subscriber += len(item)
             return
         window = self._window if in_window else None
-        for i, frames in enumerate(encode_round(item, self.cfg.wire_dtype)):
+        messages, invalid = encode_messages(item, self.cfg.wire_dtype)
+        for error in invalid:
+            self.dropped_invalid += 1
+            self._warn("invalid", f"capture publisher: dropping an invalid record: {error}")
+        for i, (frames, n) in enumerate(messages):
             if i and window is not None and not window.is_open() and not window.wait(long=True):
                 window = None  # the engine's thread runs again, and no long wait came: send the rest now
-            if isinstance(frames, WireError):
-                self.dropped_invalid += 1
-                self._warn("invalid", f"capture publisher: dropping an invalid record: {frames}")
-            elif not self._send(frames):
-                self.dropped_hwm += 1
+            if not self._send(frames):
+                self.dropped_hwm += n
                 advice.warn(log, "capture_hwm",
                             f"capture publisher: the trainer reads slower than serving captures, dropping records "
                             f"({self.dropped_hwm} so far, send HWM reached)",
@@ -359,7 +365,8 @@ class CapturePublisher:
                             fix="nothing if it trains anyway; else capture less (--capture-sample-fraction) or give "
                                 "the trainer more CPU/GPU")
             else:
-                self.sent += 1
+                self.sent += n
+                self.messages_sent += 1
                 self.bytes_sent += frames_nbytes(frames)
 
     def _send(self, frames: list) -> bool:

@@ -2,8 +2,9 @@
 
 It CONNECTS a SUB socket to the publisher's endpoint (so either side may start first, and it
 reconnects by itself when the serving process restarts), decodes every message with
-`collector.wire.decode`, counts and drops whatever does not decode (it never raises on bad
-input), joins the records per request into contiguous `CaptureSpan`s with a `SpanAssembler`
+`collector.wire_round.decode_message` (a round's records, a record or an end marker), counts
+and drops whatever does not decode (it never raises on bad input; a refused round message loses
+all its records), joins the records per request into contiguous `CaptureSpan`s with a `SpanAssembler`
 and hands each finished span to `on_span` (typically `ReplayBuffer.add`). A request's span is
 finished by the publisher's end-of-request marker, by a gap, by `idle_timeout_s` without a
 record (the marker may have been dropped), or by the size limits.
@@ -34,7 +35,8 @@ from collector.assembler import SpanAssembler
 from collector.curve import check_curve_files, make_curve_client
 from collector.endpoint import check_endpoint, resolve_endpoint
 from collector.span import CaptureSpan
-from collector.wire import EndOfRequest, WireError, decode
+from collector.wire import EndOfRequest, WireError
+from collector.wire_round import decode_message
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +176,7 @@ class CaptureSubscriber:
     def _handle(self, frames: list) -> None:
         self.messages += 1
         try:
-            msg = decode(frames)
+            msg = decode_message(frames)
         except WireError as e:
             self.malformed += 1
             self.last_malformed = str(e)
@@ -186,6 +188,11 @@ class CaptureSubscriber:
         if isinstance(msg, EndOfRequest):
             self.end_markers += 1
             self._emit(self.assembler.end(msg.request_id))
+        elif isinstance(msg, list):  # a round message: its records in order
+            self.records += len(msg)
+            now = time.monotonic()
+            for record in msg:
+                self._emit(self.assembler.add(record, now))
         else:
             self.records += 1
             self._emit(self.assembler.add(msg, time.monotonic()))

@@ -90,7 +90,20 @@ def encode(record: CaptureRecord, wire_dtype: str = "bfloat16") -> list[memoryvi
 
 def encode_round(records: Sequence[CaptureRecord], wire_dtype: str = "bfloat16") -> list[list[memoryview] | WireError]:
     """`encode` for the records of one engine round: per record its frames, or the WireError
-    that refuses it (the others are still encoded).
+    that refuses it (the others are still encoded)."""
+    return [p if isinstance(p, WireError) else [_header(KIND_RECORD, RECORD_FRAMES, p[0])] + _views(p[1])
+            for p in encode_parts(records, wire_dtype)]
+
+
+def _views(arrays: Sequence[np.ndarray]) -> list[memoryview]:
+    """Frames over the bytes of contiguous arrays (no copy)."""
+    return [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]
+
+
+def encode_parts(records: Sequence[CaptureRecord], wire_dtype: str = "bfloat16") -> list[tuple | WireError]:
+    """What `encode_round` frames, per record: (its metadata, its five wire arrays: tokens,
+    features and final_hidden as rows of bytes, draft_tokens, draft_probs), checked, or the
+    WireError that refuses it (`collector.wire_round` packs a round's parts into one message).
 
     The round's features and final hidden states are copied (dtype converted, off the device)
     in one tensor operation each, and each record's frames are numpy views of those copies.
@@ -100,7 +113,7 @@ def encode_round(records: Sequence[CaptureRecord], wire_dtype: str = "bfloat16")
     engine at batch 1 / 16 lost 18 % / 31 %, scripts/gpu_round_costs.py --capture-overhead)."""
     if wire_dtype not in FLOAT_DTYPES:
         raise WireError(f"wire dtype {wire_dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
-    out: list[list[memoryview] | WireError | None] = [None] * len(records)
+    out: list[tuple | WireError | None] = [None] * len(records)
     good = []
     for i, record in enumerate(records):
         try:
@@ -116,7 +129,7 @@ def encode_round(records: Sequence[CaptureRecord], wire_dtype: str = "bfloat16")
         final = _fresh_rows([records[i].final_hidden for i in good], fdt)
     except RuntimeError:
         for i in good:
-            out[i] = encode_round([records[i]], wire_dtype)[0]
+            out[i] = encode_parts([records[i]], wire_dtype)[0]
         return out
     feat_bad, final_bad = _nonfinite_rows(feats), _nonfinite_rows(final)
     feat_bytes, final_bytes = _row_bytes(feats), _row_bytes(final)
@@ -131,7 +144,7 @@ def encode_round(records: Sequence[CaptureRecord], wire_dtype: str = "bfloat16")
                 if bad[rows].any():
                     raise WireError(f"record {record.request_id!r}: {name} has non-finite values (NaN/inf)")
             arrays = _small_arrays(record) if small is None else small[j]
-            out[i] = _frames(record, wire_dtype, feat_bytes[rows], final_bytes[rows], *arrays)
+            out[i] = _parts(record, wire_dtype, feat_bytes[rows], final_bytes[rows], *arrays)
         except WireError as e:
             out[i] = e
     return out
@@ -183,9 +196,9 @@ def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().cpu() for p in parts])
 
 
-def _frames(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_hidden: np.ndarray,
-            tokens: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray, token_dtype: str) -> list[memoryview]:
-    """One record's frames from its arrays, already converted and checked."""
+def _parts(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_hidden: np.ndarray,
+           tokens: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray, token_dtype: str) -> tuple:
+    """One record's (metadata, wire arrays) from its arrays, already converted and checked."""
     _check_ids(record.request_id, record.tag)
     meta = {
         "request_id": record.request_id,
@@ -207,8 +220,7 @@ def _frames(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_
             raise WireError(f"record {record.request_id[:80]!r}: {key}={meta[key]} is outside {lo}..{hi}")
     if not math.isfinite(meta["timestamp"]):
         raise WireError(f"record {record.request_id[:80]!r}: timestamp is not finite")
-    return [_header(KIND_RECORD, RECORD_FRAMES, meta)] + [
-        memoryview(a.reshape(-1).view(np.uint8)) for a in (tokens, features, final_hidden, draft_tokens, draft_probs)]
+    return meta, (tokens, features, final_hidden, draft_tokens, draft_probs)
 
 
 def encode_end(request_id: str, timestamp: float) -> list[memoryview]:
@@ -239,6 +251,11 @@ def decode(frames: Sequence[Any]) -> CaptureRecord | EndOfRequest:
     if not bufs:
         raise WireError("empty message")
     kind, meta = _parse_header(bufs[0], len(bufs))
+    return decode_parsed(bufs, kind, meta)
+
+
+def decode_parsed(bufs: list[memoryview], kind: int, meta: dict) -> CaptureRecord | EndOfRequest:
+    """`decode` of a message whose header `_parse_header` read (kind 3: `collector.wire_round`)."""
     if kind == KIND_END:
         return EndOfRequest(_get_str(meta, "request_id", nonempty=True), _get_float(meta, "timestamp"))
     if kind != KIND_RECORD:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from collector import wire_round
 from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
 from collector_records import request_records
@@ -103,10 +104,23 @@ class _ScriptedWindow(HostWindow):
         return False
 
 
-def test_the_publisher_sends_a_rounds_later_records_only_in_later_windows(tmp_path):
+def test_the_publisher_sends_a_rounds_later_messages_only_in_later_windows(tmp_path, monkeypatch):
     """Once the engine's thread runs again (its window closed), the sender waits for its next
-    long wait before each further record of the round, rather than take turns with it."""
+    long wait before each further message of the round, rather than take turns with it. A
+    round's records share a message (up to `MAX_ROUND_RECORDS`): one record a message here, so
+    that a round of three records is three messages."""
     rounds = request_records("r1", 2)  # a prefill record and two verify records
+    with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/one.sock")) as pub, \
+            CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
+        assert pub.wait_for_subscriber(10.0)
+        window = _ScriptedWindow()
+        pub.follow_window(window)
+        time.sleep(0.15)
+        window.waits.clear()
+        pub.submit(rounds)
+        assert pub.drain(10.0) and pub.stats()["sent"] == 3 and pub.stats()["messages_sent"] == 1
+        assert window.waits == [True]  # the round's start: its one message follows at once
+    monkeypatch.setattr(wire_round, "MAX_ROUND_RECORDS", 1)
     with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap.sock")) as pub, \
             CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
         assert pub.wait_for_subscriber(10.0)
@@ -114,16 +128,16 @@ def test_the_publisher_sends_a_rounds_later_records_only_in_later_windows(tmp_pa
         pub.follow_window(window)
         time.sleep(0.15)  # the sender is back at its queue, now following the window
         window.waits.clear()
-        pub.submit(rounds)  # one round of three records
-        assert pub.drain(10.0) and pub.stats()["sent"] == 3
-        assert window.waits == [True, True, True]  # the round's start, then before records 2 and 3
+        pub.submit(rounds)  # one round of three records, three messages
+        assert pub.drain(10.0) and pub.stats()["sent"] == 3 == pub.stats()["messages_sent"]
+        assert window.waits == [True, True, True]  # the round's start, then before messages 2 and 3
         # no long wait within the bound (an idle engine; rounds that read nothing back in one):
         # the round goes out whole after that one wait, as it did before windows knew their length
         window.opens, window.waits = 0, []
         pub.submit(request_records("r2", 2))
         assert pub.drain(10.0) and pub.stats()["sent"] == 6
         assert window.waits == [True]
-        # a window for the start, none for the second record: the third goes out without waiting
+        # a window for the start, none for the second message: the third goes out without waiting
         window.opens, window.waits = 1, []
         pub.submit(request_records("r3", 2))
         assert pub.drain(10.0) and pub.stats()["sent"] == 9
