@@ -19,7 +19,8 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         `capture_ratio` = the median over repeats of on / off (the paired ratio),
         `serving_overhead_pct` = 100 x (1 - capture_ratio) per batch size; `reader_cpu_share`:
         the reader process's CPU seconds while connected over the capture-on arm's wall (the
-        share of a core it takes from the engine's: on 2 cores, capture's cost beside serving's)
+        share of a core it takes from the engine's: on 2 cores, capture's cost beside serving's);
+        the reader runs at `serving_reader_nice` (the trainer's `--nice`)
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -66,10 +68,15 @@ class CollectorBenchConfig:
     serving_reader: str = doc("the reader in the engine-overhead run: 'subscriber' (decode and reassembly, what "
                               "the trainer runs, in another process) or 'socket' (frames received and counted, "
                               "nothing decoded: the serving process's side of the cost alone)", "subscriber")
+    serving_reader_nice: int = doc("niceness of the reader's process in the engine-overhead run, as the trainer's "
+                                   "`--nice` sets it (0: the server's own priority, the stricter case; 19: as "
+                                   "docs/trainer.md deploys the trainer and the demo and bench e2e run it)", 0)
 
     def __post_init__(self) -> None:
         check(self.serving_reader in ("subscriber", "socket"), "serving_reader",
               f"must be 'subscriber' or 'socket', got {self.serving_reader!r}")
+        check(0 <= self.serving_reader_nice <= 19, "serving_reader_nice",
+              f"must be in 0..19, got {self.serving_reader_nice!r}")
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
         check(self.max_rows >= 1, "max_rows", f"{self.max_rows} < 1")
         check(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1")
@@ -251,7 +258,7 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
             parent, child = ctx.Pipe()
             with CapturePublisher(pub_cfg) as pub:
                 reader = _live_subscriber if cfg.serving_reader == "subscriber" else _socket_reader
-                proc = ctx.Process(target=reader, args=(pub.endpoint, child), daemon=True)
+                proc = ctx.Process(target=reader, args=(pub.endpoint, child, cfg.serving_reader_nice), daemon=True)
                 proc.start()
                 try:
                     if not (parent.poll(120) and parent.recv() == "ready" and pub.wait_for_subscriber(30)):
@@ -286,8 +293,9 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
     return out
 
 
-def _live_subscriber(endpoint: str, conn) -> None:
-    """Child process: a real subscriber that keeps up until told to stop."""
+def _live_subscriber(endpoint: str, conn, nice: int = 0) -> None:
+    """Child process: a real subscriber that keeps up until told to stop, at niceness `nice`."""
+    os.nice(nice)
     # the trainer's subscriber as `online-spec train` configures it (its 100 ms polls)
     sub = CaptureSubscriber(SubscriberConfig(endpoint=endpoint, recv_hwm=100_000), on_span=lambda s: None)
     sub.start()
@@ -296,12 +304,14 @@ def _live_subscriber(endpoint: str, conn) -> None:
     conn.recv()
     stats = sub.stats()
     sub.close(flush=True)
-    conn.send({"records": stats["records"], "malformed": stats["malformed"], "cpu_s": time.process_time() - cpu0})
+    conn.send({"records": stats["records"], "malformed": stats["malformed"], "cpu_s": time.process_time() - cpu0,
+               "nice": os.nice(0)})
 
 
-def _socket_reader(endpoint: str, conn) -> None:
+def _socket_reader(endpoint: str, conn, nice: int = 0) -> None:
     """Child process: a bare SUB socket that receives every message and counts it, decoding
-    nothing (`serving_reader` 'socket')."""
+    nothing (`serving_reader` 'socket'), at niceness `nice`."""
+    os.nice(nice)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -320,7 +330,8 @@ def _socket_reader(endpoint: str, conn) -> None:
     conn.recv()
     sock.close(0)
     ctx.term()
-    conn.send({"records": messages, "malformed": 0, "messages": messages, "cpu_s": time.process_time() - cpu0})
+    conn.send({"records": messages, "malformed": 0, "messages": messages, "cpu_s": time.process_time() - cpu0,
+               "nice": os.nice(0)})
 
 
 def _endpoint(cfg: CollectorBenchConfig, tmp: str) -> str:

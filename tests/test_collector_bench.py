@@ -48,10 +48,17 @@ def test_the_serving_overhead_with_a_bare_socket_reader(tmp_path: Path):
     rc = main(["bench", "collector", "--quick", "--hidden-size", "16", "--batch-size", "8",
                "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0",
                "--serving-batches", "[2]", "--serving-tokens", "4", "--serving-repeats", "1", "--serving-waves", "1",
-               "--serving-reader", "socket", "--json", str(out)])
+               "--serving-reader", "socket", "--serving-reader-nice", "19", "--json", str(out)])
     assert rc == 0
-    over = json.loads(out.read_text())["serving_overhead"]["2"]
+    res = json.loads(out.read_text())
+    over = res["serving_overhead"]["2"]
+    # the reader ran at the niceness asked for (the trainer's deployed --nice 19)
+    assert res["config"]["serving_reader_nice"] == 19 and over["subscriber_received"]["nice"] == 19
     assert over["subscriber_received"]["messages"] > 0
-    assert over["subscriber_received"]["messages"] >= over["publisher_stats"]["sent"]
+    # every message sent arrives (a round message carries a round's records: fewer messages than records)
+    assert over["subscriber_received"]["messages"] >= over["publisher_stats"]["messages_sent"] > 0
+    assert over["publisher_stats"]["messages_sent"] < over["publisher_stats"]["sent"]
     with pytest.raises(ConfigError, match="serving_reader"):
         main(["bench", "collector", "--serving-reader", "pickle", "--json", str(out)])
+    with pytest.raises(ConfigError, match="serving_reader_nice"):
+        main(["bench", "collector", "--serving-reader-nice", "20", "--json", str(out)])
