@@ -282,7 +282,7 @@ def decode_parsed(bufs: list[memoryview], kind: int, meta: dict) -> CaptureRecor
         "draft_probs": _array(bufs[5], torch.float32, (steps,), "draft_probs"),
     }
     request_id = _get_str(meta, "request_id", nonempty=True)
-    _check_arrays(parts, fdt, request_id)
+    _check_arrays(parts, fdt, f"record {request_id!r}")
     record = CaptureRecord(
         request_id=request_id,
         first_pos=_get_int(meta, "first_pos", *META_BOUNDS["first_pos"]),
@@ -447,7 +447,7 @@ def _floats(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-def _check_arrays(parts: dict[str, np.ndarray], fdt: torch.dtype, request_id: str) -> None:
+def _check_arrays(parts: dict[str, np.ndarray], fdt: torch.dtype, what: str) -> None:
     """Raise WireError for non-finite hidden states (16-bit floats: on their exponent bits),
     draft probabilities outside [0, 1] or a negative token id, on `_array`'s numpy arrays."""
     mask = _EXPONENT_MASK.get(fdt)
@@ -459,12 +459,12 @@ def _check_arrays(parts: dict[str, np.ndarray], fdt: torch.dtype, request_id: st
         else:
             bad = not np.isfinite(a).all()
         if bad:
-            raise WireError(f"record {request_id!r}: {name} has non-finite values (NaN/inf)")
+            raise WireError(f"{what}: {name} has non-finite values (NaN/inf)")
     p = parts["draft_probs"]
     if p.size and not ((p >= 0) & (p <= 1)).all():  # NaN fails both comparisons
-        raise WireError(f"record {request_id!r}: draft_probs not finite or outside [0, 1]")
+        raise WireError(f"{what}: draft_probs not finite or outside [0, 1]")
     for name in ("tokens", "draft_tokens"):
         t = parts[name]
         if t.size and t.min() < 0:
-            raise WireError(f"record {request_id!r}: {name} has a negative token id")
+            raise WireError(f"{what}: {name} has a negative token id")
 

@@ -53,8 +53,9 @@ def encode_messages(records: Sequence[CaptureRecord],
                     wire_dtype: str = "bfloat16") -> tuple[list[tuple[list[memoryview], int]], list[WireError]]:
     """The round's valid records as round messages, (frames, records in them) each, in order;
     and the WireError of every record refused (`encode_parts`' checks). Records of another
-    hidden size than the first valid one's (only a hand-made mix has them) go in messages of
-    their own kind, one each (`collector.wire` record messages)."""
+    hidden size than the first valid one's (only a hand-made mix has them), and those of a chunk
+    whose metadata would not fit a header (`MAX_META_BYTES`: ids and tags near their bound), go
+    as record messages, one each (`collector.wire`)."""
     good, errors, odd = [], [], []
     for part in encode_parts(records, wire_dtype):
         if isinstance(part, WireError):
@@ -63,8 +64,13 @@ def encode_messages(records: Sequence[CaptureRecord],
             odd.append(part)
         else:
             good.append(part)
-    out = [(_message(good[i:i + MAX_ROUND_RECORDS]), len(good[i:i + MAX_ROUND_RECORDS]))
-           for i in range(0, len(good), MAX_ROUND_RECORDS)]
+    out = []
+    for i in range(0, len(good), MAX_ROUND_RECORDS):
+        chunk = good[i:i + MAX_ROUND_RECORDS]
+        try:
+            out.append((_message(chunk), len(chunk)))
+        except WireError:  # metadata over the header's bound (ids and tags near their 1,024 characters)
+            odd.extend(chunk)
     for meta, arrays in odd:
         out.append(([_header(KIND_RECORD, RECORD_FRAMES, meta)] + _views(arrays), 1))
     return out, errors
@@ -112,7 +118,7 @@ def decode_message(frames: Sequence[Any]) -> list[CaptureRecord] | CaptureRecord
         "draft_tokens": _array(bufs[4], torch.int32, (steps,), "draft_tokens"),
         "draft_probs": _array(bufs[5], torch.float32, (steps,), "draft_probs"),
     }
-    _check_arrays(parts, fdt, f"of a round of {len(fields)}, the first {fields[0]['request_id']}")
+    _check_arrays(parts, fdt, f"a round message of {len(fields)} records (the first {fields[0]['request_id']!r})")
     tokens = torch.from_numpy(parts["tokens"].astype(np.int64))
     feats, final = _floats(parts["features"], fdt), _floats(parts["final_hidden"], fdt)
     drafts = torch.from_numpy(parts["draft_tokens"].astype(np.int64))

@@ -174,3 +174,16 @@ def test_a_corrupted_round_decodes_or_raises_wire_error(frame, pos, value, cut):
     for record in got:  # whatever decodes is consistent records
         record.validate()
         assert torch.isfinite(record.features.float()).all()
+
+
+def test_metadata_over_the_header_bound_goes_as_record_messages():
+    """Ids and tags near their 1,024 characters: 40 records' metadata would pass the header's
+    64 KiB, so the chunk goes as one record message each, every record still sent."""
+    recs = [request_records(("r%d-" % i).ljust(1000, "x"), num_rounds=1, hidden=H, seed=i, tag="t" * 1000)[1]
+            for i in range(40)]
+    messages, errors = encode_messages(recs)
+    assert errors == [] and [n for _, n in messages] == [1] * 40
+    for (frames, _), want in zip(messages, recs):
+        assert_records_equal(want, decode_message(_bytes(frames)), torch.bfloat16)
+    messages, _ = encode_messages(recs[:20])  # 20 of them fit: one round message
+    assert [n for _, n in messages] == [20]
