@@ -11,8 +11,9 @@ The engine calls, from its round loop:
 `submit` only appends the round's records, as one item, to an in-process queue bounded in
 records (`queue_size`; records beyond it are dropped and counted). A sender thread copies the
 round's tensors into fresh CPU buffers in the wire dtype, a few tensor operations for the whole
-round (`collector.wire.encode_parts`; the engine may pass views of its own tensors and promises
-not to mutate them after submitting), and sends the round's records as one round message
+round (an engine's `CaptureRound` straight from its tensors, other records through
+`collector.wire.encode_parts`; the engine may pass views of its own tensors and promises not to
+mutate them after submitting), and sends the round's records as one round message
 (`collector.wire_round`: six frames for up to 64 records, where each record was a message of
 its own) with `zmq.NOBLOCK` and `copy=False`; the HWM refuses a message whole (`dropped_hwm`
 counts its records). Whole rounds, because every torch call of the sender thread releases and retakes

@@ -25,7 +25,9 @@ whole: one bad record loses its message's records, where a record message lost o
 The sender never ships what would be refused: `encode_messages` packs only the records
 `collector.wire.encode_parts` accepts and returns the others' errors. A round trip is bit-exact
 for the wire dtype, as a record message's; each decoded record's tensors are views of its
-message's (one copy of the frames per message).
+message's (one copy of the frames per message). An engine's `CaptureRound` is encoded straight
+from its tensors and per-record Python values (`_from_round`: the same bytes, no record built,
+its checks once a round); a round failing any check takes the per-record path.
 
     messages, errors = encode_messages(records, "bfloat16")   # [(frames, records in them)], [WireError]
     decode_message(frames)   # [CaptureRecord] (kind 3), CaptureRecord (1) or EndOfRequest (2)
@@ -33,16 +35,18 @@ message's (one copy of the frames per message).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from online_spec.capture import CaptureRecord, FEATURE_LAYERS
+from online_spec.capture import FEATURE_LAYERS, CaptureRecord, CaptureRound
 
-from collector.wire import (FLOAT_DTYPES, KIND_RECORD, META_BOUNDS, RECORD_FRAMES, TOKEN_DTYPES, EndOfRequest,
-                            WireError, _array, _check_arrays, _floats, _get, _get_bool, _get_float, _get_int, _get_str,
-                            _header, _parse_header, _view, _views, decode_parsed, encode_parts)
+from collector.wire import (_INT32_MAX, FLOAT_DTYPES, KIND_RECORD, META_BOUNDS, RECORD_FRAMES, TOKEN_DTYPES,
+                            EndOfRequest, WireError, _array, _check_arrays, _check_ids, _floats, _fresh, _get,
+                            _get_bool, _get_float, _get_int, _get_str, _header, _nonfinite_rows, _parse_header,
+                            _row_bytes, _small, _small_error, _view, _views, decode_parsed, encode_parts)
 
 KIND_ROUND = 3
 MAX_ROUND_RECORDS = 64  # records a message carries at most (a larger round goes out in several)
@@ -56,6 +60,10 @@ def encode_messages(records: Sequence[CaptureRecord],
     hidden size than the first valid one's (only a hand-made mix has them), and those of a chunk
     whose metadata would not fit a header (`MAX_META_BYTES`: ids and tags near their bound), go
     as record messages, one each (`collector.wire`)."""
+    if isinstance(records, CaptureRound):
+        whole = _from_round(records, wire_dtype)
+        if whole is not None:
+            return whole, []
     good, errors, odd = [], [], []
     for part in encode_parts(records, wire_dtype):
         if isinstance(part, WireError):
@@ -74,6 +82,75 @@ def encode_messages(records: Sequence[CaptureRecord],
     for meta, arrays in odd:
         out.append(([_header(KIND_RECORD, RECORD_FRAMES, meta)] + _views(arrays), 1))
     return out, errors
+
+
+def _from_round(rnd: CaptureRound, wire_dtype: str) -> list[tuple[list[memoryview], int]] | None:
+    """An engine round as one round message straight from its tensors, no `CaptureRecord`
+    built: the same bytes as its records through `encode_parts` and `_message` (tested), for a
+    fraction of the sender's Python a record (on a GPU that Python takes the interpreter lock
+    from the engine's host loop). None where the round needs the per-record path: more than
+    `MAX_ROUND_RECORDS` records, an id beyond int32, any check failing (its records are then
+    refused one by one, with their reasons), metadata over the header's bound."""
+    rows = rnd.rows
+    if not rows or len(rows) > MAX_ROUND_RECORDS or wire_dtype not in FLOAT_DTYPES:
+        return None
+    if rnd.ready is not None:
+        rnd.ready.synchronize()
+    feats, final = rnd.features, rnd.final_hidden
+    if rnd.row_index is not None:
+        index = torch.tensor(rnd.row_index)
+        feats, final = feats.index_select(0, index), final.index_select(0, index)
+    firsts = None if rnd.first_tokens is None else rnd.first_tokens.tolist()
+    ids, metas, prefill, total = [], [], rnd.is_prefill, 0
+    common = (int(rnd.batch_size), int(rnd.draft_version), bool(prefill), float(rnd.timestamp))
+    for row in rows:
+        t = row.tokens if firsts is None else [firsts[row.slot], *row.tokens]
+        n, k, a = len(t) - 1, int(row.num_steps), int(row.accept_len)
+        if n < 1 or not 0 <= a <= k or (not prefill and n != a + 1) or (k and rnd.drafts is None):
+            return None
+        ids += t
+        total += n
+        metas.append({"request_id": row.request_id, "first_pos": int(row.first_pos), "num_rows": n, "num_steps": k,
+                      "accept_len": a, "batch_size": common[0], "draft_version": common[1], "is_prefill": common[2],
+                      "timestamp": common[3], "tag": row.tag})
+    hidden = int(final.shape[-1]) if final.dim() == 2 else 0
+    if feats.dim() != 2 or total != feats.shape[0] or total != final.shape[0] \
+            or feats.shape[1] != FEATURE_LAYERS * hidden or not math.isfinite(common[3]):
+        return None
+    bounds = META_BOUNDS
+    try:
+        for m in metas:
+            _check_ids(m["request_id"], m["tag"])
+            for key in ("num_rows", "num_steps", "first_pos", "batch_size", "draft_version"):
+                lo, hi = bounds[key]
+                if not lo <= m[key] <= hi:
+                    return None
+    except WireError:
+        return None
+    if not bounds["hidden_size"][0] <= hidden <= bounds["hidden_size"][1]:
+        return None
+    tokens = np.array(ids, dtype=np.int64)
+    if rnd.drafts is None:
+        drafts, probs = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    else:
+        d, p = _small(rnd.drafts, np.int32), _small(rnd.draft_probs, np.float32)
+        if any(row.num_steps > d.shape[1] for row in rows):
+            return None
+        drafts = np.concatenate([d[row.slot, :row.num_steps] for row in rows])
+        probs = np.concatenate([p[row.slot, :row.num_steps] for row in rows])
+    if _small_error(tokens, drafts, probs) or (tokens.size and tokens.max() > _INT32_MAX):
+        return None
+    fdt = FLOAT_DTYPES[wire_dtype]
+    feats, final = _fresh(feats, fdt), _fresh(final, fdt)  # one copy each: converted, contiguous, on the host
+    if _nonfinite_rows(feats).any() or _nonfinite_rows(final).any():
+        return None
+    meta = {"float_dtype": wire_dtype, "token_dtype": "int32", "hidden_size": hidden, "records": metas}
+    try:
+        head = _header(KIND_ROUND, RECORD_FRAMES, meta)
+    except WireError:
+        return None
+    arrays = [tokens.astype(np.int32), _row_bytes(feats), _row_bytes(final), drafts, probs]
+    return [([head] + _views(arrays), len(rows))]
 
 
 def _message(parts: list[tuple]) -> list[memoryview]:

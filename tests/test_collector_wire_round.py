@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from collector.wire import HEADER, WireError, decode, encode, encode_end
 from collector.wire_round import KIND_ROUND, MAX_ROUND_RECORDS, decode_message, encode_messages
 from collector_records import assert_records_equal, request_records
-from online_spec.capture import CaptureRecord
+from online_spec.capture import CaptureRecord, CaptureRound, RoundRow
+from online_spec.head import new_head
+from online_spec.sampling import SamplingParams
+from serving.engine import Engine, EngineConfig
+from serving.requests import Request
+from tests.distill_helpers import tiny8
 
 H = 8
 
@@ -187,3 +192,77 @@ def test_metadata_over_the_header_bound_goes_as_record_messages():
         assert_records_equal(want, decode_message(_bytes(frames)), torch.bfloat16)
     messages, _ = encode_messages(recs[:20])  # 20 of them fit: one round message
     assert [n for _, n in messages] == [20]
+
+
+# -- an engine round encoded straight from its tensors -------------------------------------------
+
+def _hand_round(**kw) -> CaptureRound:
+    """A round as the chain round hands it over: rows gathered by index, drafts by slot."""
+    g = torch.Generator().manual_seed(5)
+    feats, final = torch.randn(3 * 4, 3 * H, generator=g), torch.randn(3 * 4, H, generator=g)
+    drafts, probs = torch.tensor([[7, 8, 9], [4, 5, 6], [1, 2, 3]]), torch.rand(3, 3, generator=g)
+    rows = [RoundRow("a", 10, 0, [1, 7, 8, 3], 2, 3, "chat"), RoundRow("b", 20, 2, [2, 9], 0, 3, ""),
+            RoundRow("c", 5, 1, [4, 5, 6, 11, 12], 3, 3, "code")]
+    return CaptureRound(rows, feats, final, row_index=[0, 1, 2, 8, 4, 5, 6, 7], drafts=drafts, draft_probs=probs,
+                        batch_size=3, draft_version=5, timestamp=1.5, **kw)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_a_round_from_its_tensors_is_the_bytes_of_its_records(dtype_name):
+    rnd = _hand_round()
+    fast, errors = encode_messages(rnd, dtype_name)
+    assert errors == [] and rnd._records is None  # no record built
+    slow, _ = encode_messages(list(_hand_round().records()), dtype_name)
+    assert [_bytes(f) for f, _ in fast] == [_bytes(f) for f, _ in slow] and [n for _, n in fast] == [3]
+    got = decode_message(_bytes(fast[0][0]))
+    assert [r.request_id for r in got] == ["a", "b", "c"] and got[2].draft_tokens.tolist() == [4, 5, 6]
+
+
+def test_a_round_that_fails_a_check_takes_the_per_record_path():
+    rnd = _hand_round()
+    rnd.features = rnd.features.clone()
+    rnd.features[8, 0] = float("nan")  # the row of "b"
+    messages, errors = encode_messages(rnd)
+    assert len(errors) == 1 and "non-finite" in str(errors[0]) and rnd._records is not None
+    assert [r.request_id for r in decode_message(_bytes(messages[0][0]))] == ["a", "c"]
+    wide = _hand_round()
+    wide.rows[0] = wide.rows[0]._replace(tokens=[1, 7, 8, 2**40])  # an id beyond int32
+    messages, errors = encode_messages(wide)
+    assert errors == [] and _meta(messages[0][0])["token_dtype"] == "int64"
+
+
+class _Sink:
+    def __init__(self):
+        self.rounds = []
+
+    def should_capture(self, request_id):
+        return True
+
+    def submit(self, records):
+        if isinstance(records, CaptureRound):
+            self.rounds.append(records)
+
+    def end_request(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("tree, sampled", [(False, False), (False, True), (True, False), (True, True)])
+def test_engine_rounds_from_their_tensors_are_the_bytes_of_their_records(tree, sampled):
+    """Chain and tree rounds of a real engine (tiny fp32 target), greedy and with a sampled request."""
+    torch.manual_seed(0)
+    target = tiny8()
+    shape = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if tree else {}
+    eng = Engine(target, new_head(target, draft_vocab_size=256, seed=3),
+                 EngineConfig(max_batch=4, max_len=256, num_steps=3, **shape), publisher=(sink := _Sink()))
+    for i, p in enumerate([[5, 9, 33, 7], [1, 2, 3, 4, 5, 6], [100, 200, 300]]):
+        params = SamplingParams(max_tokens=16, ignore_eos=True, **({"temperature": 0.8, "seed": 7}
+                                                                    if sampled and i == 1 else {}))
+        eng.add_request(Request(p, params, request_id=f"r{i}"))
+    while eng.has_work():
+        eng.step()
+    assert len(sink.rounds) > 3
+    for rnd in sink.rounds:
+        fast, errors = encode_messages(rnd, "bfloat16")
+        assert errors == [] and rnd._records is None and len(fast) == 1
+        slow, _ = encode_messages(list(rnd.records()), "bfloat16")
+        assert [_bytes(f) for f, _ in fast] == [_bytes(f) for f, _ in slow]
