@@ -265,12 +265,7 @@ def decode_parsed(bufs: list[memoryview], kind: int, meta: dict) -> CaptureRecor
     rows = _get_int(meta, "num_rows", *META_BOUNDS["num_rows"])
     hidden = _get_int(meta, "hidden_size", *META_BOUNDS["hidden_size"])
     steps = _get_int(meta, "num_steps", *META_BOUNDS["num_steps"])
-    fname, tname = _get_str(meta, "float_dtype"), _get_str(meta, "token_dtype")
-    if fname not in FLOAT_DTYPES:
-        raise WireError(f"unknown float_dtype {fname!r}")
-    if tname not in TOKEN_DTYPES:
-        raise WireError(f"unknown token_dtype {tname!r}")
-    fdt, tdt = FLOAT_DTYPES[fname], TOKEN_DTYPES[tname]
+    fdt, tdt = _dtypes(meta)
     shapes = row_shapes(rows, hidden)
     # numpy end to end, one torch tensor per array at the end: each torch call costs the
     # trainer's reader microseconds of dispatch, and on 2 cores its time is the engine's
@@ -388,6 +383,16 @@ def _parse_header(head: memoryview, nframes_got: int) -> tuple[int, dict]:
     if not isinstance(meta, dict):
         raise WireError(f"metadata is a JSON {type(meta).__name__}, expected an object")
     return kind, meta
+
+
+def _dtypes(meta: dict) -> tuple[torch.dtype, torch.dtype]:
+    """The message's (float, token) torch dtypes from its metadata's names."""
+    fname, tname = _get_str(meta, "float_dtype"), _get_str(meta, "token_dtype")
+    if fname not in FLOAT_DTYPES:
+        raise WireError(f"unknown float_dtype {fname!r}")
+    if tname not in TOKEN_DTYPES:
+        raise WireError(f"unknown token_dtype {tname!r}")
+    return FLOAT_DTYPES[fname], TOKEN_DTYPES[tname]
 
 
 def _get(meta: dict, key: str) -> Any:

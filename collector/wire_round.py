@@ -43,8 +43,8 @@ import torch
 
 from online_spec.capture import FEATURE_LAYERS, CaptureRecord, CaptureRound
 
-from collector.wire import (_INT32_MAX, FLOAT_DTYPES, KIND_RECORD, META_BOUNDS, RECORD_FRAMES, TOKEN_DTYPES,
-                            EndOfRequest, WireError, _array, _check_arrays, _check_ids, _floats, _fresh, _get,
+from collector.wire import (_INT32_MAX, FLOAT_DTYPES, KIND_RECORD, META_BOUNDS, RECORD_FRAMES,
+                            EndOfRequest, WireError, _array, _check_arrays, _check_ids, _dtypes, _floats, _fresh, _get,
                             _get_bool, _get_float, _get_int, _get_str, _header, _nonfinite_rows, _parse_header,
                             _row_bytes, _small, _small_error, _view, _views, decode_parsed, encode_parts)
 
@@ -94,13 +94,7 @@ def _from_round(rnd: CaptureRound, wire_dtype: str) -> list[tuple[list[memoryvie
     rows = rnd.rows
     if not rows or len(rows) > MAX_ROUND_RECORDS or wire_dtype not in FLOAT_DTYPES:
         return None
-    if rnd.ready is not None:
-        rnd.ready.synchronize()
-    feats, final = rnd.features, rnd.final_hidden
-    if rnd.row_index is not None:
-        index = torch.tensor(rnd.row_index)
-        feats, final = feats.index_select(0, index), final.index_select(0, index)
-    firsts = None if rnd.first_tokens is None else rnd.first_tokens.tolist()
+    feats, final, firsts = rnd.host_rows()
     ids, metas, prefill, total = [], [], rnd.is_prefill, 0
     common = (int(rnd.batch_size), int(rnd.draft_version), bool(prefill), float(rnd.timestamp))
     for row in rows:
@@ -176,18 +170,13 @@ def decode_message(frames: Sequence[Any]) -> list[CaptureRecord] | CaptureRecord
     if len(bufs) != RECORD_FRAMES:
         raise WireError(f"a round message has {RECORD_FRAMES} frames, got {len(bufs)}")
     hidden = _get_int(meta, "hidden_size", *META_BOUNDS["hidden_size"])
-    fname, tname = _get_str(meta, "float_dtype"), _get_str(meta, "token_dtype")
-    if fname not in FLOAT_DTYPES:
-        raise WireError(f"unknown float_dtype {fname!r}")
-    if tname not in TOKEN_DTYPES:
-        raise WireError(f"unknown token_dtype {tname!r}")
+    fdt, tdt = _dtypes(meta)
     entries = _get(meta, "records")
     if type(entries) is not list or not 1 <= len(entries) <= MAX_ROUND_RECORDS:
         raise WireError(f"metadata records is not a list of 1..{MAX_ROUND_RECORDS} records")
     fields = [_fields(e) for e in entries]
     rows = sum(f["num_rows"] for f in fields)
     steps = sum(f["num_steps"] for f in fields)
-    fdt, tdt = FLOAT_DTYPES[fname], TOKEN_DTYPES[tname]
     parts = {  # numpy, checked once for the round; one torch tensor per array
         "tokens": _array(bufs[1], tdt, (rows + len(fields),), "tokens"),
         "features": _array(bufs[2], fdt, (rows, FEATURE_LAYERS * hidden), "features"),

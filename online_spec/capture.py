@@ -207,14 +207,20 @@ class CaptureRound(Sequence[CaptureRecord]):
             self._records = self._build()
         return self._records
 
-    def _build(self) -> list[CaptureRecord]:
+    def host_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """(features, final_hidden) of the records' rows in record order, and each slot's first
+        token (None when each row's `tokens` starts with it), after `ready`: what `_build` and
+        an encoder that builds no record (`collector.wire_round`) read."""
         if self.ready is not None:
             self.ready.synchronize()
         feats, final = self.features, self.final_hidden
         if self.row_index is not None:
             index = torch.tensor(self.row_index)
             feats, final = feats.index_select(0, index), final.index_select(0, index)
-        firsts = None if self.first_tokens is None else self.first_tokens.tolist()
+        return feats, final, None if self.first_tokens is None else self.first_tokens.tolist()
+
+    def _build(self) -> list[CaptureRecord]:
+        feats, final, firsts = self.host_rows()
         out, r0 = [], 0
         for row in self.rows:
             ids = row.tokens if firsts is None else [firsts[row.slot], *row.tokens]

@@ -57,3 +57,16 @@ def assert_records_equal(a: CaptureRecord, b: CaptureRecord, dtype: torch.dtype)
     assert torch.equal(a.draft_probs.to(torch.float32), b.draft_probs)
     for name in ("accept_len", "num_steps", "batch_size", "draft_version", "is_prefill", "timestamp", "tag"):
         assert getattr(a, name) == getattr(b, name), name
+
+
+def corrupt(frames: list, frame: int, pos: int, value: int, cut: int | None) -> list[bytes]:
+    """A copy of a message's frames with one byte of `frame` set to `value` (at `pos`, wrapped)
+    and that frame cut to `cut` bytes (wrapped; None: not cut): the fuzz tests' damage."""
+    out = [bytes(f) for f in frames]
+    b = bytearray(out[frame])
+    if b:
+        b[pos % len(b)] = value
+    if cut is not None:
+        b = b[: cut % (len(b) + 1)]
+    out[frame] = bytes(b)
+    return out

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from collector.wire import (HEADER, MAGIC, VERSION, EndOfRequest, WireError, decode, encode, encode_end,
                             encode_round, frames_nbytes)
-from collector_records import assert_records_equal, request_records
+from collector_records import assert_records_equal, corrupt, request_records
 from online_spec.capture import CaptureRecord
 
 H = 8
@@ -204,13 +204,7 @@ def test_garbage_never_raises_anything_but_wire_error(frames):
 @given(frame=st.integers(0, 5), pos=st.integers(0, 10_000), value=st.integers(0, 255),
        cut=st.one_of(st.none(), st.integers(0, 10_000)))
 def test_a_corrupted_valid_message_decodes_or_raises_wire_error(frame, pos, value, cut):
-    frames = _bytes(encode(GOOD))
-    b = bytearray(frames[frame])
-    if b:
-        b[pos % len(b)] = value
-    if cut is not None:
-        b = b[: cut % (len(b) + 1)]
-    frames[frame] = bytes(b)
+    frames = corrupt(encode(GOOD), frame, pos, value, cut)
     try:
         got = decode(frames)
     except WireError:

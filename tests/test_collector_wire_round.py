@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from collector.wire import HEADER, WireError, decode, encode, encode_end
 from collector.wire_round import KIND_ROUND, MAX_ROUND_RECORDS, decode_message, encode_messages
-from collector_records import assert_records_equal, request_records
+from collector_records import assert_records_equal, corrupt, request_records
 from online_spec.capture import CaptureRecord, CaptureRound, RoundRow
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
@@ -165,13 +165,7 @@ def test_damaged_round_messages_are_refused(mutate, reason):
 @given(frame=st.integers(0, 5), pos=st.integers(0, 10_000), value=st.integers(0, 255),
        cut=st.one_of(st.none(), st.integers(0, 10_000)))
 def test_a_corrupted_round_decodes_or_raises_wire_error(frame, pos, value, cut):
-    frames = _bytes(encode_messages(_round())[0][0][0])
-    b = bytearray(frames[frame])
-    if b:
-        b[pos % len(b)] = value
-    if cut is not None:
-        b = b[: cut % (len(b) + 1)]
-    frames[frame] = bytes(b)
+    frames = corrupt(encode_messages(_round())[0][0][0], frame, pos, value, cut)
     try:
         got = decode_message(frames)
     except WireError:
