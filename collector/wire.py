@@ -150,6 +150,14 @@ def encode_parts(records: Sequence[CaptureRecord], wire_dtype: str = "bfloat16")
     return out
 
 
+def meta_error(meta: dict) -> str | None:
+    """What is out of range in a record's metadata (`META_BOUNDS`, a finite timestamp), if anything."""
+    for key, (lo, hi) in META_BOUNDS.items():
+        if not lo <= meta[key] <= hi:
+            return f"{key}={meta[key]} is outside {lo}..{hi}"
+    return None if math.isfinite(meta["timestamp"]) else "timestamp is not finite"
+
+
 def _small_arrays(record: CaptureRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """A record's token ids, draft tokens and draft probabilities in their wire dtypes, checked."""
     tokens = _small(record.tokens, np.int64)
@@ -215,11 +223,9 @@ def _parts(record: CaptureRecord, wire_dtype: str, features: np.ndarray, final_h
         "float_dtype": wire_dtype,
         "token_dtype": token_dtype,
     }
-    for key, (lo, hi) in META_BOUNDS.items():
-        if not lo <= meta[key] <= hi:
-            raise WireError(f"record {record.request_id[:80]!r}: {key}={meta[key]} is outside {lo}..{hi}")
-    if not math.isfinite(meta["timestamp"]):
-        raise WireError(f"record {record.request_id[:80]!r}: timestamp is not finite")
+    error = meta_error(meta)
+    if error:
+        raise WireError(f"record {record.request_id[:80]!r}: {error}")
     return meta, (tokens, features, final_hidden, draft_tokens, draft_probs)
 
 

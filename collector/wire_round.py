@@ -35,7 +35,6 @@ its checks once a round); a round failing any check takes the per-record path.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -46,7 +45,7 @@ from online_spec.capture import FEATURE_LAYERS, CaptureRecord, CaptureRound
 from collector.wire import (_INT32_MAX, FLOAT_DTYPES, KIND_RECORD, META_BOUNDS, RECORD_FRAMES,
                             EndOfRequest, WireError, _array, _check_arrays, _check_ids, _dtypes, _floats, _fresh, _get,
                             _get_bool, _get_float, _get_int, _get_str, _header, _nonfinite_rows, _parse_header,
-                            _row_bytes, _small, _small_error, _view, _views, decode_parsed, encode_parts)
+                            _row_bytes, _small, _small_error, _view, _views, decode_parsed, encode_parts, meta_error)
 
 KIND_ROUND = 3
 MAX_ROUND_RECORDS = 64  # records a message carries at most (a larger round goes out in several)
@@ -109,19 +108,14 @@ def _from_round(rnd: CaptureRound, wire_dtype: str) -> list[tuple[list[memoryvie
                       "timestamp": common[3], "tag": row.tag})
     hidden = int(final.shape[-1]) if final.dim() == 2 else 0
     if feats.dim() != 2 or total != feats.shape[0] or total != final.shape[0] \
-            or feats.shape[1] != FEATURE_LAYERS * hidden or not math.isfinite(common[3]):
+            or feats.shape[1] != FEATURE_LAYERS * hidden:
         return None
-    bounds = META_BOUNDS
     try:
         for m in metas:
             _check_ids(m["request_id"], m["tag"])
-            for key in ("num_rows", "num_steps", "first_pos", "batch_size", "draft_version"):
-                lo, hi = bounds[key]
-                if not lo <= m[key] <= hi:
-                    return None
+            if meta_error({**m, "hidden_size": hidden}):
+                return None
     except WireError:
-        return None
-    if not bounds["hidden_size"][0] <= hidden <= bounds["hidden_size"][1]:
         return None
     tokens = np.array(ids, dtype=np.int64)
     if rnd.drafts is None:
