@@ -8,6 +8,8 @@ mean and median), then, through a per-call wrapper, each call's median microseco
 written.
 
     python scripts/policy_call_costs.py          # batch 1
+    NULL=1 TOKENS=160 REPEATS=3 B=16 python scripts/policy_call_costs.py   # the planned policy beside
+                                                 # the calls' floor (a policy doing nothing), longer runs
     B=4 python scripts/policy_call_costs.py
     DTYPE=bfloat16 python scripts/policy_call_costs.py   # the serving dtype of a CPU with native bf16
 """
@@ -25,6 +27,7 @@ from serving.engine import Engine, EngineConfig
 from serving.policy_planner import PlannedPolicy
 
 B = int(os.environ.get("B", "1"))
+TOKENS = int(os.environ.get("TOKENS", "48"))  # tokens a request: more rounds a run
 target = load_target(dtype=os.environ.get("DTYPE", "float32"))
 head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
 convs = sharegpt_conversations(limit=40, seed=3, split="heldout", max_prompt_tokens=160, tokenizer=target.tokenizer)
@@ -49,6 +52,22 @@ class Rec:
     def state_dict(self): return self.p.state_dict()
     def load_state_dict(self, s): self.p.load_state_dict(s)
 
+class NullPolicy:
+    """The floor: the engine's policy calls (K = 3, every step continued, every draft verified)
+    doing no work, so their engine-timed cost is the calls' own on the engine's caches."""
+    name, early_stop, truncates, tree_rounds, chooses_trees = "null", True, True, False, False
+    def steps_for(self, b, ctx=0): return 3
+    def should_continue(self, s, conf, b, ctx=0): return True
+    def verify_lengths(self, conf, ctx=0, *, padded=False): return [conf.shape[1]] * conf.shape[0]
+    def update(self, b, accepted, **kw): return 3
+    def predict_round_s(self, *a): return None
+    def tree_for(self, *a): return None
+    def tree_shapes(self): return []
+    def rewarm(self): pass
+    def info(self): return {}
+    def state_dict(self): return {}
+    def load_state_dict(self, s): pass
+
 def make():
     ad = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]}})
     return CostModelPolicy(ad, cost_model=CostModel.with_coefficients((0.006, 0.0005, 0, 0.004, 0), (0.05, 0.002, 0.0006, 0, 0.002)))
@@ -58,7 +77,7 @@ def run(label, pol, wrapped):
     eng = Engine(target, head, EngineConfig(max_batch=B, max_len=512, max_steps=5), policy=rec)
     own = []  # the engine's own timing of the policy's calls (`RoundStats.policy_s`), no wrapper
     eng.on_round.append(lambda stats, outs: own.append(stats.policy_s * 1e6))
-    eng.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+    eng.generate(prompts, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
     line = f"{label} {'wrapped' if wrapped else 'engine'} B {B} rounds {len(own)} engine-timed us a round: " \
            f"mean {statistics.fmean(own):.1f} median {statistics.median(own):.1f}"
     if wrapped:
@@ -70,8 +89,11 @@ def run(label, pol, wrapped):
 
 # the engine's own timing, unwrapped, alternating bare / planned; then once each through the
 # per-call wrapper (its own frames cost ~5 us a call on the engine's cold caches)
-for label, make_pol in (("bare", make), ("planned", lambda: PlannedPolicy(make()))) * 2:
+arms = (("bare", make), ("planned", lambda: PlannedPolicy(make())))
+if os.environ.get("NULL", "0") == "1":  # the floor beside the planned policy (bare left out)
+    arms = (("null", NullPolicy), ("planned", lambda: PlannedPolicy(make())))
+for label, make_pol in arms * int(os.environ.get("REPEATS", "2")):
     run(label, make_pol(), wrapped=False)
 if os.environ.get("PER_CALL", "1") == "1":
-    for label, make_pol in (("bare", make), ("planned", lambda: PlannedPolicy(make()))):
+    for label, make_pol in arms:
         run(label, make_pol(), wrapped=True)

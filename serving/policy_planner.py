@@ -35,7 +35,9 @@ engine thread only reading a plan:
   for a plan opens the window itself.
 - `should_continue` / `verify_lengths` run the plan's rules (`continue_on`, and `verify_cut`
   with the plan's round seconds precomputed); the probe schedule stays the policy's own
-  (`CostModelPolicy.schedule`, engine thread).
+  (`CostModelPolicy.schedule`, engine thread). Above a batch of one the early stop bins each
+  step's list once for both rules (`tally_step`): the padded verify cut then bins only the
+  round's last column, not all B x K confidences again.
 
 `rewarm` and `load_state_dict` reach the policy in order with the rounds. A failure while
 learning is logged and counted (`info()["planner"]`); the last plans stay in use, the engine
@@ -61,7 +63,8 @@ import numpy as np
 from online_spec.config import ConfigError
 from online_spec.controller.base import StepPolicyBase, check_policy
 from online_spec.controller.cost import CostModelPolicy
-from online_spec.controller.plan import BatchPlan, continue_on
+from online_spec.controller.acceptance import SMALL_BATCH
+from online_spec.controller.plan import BatchPlan, continue_on, continue_p, tally_step
 from online_spec.host_window import HostWindow
 
 log = logging.getLogger(__name__)
@@ -243,6 +246,10 @@ class PlannedPolicy(StepPolicyBase):
         self._slot_of: dict[int, int] = {}  # batch size -> slot index (`_nearest`)
         self._k = 0
         self._probing = False
+        # this round's early stop, binned once for the verify cut too (`tally_step`): the rows'
+        # survivals through the steps tallied, and each tallied step's gain
+        self._sv: list[float] | None = None
+        self._gain: list[float] = []
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -263,6 +270,7 @@ class PlannedPolicy(StepPolicyBase):
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
         self._k, self._probing = self.policy.schedule(batch_size, plan.steps)
+        self._sv, self._gain = None, []
         return self._k
 
     def _nearest(self, plans: dict[int, BatchPlan], batch_size: int) -> BatchPlan | None:
@@ -287,14 +295,27 @@ class PlannedPolicy(StepPolicyBase):
         if self._probing:  # a probe measures the positions the estimates doubt: no early stop
             return step_index < self._k
         plan = self._plan  # `BatchPlan.should_continue`, one call fewer
-        if plan.go1 and type(draft_confidence) is list and len(draft_confidence) == 1:
-            return plan.continue_one(step_index, draft_confidence[0])  # a batch of one: its bin's verdict
         stops = plan.stops
-        return continue_on(stops[step_index - 1] if step_index <= len(stops) else None, draft_confidence, plan.calib)
+        terms = stops[step_index - 1] if step_index <= len(stops) else None
+        if type(draft_confidence) is list:
+            n = len(draft_confidence)
+            if n == 1 and plan.go1:
+                return plan.continue_one(step_index, draft_confidence[0])  # a batch of one: its bin's verdict
+            if 1 < n <= SMALL_BATCH and step_index == len(self._gain) + 1:
+                # the engine's steps in order: bin the step once, for this rule and the verify cut
+                lookup = plan.calib.lookup
+                self._sv, g, p_last = tally_step(self._sv, draft_confidence, lookup, len(lookup) - 1)
+                self._gain.append(g)
+                return continue_p(terms, p_last)
+        return continue_on(terms, draft_confidence, plan.calib)
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
+        """The plan's verify cut. The engine's padded cut of a round whose early stop tallied its
+        steps (`should_continue` on the same confidences, in order) bins only the last column."""
+        gain, self._gain, sv, self._sv = self._gain, [], self._sv, None  # a tally serves one cut
         if padded and not self._probing and type(confidences) is np.ndarray and confidences.ndim == 2:
-            cut = self._plan.padded_lengths(confidences)  # `BatchPlan.verify_lengths`, one call fewer
+            plan = self._plan  # `BatchPlan.verify_lengths`, one call fewer
+            cut = plan.tallied_lengths(confidences, sv, gain) if gain else plan.padded_lengths(confidences)
             if cut is not None:
                 return cut
         return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)

@@ -162,3 +162,34 @@ def test_a_tie_between_cuts_keeps_the_longer(b):
     conf = np.full((b, 1), 0.5, dtype=np.float32)
     assert plan.verify_lengths(conf, padded=True) == [1] * b
     assert verify_cut(conf, calib, terms, 1.0, padded=True) == [1] * b
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
+def test_the_early_stops_tally_serves_the_padded_cut_over_a_grid():
+    """`tally_step` bins a step's list once for both rules: its mean is the early stop's p_last,
+    and the cut from its running survivals (`tallied_lengths`, the last column binned there or
+    tallied too) is the plan's padded cut of the whole array."""
+    rng = random.Random(29)
+    tallied = 0
+    for _ in range(30):
+        p = learnt_policy(rng)
+        for b in (2, 3, 4, 8, 16):
+            plan = p.plan(b, rng.choice([0, 300]))
+            lookup = plan.calib.lookup
+            for k in range(1, 8):
+                conf = confidences(rng, b, k)
+                sv, gain = None, []
+                for step in range(1, k + 1):
+                    column = conf[:, step - 1].tolist()
+                    sv, g, p_last = plan_mod.tally_step(sv, column, lookup, len(lookup) - 1)
+                    gain.append(g)
+                    assert p_last == plan.calib.mean(column)
+                    terms = plan.stops[step - 1] if step <= len(plan.stops) else None
+                    assert plan_mod.continue_p(terms, p_last) == continue_on(terms, column, plan.calib)
+                    if step >= k - 1:  # the engine's early stop tallies K - 1 steps, or K when it stopped
+                        cut = plan.tallied_lengths(conf, list(sv), list(gain))
+                        assert cut == plan.padded_lengths(conf), (b, k, step)
+                        tallied += cut is not None
+                assert plan.tallied_lengths(conf, list(sv), gain[:k - 2]) is None  # too few steps tallied
+                assert plan.tallied_lengths(conf, None, []) is None
+    assert tallied > 500

@@ -55,8 +55,10 @@ def leading(row, n):
     return a
 
 
-def drive(policy, stream):
-    """Run the stream through `policy` as the engine does; returns each round's decisions."""
+def drive(policy, stream, lists: bool = False):
+    """Run the stream through `policy` as the engine does; returns each round's decisions.
+    lists: every step's confidences as the engine passes them (a list: the planner's early stop
+    then tallies every step for the verify cut); else a numpy column every other step."""
     decisions = []
     for b, drafts, rewarm in stream:
         ctx = 100 * b  # one context per batch size: a plan is built at its batch size's last context
@@ -64,7 +66,7 @@ def drive(policy, stream):
         stops, kept = [], k
         for i in range(1, k):
             column = drafts[:, i - 1]  # the engine passes a list of floats; a numpy column every other step
-            go = policy.should_continue(i, column.tolist() if i % 2 else column, b, ctx)
+            go = policy.should_continue(i, column.tolist() if i % 2 or lists else column, b, ctx)
             stops.append(go)
             if not go:
                 kept = i
@@ -138,11 +140,11 @@ class LaggedReference:
         self.queue[-1].append(self.policy.rewarm)
 
 
-@pytest.mark.parametrize("keep", [64, 3])
-def test_decisions_are_the_bare_policy_one_round_behind(keep):
+@pytest.mark.parametrize("keep,lists", [(64, False), (3, False), (64, True)])
+def test_decisions_are_the_bare_policy_one_round_behind(keep, lists):
     stream = traffic(seed=keep)
-    planned = drive(PlannedPolicy(bare_policy(), threaded=False, keep_rounds=keep), stream)
-    reference = drive(LaggedReference(bare_policy(), keep), stream)
+    planned = drive(PlannedPolicy(bare_policy(), threaded=False, keep_rounds=keep), stream, lists)
+    reference = drive(LaggedReference(bare_policy(), keep), stream, lists)
     assert planned == reference
     ks = {d[0] for d in planned}
     assert len(ks) >= 3 and any(False in d[1] for d in planned)  # K moves and the early stop fires

@@ -6,7 +6,7 @@ step, the confidence calibration (`CalibrationTable`), the round-time terms of t
 cut and its round seconds per K drafted and length kept (`plan_seconds`) — and the two in-round
 rules run on it: `continue_on` (does one more draft step raise tokens per second?) and
 `verify_cut` (how many drafts to verify). The policy itself runs the same two rules on its live
-state, so there is one implementation of each.
+state, so there is one implementation of each; `tally_step` bins a draft step once for both.
 
 A plan and its table never change once built (tuples, and a list and an array nothing writes
 to), so one thread may build the next plan while another reads the current one: this is what
@@ -39,18 +39,55 @@ def continue_on(terms: tuple | None, draft_confidence, calib: CalibrationTable) 
         return False
     if type(draft_confidence) is list and 0 < len(draft_confidence) <= SMALL_BATCH:
         tbl, n = calib.lookup, len(calib.values)
-        p_last = sum([tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]
-                      for c in draft_confidence]) / len(draft_confidence)  # `CalibrationTable.mean`, inline
+        total = 0.0  # `CalibrationTable.mean`, inline: a sum in order (`tally_step` adds alike)
+        for c in draft_confidence:
+            total += tbl[int(c * n) if c < 1.0 else n - 1] if c > 0.0 else tbl[0]
+        p_last = total / len(draft_confidence)
     elif isinstance(draft_confidence, (int, float)):
         p_last = calib(draft_confidence)
     else:
         p_last = calib.mean(draft_confidence)
+    return continue_p(terms, p_last)
+
+
+def continue_p(terms: tuple | None, p_last: float) -> bool:
+    """`continue_on` given the mean calibrated confidence of the last draft, p_last."""
+    if terms is None:
+        return False
     t_now, t_more, expected, surv, a_next = terms
     surv *= p_last
     expected += surv
     gain = surv * a_next
     # (E + gain) / t_next > E / t_now, cross-multiplied (both times are >= 0)
     return gain * t_now > expected * t_more
+
+
+def tally_step(sv: list[float] | None, confidences: list[float], lookup: list[float],
+               bins: int) -> tuple[list[float], float, float]:
+    """One draft step's confidences (one per request, Python floats) binned once for both
+    in-round rules, in one loop (each line of Python run inside an engine round runs on cold
+    caches). sv: each row's survival through the steps before (None before the first), updated
+    in place. Returns the rows' survivals through this step, their sum in row order (the padded
+    verify cut's gain of this draft, added as `padded_cut_rows` adds it) and the mean
+    calibrated value (`continue_on`'s p_last, summed as it sums)."""
+    total = g = 0.0
+    if sv is None:  # the first step: survival 1.0 * p is p, and their sum is the total
+        sv = []
+        for c in confidences:
+            p = lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]
+            total += p
+            sv.append(p)
+        g = total
+    else:
+        i = 0
+        for c in confidences:
+            p = lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]
+            total += p
+            x = sv[i] * p
+            sv[i] = x
+            g += x
+            i += 1
+    return sv, g, total / len(confidences)
 
 
 def continue_table(terms: tuple | None, calib: CalibrationTable) -> tuple | None:
@@ -239,6 +276,22 @@ class BatchPlan:
                 return cut
         return verify_cut(confidences, self.calib, self.terms, self.verify_token_s, padded=padded,
                           keep_all=keep_all)
+
+    def tallied_lengths(self, confidences: np.ndarray, sv: list[float] | None, gain: list[float]) -> list[int] | None:
+        """`padded_lengths` of the engine's [B, K] array whose first len(gain) columns the early
+        stop has binned already (`tally_step`: sv, the rows' survivals through them, gain, their
+        sums): at most one column is left to bin. None where `padded_lengths` would return None
+        or the tally does not cover the array's first K - 1 columns."""
+        b, k = confidences.shape
+        seconds, done = self.seconds, len(gain)
+        if not (done and sv is not None and len(sv) == b and k - 1 <= done <= k and 0 < k < len(seconds)
+                and b * k <= PADDED_PYTHON) or self.verify_token_s <= 0:
+            return None
+        if done < k:  # the last draft's column: one numpy call (each costs microseconds in a round)
+            lookup, last = self.calib.lookup, k - 1
+            column = [row[last] for row in confidences.tolist()]
+            gain = gain + [tally_step(sv, column, lookup, len(lookup) - 1)[1]]
+        return best_common_length(gain, [k] * b, seconds[k])
 
     def padded_lengths(self, confidences: np.ndarray) -> list[int] | None:
         """The padded verify cut of the engine's [B, K] array (`verify_cut(padded=True)` outside a
