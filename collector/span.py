@@ -130,9 +130,11 @@ class CaptureSpan:
             return self
         return self.slice(0, min(self.num_rows, max(prompt - 1, 0) + max_generated + 1))
 
-    def target_error(self, hidden_size: int, vocab_size: int, max_positions: int) -> str | None:
-        """Why the span cannot be trained on with a target of this hidden size, vocabulary and
-        context (a frame can be well-formed on the wire and still not fit the model), or None."""
+    def target_error(self, info) -> str | None:
+        """Why the span cannot be trained on with the target `info` describes (a `TargetInfo`:
+        its hidden size, vocabulary and context; a frame can be well-formed on the wire and
+        still not fit the model), or None."""
+        hidden_size, vocab_size, max_positions = info.hidden_size, info.vocab_size, info.max_position_embeddings
         if self.hidden_size != hidden_size or int(self.features.shape[1]) != 3 * hidden_size:
             return (f"hidden size {self.hidden_size} (features {int(self.features.shape[1])}), "
                     f"the target's is {hidden_size}")

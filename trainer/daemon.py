@@ -121,8 +121,7 @@ class TrainerDaemon:
     # -- inputs ---------------------------------------------------------------------------
     def span_error(self, span: CaptureSpan) -> str | None:
         """Why `span` cannot be trained on with this target, or None."""
-        i = self.target.info
-        return span.target_error(i.hidden_size, i.vocab_size, i.max_position_embeddings)
+        return span.target_error(self.target.info)
 
     def on_span(self, span: CaptureSpan) -> None:
         """Subscriber thread: store the span and tally live acceptance per version/slot/tag; a

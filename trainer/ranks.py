@@ -202,8 +202,7 @@ class RankLoop:
         return {**d.summary(), **out} if d is not None else out
 
     def _span_error(self, span) -> str | None:
-        info = self.distiller.target.info
-        return span.target_error(info.hidden_size, info.vocab_size, info.max_position_embeddings)
+        return span.target_error(self.distiller.target.info)
 
     def agree(self, stop: bool, ready: bool) -> tuple[bool, bool]:
         """The step's decision, the same on every rank: stop if any rank stops; train if rank 0 can."""
