@@ -103,12 +103,18 @@ def round_costs(result: SessionResult) -> dict:
     engine's steps' share of the serving wall time. `one_off`: seconds of the whole run spent in
     prefills, in long catch-ups, and in rounds that captured a CUDA graph (`capture_rounds_s`,
     their whole time), beside `rounds_s`, every round's time. A server whose speculative rounds
-    cost far more than the engine alone spends on them shows here where."""
+    cost far more than the engine alone spends on them shows here where.
+
+    `by_batch_k`: the same rounds by batch size and K ("B,K"), so two configurations compare at
+    equal batch: rounds, their mean round / draft / verify ms, committed tokens a round and
+    tokens per second of round time (committed over the rounds' seconds, gaps left out)."""
     rounds = [r for r in result.rounds if "draft_s" in r]
     if len(rounds) < 2:
         return {}
     by_k: dict[str, dict[str, list[float]]] = {}
+    by_bk: dict[tuple[int, int], list[dict]] = {}
     for prev, r in zip(rounds, rounds[1:]):
+        by_bk.setdefault((r["batch_size"], r["num_steps"]), []).append(r)
         parts = by_k.setdefault(str(r["num_steps"]), {"round": [], "draft": [], "catchup": [], "verify": [],
                                                       "admit": [], "other": [], "gap": [], "policy": []})
         parts["round"].append(r["total_s"])
@@ -129,7 +135,16 @@ def round_costs(result: SessionResult) -> dict:
                "catchup_s": sum(r.get("catchup_s", 0.0) for r in rounds),
                "capture_rounds": sum(1 for r in rounds if r.get("captures")),
                "capture_rounds_s": sum(r["total_s"] for r in rounds if r.get("captures"))}
-    return {"by_k": out, "busy_share": round(one_off["rounds_s"] / span, 4) if span > 0 else None,
+    by_batch_k = {}
+    for (b, k), rs in sorted(by_bk.items()):
+        ms = {n: round(1e3 * _mean([r[f"{n}_s"] for r in rs]), 3) for n in ("total", "draft", "verify")}
+        by_batch_k[f"{b},{k}"] = {"rounds": len(rs), "round_ms_mean": ms["total"], "draft_ms_mean": ms["draft"],
+                                  "verify_ms_mean": ms["verify"],
+                                  "committed_mean": round(_mean([r["committed"] for r in rs]), 3),
+                                  "tokens_per_s": round(sum(r["committed"] for r in rs)
+                                                        / max(sum(r["total_s"] for r in rs), 1e-12), 2)}
+    return {"by_k": out, "by_batch_k": by_batch_k,
+            "busy_share": round(one_off["rounds_s"] / span, 4) if span > 0 else None,
             "one_off": {k: round(v, 3) if isinstance(v, float) else v for k, v in one_off.items()}}
 
 

@@ -197,6 +197,20 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
     assert spec["round_ms_p50"] == 10.0 and spec["draft_ms_p50"] == 3.0 and spec["verify_ms_p50"] == 5.0
     assert spec["gap_ms_p50"] == 15.0 and spec["gap_ms_mean"] == 15.0 and spec["catchup_ms_mean"] == 0.0
     assert spec["policy_ms_p50"] == 0.2 and plain["policy_ms_mean"] == 0.0
+    # by batch and K: the K = 2 rounds at batch 4 apart from those at batch 2 (a second test log)
+    assert costs["by_batch_k"] == {
+        "4,0": {"rounds": 9, "round_ms_mean": 5.0, "draft_ms_mean": 0.0, "verify_ms_mean": 4.0, "committed_mean": 4.0,
+                "tokens_per_s": 800.0},
+        "4,2": {"rounds": 10, "round_ms_mean": 10.0, "draft_ms_mean": 3.0, "verify_ms_mean": 5.0,
+                "committed_mean": 4.0, "tokens_per_s": 400.0}}
+    for r in res.rounds[12:]:
+        r.update(batch_size=2, committed=5, total_s=0.02)
+    split = round_costs(res)["by_batch_k"]
+    assert split["4,2"]["rounds"] == 2 and split["2,2"] == {
+        "rounds": 8, "round_ms_mean": 20.0, "draft_ms_mean": 3.0, "verify_ms_mean": 5.0, "committed_mean": 5.0,
+        "tokens_per_s": 250.0}
+    for r in res.rounds[12:]:
+        r.update(batch_size=4, committed=4, total_s=0.010)
     busy = (10 * 0.005 + 10 * 0.010) / (9 * 0.007 + 10 * 0.025 + 0.005)
     assert abs(costs["busy_share"] - busy) < 1e-3
     res.rounds = [{k: v for k, v in r.items() if k != "draft_s"} for r in res.rounds]  # older round logs
