@@ -71,22 +71,16 @@ def tally_step(sv: list[float] | None, confidences: list[float], lookup: list[fl
     verify cut's gain of this draft, added as `padded_cut_rows` adds it) and the mean
     calibrated value (`continue_on`'s p_last, summed as it sums)."""
     total = g = 0.0
-    if sv is None:  # the first step: survival 1.0 * p is p, and their sum is the total
-        sv = []
-        for c in confidences:
-            p = lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]
-            total += p
-            sv.append(p)
-        g = total
-    else:
-        i = 0
-        for c in confidences:
-            p = lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]
-            total += p
-            x = sv[i] * p
-            sv[i] = x
-            g += x
-            i += 1
+    if sv is None:  # before the first step every row survives: 1.0 * p is p
+        sv = [1.0] * len(confidences)
+    i = 0
+    for c in confidences:
+        p = lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]
+        total += p
+        x = sv[i] * p
+        sv[i] = x
+        g += x
+        i += 1
     return sv, g, total / len(confidences)
 
 
