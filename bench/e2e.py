@@ -86,7 +86,7 @@ from bench.common import SourceGuard, add_bench_args, quick_overrides, write_rep
 from bench.demo import DEMO_TRAINER_ARGS
 from bench.e2e_figures import ceiling_figures, met_return, ratio as _ratio, return_figures
 from bench.heads import HEAD_CHOICES, resolve_head
-from bench.report import session_figures
+from bench.report import session_figures, write_rounds
 from bench.session import SessionConfig, run_session
 from bench.trace import SHAPES, build_drift_trace, load_trace, phases
 from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
@@ -215,7 +215,9 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         guard.check(f"configuration {name!r}")
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
-        figs = session_figures(run_session(target, SessionConfig(**{**base, **kw}), items_))
+        result = run_session(target, SessionConfig(**{**base, **kw}), items_)
+        write_rounds(result, Path(base["run_dir"]) / "rounds.jsonl.gz")  # every round, shape and times
+        figs = session_figures(result)
         figs["wall_s"] = time.time() - t0
         return figs
 

@@ -105,16 +105,20 @@ def round_costs(result: SessionResult) -> dict:
     their whole time), beside `rounds_s`, every round's time. A server whose speculative rounds
     cost far more than the engine alone spends on them shows here where.
 
-    `by_batch_k`: the same rounds by batch size and K ("B,K"), so two configurations compare at
-    equal batch: rounds, their mean round / draft / verify ms, committed tokens a round and
-    tokens per second of round time (committed over the rounds' seconds, gaps left out)."""
+    `by_batch_k`: the same rounds by batch size and shape ("B,K" for a chain of K, "B,K,topk,tokens"
+    for a tree), so two configurations compare at equal batch: rounds, their mean round / draft /
+    verify ms, committed tokens a round, tokens per second of round time (committed over the
+    rounds' seconds, gaps left out) and `steady_tokens_per_s`, the same over draft + verify
+    seconds of the rounds that admitted no request (a prefill lands on whichever shape runs then)."""
     rounds = [r for r in result.rounds if "draft_s" in r]
     if len(rounds) < 2:
         return {}
     by_k: dict[str, dict[str, list[float]]] = {}
     by_bk: dict[tuple[int, int], list[dict]] = {}
     for prev, r in zip(rounds, rounds[1:]):
-        by_bk.setdefault((r["batch_size"], r["num_steps"]), []).append(r)
+        topk = r.get("topk", 1)
+        shape = (r["num_steps"],) if topk <= 1 else (r["num_steps"], topk, r.get("num_draft_tokens", 0))
+        by_bk.setdefault((r["batch_size"], *shape), []).append(r)
         parts = by_k.setdefault(str(r["num_steps"]), {"round": [], "draft": [], "catchup": [], "verify": [],
                                                       "admit": [], "other": [], "gap": [], "policy": []})
         parts["round"].append(r["total_s"])
@@ -136,13 +140,15 @@ def round_costs(result: SessionResult) -> dict:
                "capture_rounds": sum(1 for r in rounds if r.get("captures")),
                "capture_rounds_s": sum(r["total_s"] for r in rounds if r.get("captures"))}
     by_batch_k = {}
-    for (b, k), rs in sorted(by_bk.items()):
+    for key, rs in sorted(by_bk.items()):
         ms = {n: round(1e3 * _mean([r[f"{n}_s"] for r in rs]), 3) for n in ("total", "draft", "verify")}
-        by_batch_k[f"{b},{k}"] = {"rounds": len(rs), "round_ms_mean": ms["total"], "draft_ms_mean": ms["draft"],
-                                  "verify_ms_mean": ms["verify"],
-                                  "committed_mean": round(_mean([r["committed"] for r in rs]), 3),
-                                  "tokens_per_s": round(sum(r["committed"] for r in rs)
-                                                        / max(sum(r["total_s"] for r in rs), 1e-12), 2)}
+        steady = [r for r in rs if not r.get("admitted")]
+        steady_s = sum(r["draft_s"] + r["verify_s"] for r in steady)
+        by_batch_k[",".join(map(str, key))] = {
+            "rounds": len(rs), "round_ms_mean": ms["total"], "draft_ms_mean": ms["draft"],
+            "verify_ms_mean": ms["verify"], "committed_mean": round(_mean([r["committed"] for r in rs]), 3),
+            "tokens_per_s": round(sum(r["committed"] for r in rs) / max(sum(r["total_s"] for r in rs), 1e-12), 2),
+            "steady_tokens_per_s": round(sum(r["committed"] for r in steady) / steady_s, 2) if steady_s > 0 else None}
     return {"by_k": out, "by_batch_k": by_batch_k,
             "busy_share": round(one_off["rounds_s"] / span, 4) if span > 0 else None,
             "one_off": {k: round(v, 3) if isinstance(v, float) else v for k, v in one_off.items()}}
@@ -205,19 +211,25 @@ def why_no_swap(figs: dict) -> str | None:
             f"no swap: the trainer made {step} steps and no gate evaluation yet")
 
 
+_ROUND_EXTRAS = ("committed", "topk", "num_draft_tokens", "ctx_len", "total_s", "draft_s", "verify_s", "catchup_s",
+                 "admit_s", "admitted", "policy_s", "captures")
+
+
 def write_rounds(result: SessionResult, path: str | Path) -> int:
     """Every verify round of the session as a JSON line in `online-spec drift replay`'s trace format
     (batch_size, accepted, num_steps, request_ids, tags, head_version, the request's phase, the time
     since the start), gzip'd when the name ends in .gz: the drift monitor's settings can be tried on
     the session's own traffic offline. Rounds of plain decode (K = 0) are kept (the detector skips
-    them). Returns the number of rounds written."""
+    them). Each line also carries the round's shape, context and times as `RoundLog` recorded them
+    (`round_costs` reads them; replay ignores them). Returns the number of rounds written."""
     rid_phase = request_phases(result)
     with TraceRecorder.open(path) as rec:
         for rd in result.rounds:
             ids = [str(r) for r in rd["request_ids"]]
             rec.record(rd["batch_size"], rd["accepted"], num_steps=rd["num_steps"], request_ids=ids,
                        tags=[str(t or "") for t in rd["tags"]], head_version=rd["head_version"],
-                       phase=rid_phase.get(ids[0], "") if ids else "", t_s=round(rd["t"] - result.serve_t0, 4))
+                       phase=rid_phase.get(ids[0], "") if ids else "", t_s=round(rd["t"] - result.serve_t0, 4),
+                       **{k: rd[k] for k in _ROUND_EXTRAS if k in rd})
     return len(result.rounds)
 
 

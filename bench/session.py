@@ -132,7 +132,8 @@ class RoundLog:
     def __call__(self, stats, outs, tags) -> None:
         now = time.time()
         self.result.rounds.append({
-            "t": now, "batch_size": stats.batch_size, "num_steps": stats.num_steps,
+            "t": now, "batch_size": stats.batch_size, "num_steps": stats.num_steps, "topk": stats.topk,
+            "num_draft_tokens": stats.num_draft_tokens, "ctx_len": stats.ctx_len,
             "accepted": list(stats.accepted), "committed": stats.committed, "total_s": stats.total_s,
             "draft_s": stats.draft_s, "verify_s": stats.verify_s, "catchup_s": stats.catchup_s,
             "admit_s": stats.admit_s, "admitted": stats.admitted, "policy_s": stats.policy_s,

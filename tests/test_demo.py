@@ -156,6 +156,10 @@ def test_demo_end_to_end_writes_the_report(demo_run):
     assert sum(len(r["accepted"]) for r in spec) == saved["overall"]["verify_request_rounds"] > 0
     assert {r["phase"] for r in rounds} <= {"chat", "code", "mix"} and {r["phase"] for r in rounds} >= {"chat"}
     assert all(set(r["tags"]) <= {"chat", "code"} for r in rounds)
+    with open_text(out / "rounds.jsonl.gz") as f:  # each round's shape, context and times beside (replay ignores them)
+        raw = [json.loads(line) for line in f]
+    assert len(raw) == len(rounds) and all(r["topk"] >= 1 and r["ctx_len"] > 0 and r["total_s"] >= r["verify_s"] > 0
+                                           and "admitted" in r for r in raw)
 
 
 def test_a_deadline_shortens_the_trace_for_every_configuration_alike():

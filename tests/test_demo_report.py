@@ -200,15 +200,20 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
     # by batch and K: the K = 2 rounds at batch 4 apart from those at batch 2 (a second test log)
     assert costs["by_batch_k"] == {
         "4,0": {"rounds": 9, "round_ms_mean": 5.0, "draft_ms_mean": 0.0, "verify_ms_mean": 4.0, "committed_mean": 4.0,
-                "tokens_per_s": 800.0},
+                "tokens_per_s": 800.0, "steady_tokens_per_s": 1000.0},  # 7 rounds without a prefill, 4 ms each
         "4,2": {"rounds": 10, "round_ms_mean": 10.0, "draft_ms_mean": 3.0, "verify_ms_mean": 5.0,
-                "committed_mean": 4.0, "tokens_per_s": 400.0}}
+                "committed_mean": 4.0, "tokens_per_s": 400.0, "steady_tokens_per_s": 500.0}}
     for r in res.rounds[12:]:
         r.update(batch_size=2, committed=5, total_s=0.02)
+    for r in res.rounds[18:]:  # tree rounds of depth 2 (a round log names their shape), apart from the chain
+        r.update(topk=4, num_draft_tokens=10)
     split = round_costs(res)["by_batch_k"]
     assert split["4,2"]["rounds"] == 2 and split["2,2"] == {
-        "rounds": 8, "round_ms_mean": 20.0, "draft_ms_mean": 3.0, "verify_ms_mean": 5.0, "committed_mean": 5.0,
-        "tokens_per_s": 250.0}
+        "rounds": 6, "round_ms_mean": 20.0, "draft_ms_mean": 3.0, "verify_ms_mean": 5.0, "committed_mean": 5.0,
+        "tokens_per_s": 250.0, "steady_tokens_per_s": 625.0}
+    assert split["2,2,4,10"]["rounds"] == 2 and sorted(split) == ["2,2", "2,2,4,10", "4,0", "4,2"]
+    for r in res.rounds[18:]:
+        r.update(topk=1)
     for r in res.rounds[12:]:
         r.update(batch_size=4, committed=4, total_s=0.010)
     busy = (10 * 0.005 + 10 * 0.010) / (9 * 0.007 + 10 * 0.025 + 0.005)
