@@ -20,22 +20,27 @@ A, B = TreeShape(5, 4, 8), TreeShape(3, 4, 10)
 def test_untried_trees_are_tried_in_turn_then_the_best_wins_over_the_chain():
     ch = TreeChooser([[A, B]], TreeChoiceConfig(min_trials=2, probe_interval=0))
     seen = []
-    for _ in range(4):
+    for _ in range(6):
         s = ch.choose(0, chain_tokens_per_s=10.0, plain_round_s=0.1)
         seen.append(s)
-        # A: 3 tokens a round at 1.5x plain = 20 tok/s; B: 2 tokens at 1.2x = 16.7 tok/s
-        ch.observe(0, s, [2, 2] if s == A else [1, 1], 0.15 if s == A else 0.12, 0.1)
-    assert seen == [A, A, B, B]
+        if s is None:
+            ch.chain_ran(0)  # run, not measured: the chain's predicted value stands
+        else:
+            # A: 3 tokens a round at 1.5x plain = 20 tok/s; B: 2 tokens at 1.2x = 16.7 tok/s
+            ch.observe(0, s, [2, 2] if s == A else [1, 1], 0.15 if s == A else 0.12, 0.1)
+    assert seen == [A, A, B, B, None, None]  # the trees in turn, then the chain
     assert ch.choose(0, 10.0, 0.1) == A  # 20 > 16.7 > 10
     assert ch.choose(0, 25.0, 0.1) is None  # the chain beats both
-    assert ch.info(0, 0.1)["5,4,8"]["tokens_per_s"] == pytest.approx(20.0)
+    assert ch.info(0, 0.1)["1"]["5,4,8"]["tokens_per_s"] == pytest.approx(20.0)
 
 
 def test_the_least_recently_measured_option_is_probed():
-    ch = TreeChooser([[A, B]], TreeChoiceConfig(min_trials=1, probe_interval=4))
+    ch = TreeChooser([[A, B]], TreeChoiceConfig(min_trials=1, probe_interval=5))
     for s in (A, B):
         assert ch.choose(0, 10.0, 0.1) == s
         ch.observe(0, s, [3], 0.1, 0.1)  # both 40 tok/s, beat the chain
+    assert ch.choose(0, 10.0, 0.1) is None  # the chain's trial
+    ch.chain_ran(0)
     picks = []
     for _ in range(8):
         s = ch.choose(0, 10.0, 0.1)
@@ -44,9 +49,49 @@ def test_the_least_recently_measured_option_is_probed():
             ch.observe(0, s, [3], 0.1, 0.1)
         else:
             ch.chain_ran(0)
-    # decisions 3..10: every 4th (4 and 8) runs the least recently measured option: the chain
-    # (never measured since the trees started), then the tree not run since its trial
-    assert picks[1] is None and picks[5] in (A, B) and picks.count(None) == 1
+    # decisions 4..11: every 5th (5 and 10) runs the least recently measured option: the tree
+    # not run since its trial, then the chain (run at decision 3)
+    assert picks[1] == B and picks[6] is None and picks.count(None) == 1 and picks.count(B) == 1
+
+
+def test_the_chains_measured_rounds_outrank_its_prediction():
+    # a CPU e2e run (2026-11-28): the chain predicted at 10 tok/s, a tree measured at 16.7, the
+    # chain's own rounds at 22: once the chain has min_trials rounds its measured value decides
+    ch = TreeChooser([[B]], TreeChoiceConfig(min_trials=2, probe_interval=0))
+    for _ in range(2):
+        assert ch.choose(0, 10.0, 0.1, batch_size=4) == B
+        ch.observe(0, B, [1, 1, 1, 1], 0.12, 0.1, batch_size=4)  # 2 tokens at 1.2x plain: 16.7 tok/s
+    assert ch.choose(0, 10.0, 0.1, batch_size=4) is None  # the chain's first trial
+    ch.chain_ran(0, batch_size=4)  # run without its seconds: tried, not measured
+    assert ch.choose(0, 10.0, 0.1, batch_size=4) is None  # the second
+    ch.chain_ran(0, [1, 1, 1, 1], 0.09, 0.1, batch_size=4)  # 2 tokens at 0.9x: 22.2 tok/s
+    assert ch.choose(0, 10.0, 0.1, batch_size=4) == B  # one measured round: the prediction stands
+    ch.chain_ran(0, [1, 1, 1, 1], 0.09, 0.1, batch_size=4)
+    assert ch.choose(0, 10.0, 0.1, batch_size=4) is None  # measured: 22.2 > 16.7
+    assert ch.info(0, 0.1)["4"]["chain"]["tokens_per_s"] == pytest.approx(22.2, abs=0.1)
+    assert ch.choose(0, 15.0, 0.1, batch_size=4) is None  # the prediction no longer counts
+    # within the margin (5 %) the chain stays: a tree at 1.04x the chain does not run
+    near = TreeChooser([[B]], TreeChoiceConfig(min_trials=1, probe_interval=0))
+    near.choose(0, 10.0, 0.1)
+    near.observe(0, B, [1], 0.1, 0.1)  # 20 tok/s
+    near.choose(0, 10.0, 0.1)
+    near.chain_ran(0)
+    assert near.choose(0, 19.3, 0.1) is None and near.choose(0, 18.8, 0.1) == B
+
+
+def test_each_batch_size_bucket_measures_its_own_trees():
+    # on a CPU a tree's verify costs its tokens times the batch: a tree that pays at batch 1 can
+    # lose at batch 4; neither bucket's figures reach the other
+    ch = TreeChooser([[B]], TreeChoiceConfig(min_trials=1, probe_interval=0))
+    for b, round_s in ((1, 0.11), (4, 0.2)):
+        assert ch.choose(0, 15.0, 0.1, batch_size=b) == B  # untried in this bucket
+        ch.observe(0, B, [1] * b, round_s, 0.1, batch_size=b)
+        assert ch.choose(0, 15.0, 0.1, batch_size=b) is None  # the chain's trial
+        ch.chain_ran(0, batch_size=b)
+    assert ch.choose(0, 15.0, 0.1, batch_size=1) == B  # 2 tokens at 1.1x: 18.2 > 15
+    assert ch.choose(0, 15.0, 0.1, batch_size=5) is None  # batch 4-7: 2 tokens at 2x: 10 < 15
+    assert ch.choose(0, 15.0, 0.1, batch_size=2) == B  # batch 2-3: untried, tried
+    assert sorted(ch.info(0)) == ["1", "2", "4"] and ch.info(0)["2"]["3,4,10"]["rounds"] == 0
 
 
 def test_a_swap_lets_the_new_heads_rounds_decide_quickly():
@@ -57,7 +102,7 @@ def test_a_swap_lets_the_new_heads_rounds_decide_quickly():
     ch.rewarm()
     ch.observe(0, A, [0], 0.1, 0.1)  # the new head: 1 token a round
     # the old mean counts as one (decayed) round: the first round of the new head moves it halfway
-    assert ch.info(0)["5,4,8"]["tokens_per_round"] == pytest.approx(3.0, abs=0.05)
+    assert ch.info(0)["1"]["5,4,8"]["tokens_per_round"] == pytest.approx(3.0, abs=0.05)
 
 
 def test_tree_candidates_are_validated_and_state_round_trips():
@@ -66,9 +111,15 @@ def test_tree_candidates_are_validated_and_state_round_trips():
     ch = TreeChooser([[A, B]])
     ch.choose(0, 1.0, 0.1)
     ch.observe(0, A, [2, 1], 0.2, 0.1)
+    ch.chain_ran(0, [1, 1], 0.1, 0.1, batch_size=3)
     again = TreeChooser([[A, B]])
     again.load_state_dict(ch.state_dict())
-    assert again.info(0) == ch.info(0)
+    assert again.info(0) == ch.info(0) and sorted(again.info(0)) == ["1", "2"]
+    # a state written before the buckets (shape keys at the top) loads into no bucket: re-measured
+    old = TreeChooser([[A, B]])
+    old.load_state_dict([{"5,4,8": [3.0, 1.0, 2.0, 1.0, 1, 1]}])
+    assert old.info(0) == {} and old.choose(0, 1.0, 0.1) == A
+    assert again.state_dict() == ch.state_dict()
 
 
 def _policy(trees):
@@ -84,7 +135,7 @@ def test_tree_rounds_never_reach_the_chain_estimates():
     before = (p.info()["slots"]["1"]["accept"], p.cost.observations)
     p.update(1, [5], num_steps=[5], ctx_len=100, draft_s=0.02, verify_s=0.05, tree=A)
     assert (p.info()["slots"]["1"]["accept"], p.cost.observations) == before
-    assert p.info()["slots"]["1"]["trees"]["5,4,8"]["rounds"] == 1
+    assert p.info()["slots"]["1"]["trees"]["1"]["5,4,8"]["rounds"] == 1
     state = p.state_dict()
     q = _policy([[5, 4, 8]])
     q.load_state_dict(state)
@@ -104,4 +155,6 @@ def test_engine_runs_the_trees_the_cost_policy_picks_and_stays_lossless():
     assert eng.generate(prompts, sp) == ref
     assert (2, 6) in rounds and (4, 5) in rounds  # both trees were run (tried in turn, at least)
     info = policy.info()["slots"]["1"]["trees"]
-    assert info["3,2,6"]["rounds"] >= 3 and info["2,4,5"]["rounds"] >= 3
+    # each batch-size bucket the engine served (3 requests, then fewer) tries both trees
+    assert all(b["3,2,6"]["rounds"] + b["2,4,5"]["rounds"] > 0 for b in info.values())
+    assert info["2"]["3,2,6"]["rounds"] >= 3 and info["2"]["2,4,5"]["rounds"] >= 3

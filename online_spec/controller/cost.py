@@ -108,11 +108,12 @@ class CostModelPolicy(StepPolicyBase):
 
     def tree_for(self, batch_size: int, ctx_len: float = 0) -> TreeShape | None:
         """A tree instead of the chain `steps_for` chose, where a candidate's measured committed
-        tokens per second beat the chain's predicted ones (online_spec/controller/tree_choice.py)."""
+        tokens per second beat the chain's, measured at this batch-size bucket (predicted until
+        the chain has rounds there; online_spec/controller/tree_choice.py)."""
         i = self._slot(batch_size)
         k = self._last[i] or 0
         chain = self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)
-        return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len))
+        return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len), batch_size)
 
     def tree_shapes(self) -> list[TreeShape]:
         """Every slot's tree candidates, each once, in the order the slots list them."""
@@ -289,14 +290,17 @@ class CostModelPolicy(StepPolicyBase):
         num_steps: K drafted (or drafts verified per request, after `verify_lengths` or an early
         stop); defaults to the slot's last `steps_for`. draft_s / verify_s: measured seconds.
         confidences: the head's confidence per draft per request, to calibrate. tree: the shape a
-        tree round ran; its figures go to the tree's own means, never to the chain's estimates.
+        tree round ran; its figures go to the tree's own means, never to the chain's estimates
+        (with tree candidates, a chain round's go to the chain's measured value beside them too).
         """
         i = self._slot(batch_size)
-        if tree is not None:
+        if tree is not None or self._any_trees:
             round_s = None if draft_s is None or verify_s is None else draft_s + verify_s
-            self._trees.observe(i, tree, accepted, round_s, self.cost.predict_round_s(batch_size, 0, ctx_len))
-            return self.choose_steps(batch_size, ctx_len)
-        self._trees.chain_ran(i)
+            plain_s = self.cost.predict_round_s(batch_size, 0, ctx_len)
+            if tree is not None:
+                self._trees.observe(i, tree, accepted, round_s, plain_s, batch_size)
+                return self.choose_steps(batch_size, ctx_len)
+            self._trees.chain_ran(i, accepted, round_s, plain_s, batch_size)
         if num_steps is None:
             num_steps = self._last[i]
             if num_steps is None:
