@@ -19,6 +19,7 @@ from online_spec.controller import (AdaptiveConfig, CostModel, CostModelConfig, 
                                     StepPolicy, measure_decision_cost_us)
 from online_spec.controller.acceptance import AcceptanceEstimate, ConfidenceCalibrator, small_rows
 from online_spec.controller.round_time import _RidgeLeastSquares, draft_row, verify_features
+from online_spec.controller.plan import continue_on
 
 # Synthetic costs of the model's own form (seconds): draft phase and verify.
 TRUE_DRAFT = (0.002, 0.0001, 0.00005, 0.0015, 0.00002)  # per step: 1, b, b*ctx/1000; once if K > 0: 1, b
@@ -913,3 +914,25 @@ def test_timed_policy_decides_as_its_policy_and_times_each_round():
     ema = TimedPolicy(EmaTierPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 3]}}), initial_steps=1))
     assert not ema.early_stop and not ema.truncates and ema.name == "ema_tier"
     assert timed.early_stop and timed.truncates and copy.deepcopy(ema).median_us() is None
+
+
+def test_the_early_stop_prices_one_more_draft_by_the_line_not_a_stale_time_factor():
+    """A CPU e2e run (2026-11-28): a few slow batch-4 rounds at K = 2 put that K's time factor at
+    1.4; an early stop priced by the factors then stopped every batch-4 round after one draft, so
+    no round at K = 2 ran again to bring the factor down (2,474 of ~2,600 batch-4 rounds at
+    K = 1, where static K = 3 served 7 % more). The early stop prices the next draft by the line."""
+    rows = [(b, k, 100, 0.004 * k + (0.003 if k else 0.0), 0.05 + 0.002 * b * (k + 1))
+            for b in (1, 4, 16) for k in (0, 1, 3, 7)]
+    model = CostModel(CostModelConfig(refit_interval=1)).fit(rows)
+    policy = CostModelPolicy(AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5, 7]}}),
+                             cost_model=model)
+    confident = [0.9] * 4
+    assert policy.should_continue(1, confident, 4, 100)
+    for _ in range(32):  # batch-4 rounds at K = 2 measured 1.6x the calibration's line
+        model.observe(4, 2, 100, 0.011 * 1.6, 0.074 * 1.6)
+    assert model.time_factors(4, 3)[2] > 1.2
+    assert policy.should_continue(1, confident, 4, 100)  # one more confident draft still pays
+    assert not policy.should_continue(1, [0.02] * 4, 4, 100)  # an unlikely one still does not
+    # the planned policy's early stop reads the same terms
+    plan = policy.plan(4, 100)
+    assert continue_on(plan.stops[0], confident, plan.calib)

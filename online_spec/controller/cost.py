@@ -215,7 +215,8 @@ class CostModelPolicy(StepPolicyBase):
         """After `step_index` drafts (the last with `draft_confidence`, a value or one per
         request), is drafting one more predicted to raise tokens per second? The next draft
         adds P(drafts 1..step_index accepted) * a_{step_index+1} tokens per request and costs
-        one draft step plus one verified token per request."""
+        one draft step plus one verified token per request, as the round-time line prices them
+        (the per-K time factors set K before the round and the SLO, not this margin)."""
         if not (isinstance(step_index, int) and step_index >= 1):  # no check(): its message is built every call
             raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
         i = self._slot(batch_size)
@@ -241,12 +242,15 @@ class CostModelPolicy(StepPolicyBase):
         terms = None
         if step_index < len(a):
             step_s, base, per_token, d_extra, v_extra = round_terms
-            factor = self.cost.time_factors(batch_size, step_index + 1)
+            # the line's seconds, without the per-K time factors: the verify cut prices a draft
+            # by the line too, and a factor can only be refreshed by rounds of its own K, which
+            # an early stop priced by it may never let run (docs/controller.md, "early stop")
             t_now = (max(0.0, step_index * step_s + d_extra)
-                     + max(0.0, base + v_extra + per_token * (step_index + 1))) * factor[step_index]
+                     + max(0.0, base + v_extra + per_token * (step_index + 1)))
             t_next = (max(0.0, (step_index + 1) * step_s + d_extra)
-                      + max(0.0, base + v_extra + per_token * (step_index + 2))) * factor[step_index + 1]
-            if self.config.tpot_slo_s is None or t_next <= self.config.tpot_slo_s:
+                      + max(0.0, base + v_extra + per_token * (step_index + 2)))
+            slo = self.config.tpot_slo_s
+            if slo is None or t_next * self.cost.time_factors(batch_size, step_index + 1)[step_index + 1] <= slo:
                 expected, surv = 1.0, 1.0
                 for j in range(step_index - 1):
                     surv *= a[j]
