@@ -11,9 +11,9 @@ after the other (`bench.session.run_session`, streaming HTTP clients on loopback
                   targets): `sglang_default_tree`, `speedup_vs_sglang_default_tree`
   4. online-spec  the same head, the trainer daemon beside the server (capture, gated swaps over
                   the control endpoint, drift alerts) and the project's cost-model controller,
-                  which runs, round by round, the chain or one of `--policy-trees` (a tree's
-                  measured tokens/s against the chain's predicted; every cost-policy
-                  configuration below takes the same trees)
+                  which runs, round by round, the chain or one of `--policy-trees` (per
+                  batch-size bucket, a tree's measured tokens/s against the chain's measured
+                  ones; every cost-policy configuration below takes the same trees)
 then two batch-1 measurements on the last phase's first `--bs1-requests` requests (plain, and
 the online-spec head the trainer left live with the controller): `speedup_vs_plain_bs1_adapted`;
 and online-spec from a random day-0 head: `tokens_to_beat_plain_from_day0`, the tokens the
@@ -26,6 +26,10 @@ Per phase, online-spec's ratios to static + SGLang adaptive, static and plain (`
 beside the overall ones). Per configuration and per phase: tokens/s, accept_len (bonus excluded) and accept_length
 (bonus included), TPOT p50/p99; for online-spec also the time and tokens to adapt after each
 shift (`report.adaptation`). Timings are never asserted; a shared machine moves them 20-40 %.
+Before each configuration on a CPU a machine pulse (bench/pulse.py: the target alone decoding a
+fixed batch, a few seconds) measures the machine's speed then: `machine_pulse` lists them and
+their `spread`, the part of any ratio between two configurations that was the machine's. Each
+configuration's rounds go to `--out`/NAME/rounds.jsonl.gz (shape, context and times per round).
 
 `--trace-shape return` builds chat -> code -> chat again: `returns` then gives, per
 configuration, the return phase's first-draft acceptance over its first 500 served tokens
@@ -86,6 +90,7 @@ from bench.common import SourceGuard, add_bench_args, quick_overrides, write_rep
 from bench.demo import DEMO_TRAINER_ARGS
 from bench.e2e_figures import ceiling_figures, met_return, ratio as _ratio, return_figures
 from bench.heads import HEAD_CHOICES, resolve_head
+from bench.pulse import machine_pulse, pulse_figures
 from bench.report import session_figures, write_rounds
 from bench.session import SessionConfig, run_session
 from bench.trace import SHAPES, build_drift_trace, load_trace, phases
@@ -204,6 +209,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     # configuration, so each configuration starts from the same model (and ~30 s on 2 cores once)
     cost_store = str((out / "cost_model.json").resolve())
     guard = SourceGuard()  # the configurations compared must all run the code the bench started with
+    pulses: dict[str, float | None] = {}  # configuration -> the machine pulse before it
 
     def session(name, items_, what: str = "", **kw):
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
@@ -215,7 +221,12 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         guard.check(f"configuration {name!r}")
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
-        result = run_session(target, SessionConfig(**{**base, **kw}), items_)
+        sc = SessionConfig(**{**base, **kw})
+        pulses[name] = pulse = machine_pulse(target, sc.server_threads)  # the machine's speed now (bench/pulse.py)
+        if pulse:
+            print(f"   machine pulse: {pulse:.1f} tok/s (a fixed plain-decode workload on {sc.server_threads} "
+                  f"thread{'s' if sc.server_threads > 1 else ''})", flush=True)
+        result = run_session(target, sc, items_)
         write_rounds(result, Path(base["run_dir"]) / "rounds.jsonl.gz")  # every round, shape and times
         figs = session_figures(result)
         figs["wall_s"] = time.time() - t0
@@ -286,6 +297,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
 
     configs, res["bs1"] = repeats[0]
     res["configs"] = configs
+    res["machine_pulse"] = pulse_figures(pulses)
     cut = sorted(f"rep{i}/{n}" if cfg.repeats > 1 else n for i, (conf, _) in enumerate(repeats)
                  for n, figs in conf.items() if served(figs) < len(items))
     res["same_work"].update(all_served=not cut, short=cut)

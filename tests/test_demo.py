@@ -225,6 +225,11 @@ def test_bench_e2e_quick_writes_every_key(tmp_path, demo_run):
                                                            / figs["plain"]["tokens_per_s"])
     assert rep["overall"]["plain"]["accept_len"] is None and rep["overall"]["static"]["accept_len"] is not None
     assert rep["speedup_vs_static_sglang_adaptive"] > 0 and rep["speedup_vs_plain_bs1_adapted"] > 0
+    # a machine pulse before each configuration (bs1 and ceiling sessions too), and their spread
+    pulse = rep["machine_pulse"]
+    assert set(pulse["tokens_per_s"]) >= set(rep["overall"]) | {"bs1_plain", "bs1_adapted"}
+    assert all(v > 0 for v in pulse["tokens_per_s"].values()) and pulse["spread"] >= 1.0
+    assert (tmp_path / "runs" / "static" / "rounds.jsonl.gz").exists()
 
 
 def test_e2e_ceiling_takes_the_fastest_head_per_phase():

@@ -220,3 +220,17 @@ def test_round_costs_split_inside_the_engine_step_from_the_gaps_between_rounds()
     assert abs(costs["busy_share"] - busy) < 1e-3
     res.rounds = [{k: v for k, v in r.items() if k != "draft_s"} for r in res.rounds]  # older round logs
     assert round_costs(res) == {}
+
+
+def test_machine_pulse_times_a_fixed_workload_and_gives_the_threads_back():
+    import torch
+    from bench.pulse import machine_pulse, pulse_figures
+    from online_spec.target import tiny_target
+
+    before = torch.get_num_threads()
+    tps = machine_pulse(tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3).float(), 1,
+                        batch=2, prompt_tokens=8, steps=4)
+    assert tps > 0 and torch.get_num_threads() == before
+    figs = pulse_figures({"plain": 50.0, "static": 40.0, "gpu": None})
+    assert figs["tokens_per_s"] == {"plain": 50.0, "static": 40.0} and figs["spread"] == 1.25
+    assert pulse_figures({})["spread"] is None

@@ -64,8 +64,8 @@ class TreeChoiceConfig:
 
 
 class _TreeStats:
-    """One option (a shape, or the chain) in one slot and bucket: weighted means of tokens per request-round and of round time over
-    the predicted plain round."""
+    """One option (a shape, or the chain) in one slot and bucket: weighted means of tokens per
+    request-round and of round time over the predicted plain round."""
 
     def __init__(self):
         self.tokens = 0.0
