@@ -19,6 +19,7 @@ sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]
 torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 from online_spec.target import load_target
 from online_spec.checkpoint import load_head
+from online_spec.controller import StepPolicyBase
 from online_spec.data import sharegpt_conversations
 from online_spec.sampling import SamplingParams
 from bench.heads import resolve_head
@@ -35,9 +36,9 @@ convs = sharegpt_conversations(limit=40, seed=3, split="heldout", max_prompt_tok
 prompts = [target.encode_chat(c[:1]) for c in convs][:B]
 
 
-class Schedule:
+class Schedule(StepPolicyBase):
     """A fixed K per round: `rare` every `every`-th round, `base` otherwise (no early stop, no cut)."""
-    name, early_stop, truncates, tree_rounds, chooses_trees = "schedule", False, False, False, False
+    name = "schedule"
 
     def __init__(self, base, rare, every):
         self.base, self.rare, self.every, self.n = base, rare, every, 0
@@ -46,16 +47,8 @@ class Schedule:
         self.n += 1
         return self.rare if self.every and self.n % self.every == 0 else self.base
 
-    def should_continue(self, s, conf, b, ctx=0): return True
-    def verify_lengths(self, conf, ctx=0, *, padded=False): return [conf.shape[1]] * conf.shape[0]
-    def update(self, b, accepted, **kw): return self.base
-    def predict_round_s(self, *a): return None
-    def tree_for(self, *a): return None
-    def tree_shapes(self): return []
-    def rewarm(self): pass
-    def info(self): return {}
-    def state_dict(self): return {}
-    def load_state_dict(self, s): pass
+    def update(self, b, accepted, **kw):
+        return self.base
 
 
 def run(label, pol):
