@@ -12,7 +12,7 @@ bucket (1 | 2-3 | 4-7 | ..., `round_time.batch_bucket`). Value = tokens / (multi
 plain round). The chain's value is its measured one once it has `min_trials` rounds in the
 bucket, the policy's prediction (`chain_tokens_per_s`) until then. Against that prediction, a
 CPU e2e run's chooser ran the tree 3,4,10 in most batch-4 rounds at 60 tokens a second of round
-time where the chain's own rounds served 64-73 (2026-11-28, docs/controller.md): the chain's
+time where the chain's own rounds served 64-87 (2026-11-28, docs/controller.md): the chain's
 acceptance estimates are unconditional, its early stop and verify cut are not in them. Buckets:
 on a CPU a tree's verify costs its tokens times the batch, so one shape's multiple at batch 1 and
 at batch 4 differ by far more than its value to either.
