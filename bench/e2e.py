@@ -38,12 +38,17 @@ against the first chat phase's (`report.returns`); `returns.ratio_online_spec` i
 `ratio_online_spec_over_static` divides it by the static head's own ratio (a head that cannot
 forget: what the two phases' prompts alone make of acceptance).
 
-`--repeats N` runs the four configurations and the batch-1 pair N times, interleaved (plain,
-static, adaptive, online-spec, bs1 pair, then again; each online-spec repeat starts from the
-same head in a fresh run directory); every headline figure is then the median over the repeats
-of that repeat's ratio, `per_phase` / `overall` the medians of their figures, and `repeats`
-lists each repeat's ratios and tokens/s. One ~25 s run per configuration moves ~10 % on a quiet
-2-core machine. `--baseline-threads T` gives the server of the trainer-free configurations (plain,
+`--repeats N` runs the configurations and the batch-1 sessions N times, counterbalanced: an
+even repeat runs the whole-trace configurations in the order above (the ceiling heads right after
+online-spec), an odd one in reverse, the batch-1 sessions after them (each online-spec repeat
+starts from the same head in a fresh run directory). Every headline figure is then the median
+over the repeats of that repeat's ratio, `per_phase` / `overall` the medians of their figures,
+and `repeats` lists each repeat's order, ratios and tokens/s. `pooled` takes the repeats
+together: each configuration's tokens over its seconds in all repeats, overall and per phase,
+and online-spec's ratio and `ceiling` (`ceiling_capture`) from those; with the order reversed
+every other repeat, a machine whose speed drifts steadily through the run (on the 2-core VM
+configurations minutes apart moved 15-30 %, `machine_pulse`) slows every configuration's pooled
+figure alike. One ~25 s run per configuration moves ~10 % on a quiet 2-core machine. `--baseline-threads T` gives the server of the trainer-free configurations (plain,
 static, adaptive, bs1 plain) T torch threads: a deployment without a trainer has the whole
 machine, where online-spec splits it between server and trainer.
 
@@ -88,7 +93,7 @@ from pathlib import Path
 
 from bench.common import SourceGuard, add_bench_args, quick_overrides, write_report
 from bench.demo import DEMO_TRAINER_ARGS
-from bench.e2e_figures import ceiling_figures, met_return, ratio as _ratio, return_figures
+from bench.e2e_figures import ceiling_figures, met_return, pooled_figures, ratio as _ratio, return_figures
 from bench.heads import HEAD_CHOICES, resolve_head
 from bench.pulse import machine_pulse, pulse_figures
 from bench.report import session_figures, write_rounds
@@ -130,8 +135,8 @@ class E2EConfig:
                               "(disaggregated; checkpoints cross GPUs through the control endpoint); empty = "
                               "--device", "")
     trainer_args: str = doc("extra daemon flags appended to the demo's (space-separated)", "")
-    repeats: int = doc("times the four configurations and the batch-1 pair run, interleaved; figures are "
-                       "medians over the repeats", 1)
+    repeats: int = doc("times every configuration and the batch-1 sessions run, odd repeats in reverse order; "
+                       "figures are medians over the repeats, `pooled` takes them together", 1)
     baseline_threads: int = doc("torch threads of the server in the trainer-free configurations (0 = "
                                 "--server-threads)", 0)
     overhead_split: bool = doc("also run cost_policy and online_no_training (see the module doc): where "
@@ -260,25 +265,30 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     repeats = []
     for rep in range(cfg.repeats):
         pre = f"rep{rep}/" if cfg.repeats > 1 else ""
-        configs = {"plain": session(f"{pre}plain", items, head="none", num_steps=0, **alone)}
-        if rep == 0:  # the deadline shortens the trace for every configuration alike
-            items = same_work(items, configs["plain"], res)
-            deadline_s = 3 * cfg.deadline_s
-        configs |= {"static": session(f"{pre}static", items, num_steps=best_k, **alone),
-                   "sglang_adaptive": session(f"{pre}sglang_adaptive", items, policy="sglang_default",
-                                              num_steps=best_k, **alone)}
+        # the configurations serving the whole trace, in the order of an even repeat; an odd
+        # repeat runs them reversed (`repeat_order`), so a machine drifting over the repeats
+        # weighs on each configuration alike in the pooled figures
+        specs = {"plain": dict(head="none", num_steps=0, **alone), "static": dict(num_steps=best_k, **alone),
+                 "sglang_adaptive": dict(policy="sglang_default", num_steps=best_k, **alone)}
         if cfg.tree:
             t = cfg.tree_shape()
-            configs["sglang_default_tree"] = session(f"{pre}sglang_default_tree", items, num_steps=t.num_steps,
-                                                     eagle_topk=t.topk, num_draft_tokens=t.num_draft_tokens, **alone)
+            specs["sglang_default_tree"] = dict(num_steps=t.num_steps, eagle_topk=t.topk,
+                                                num_draft_tokens=t.num_draft_tokens, **alone)
         if cfg.overhead_split or ceiling:
-            configs["cost_policy"] = session(f"{pre}cost_policy", items, policy="cost", num_steps=best_k)
+            specs["cost_policy"] = dict(policy="cost", num_steps=best_k)
         if cfg.overhead_split:
-            configs["online_no_training"] = session(
-                f"{pre}online_no_training", items, policy="cost", num_steps=best_k, online=True,
-                trainer_args=targs + ["--min-buffer-tokens", str(NEVER_TRAIN_TOKENS)])
-        configs["online_spec"] = session(f"{pre}online_spec", items, policy="cost", num_steps=best_k, online=True,
-                                         bank=cfg.bank)
+            specs["online_no_training"] = dict(policy="cost", num_steps=best_k, online=True,
+                                               trainer_args=targs + ["--min-buffer-tokens", str(NEVER_TRAIN_TOKENS)])
+        specs["online_spec"] = dict(policy="cost", num_steps=best_k, online=True, bank=cfg.bank)
+        for name, path in ceiling.items():  # beside online-spec: the figures of ceiling_capture run close
+            specs[f"ceiling_{name}"] = dict(head=path, policy="cost", num_steps=best_k)
+        ran = {}
+        for name in repeat_order(list(specs), rep):
+            ran[name] = session(f"{pre}{name}", items, **specs[name])
+            if name == "plain" and rep == 0:  # the deadline shortens the trace for every configuration alike
+                items = same_work(items, ran["plain"], res)
+                deadline_s = 3 * cfg.deadline_s
+        configs = {name: ran[name] for name in specs}
         # batch 1 on the last phase, with the head the trainer left live
         live = (configs["online_spec"].get("trainer") or {}).get("live_version") or 0
         adapted = out / f"{pre}online_spec" / "trainer" / "ckpt" / f"v{live}"
@@ -289,8 +299,6 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         bs1 = {"phase": runs[-1][0], "requests": len(last), "adapted_head": adapted_head or "day0 (random)",
                "adapted_version": live, "plain": bs1_plain["overall"], "online_spec": bs1_online["overall"]}
         for name, path in ceiling.items():
-            configs[f"ceiling_{name}"] = session(f"{pre}ceiling_{name}", items, head=path, policy="cost",
-                                                 num_steps=best_k)
             bs1[f"ceiling_{name}"] = session(f"{pre}bs1_ceiling_{name}", last, head=path, policy="cost",
                                              num_steps=best_k, concurrency=1)["overall"]
         repeats.append((configs, bs1))
@@ -306,7 +314,10 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     if len(heads) > 1:
         res["repeats"] = [{**{k: h[k] for k in RATIOS}, "tokens_per_s": {n: c["overall"]["tokens_per_s"]
                                                                           for n, c in conf.items()},
-                           "swaps_online_spec": h["swaps_online_spec"]} for h, (conf, _) in zip(heads, repeats)]
+                           "order": repeat_order(list(conf), i), "swaps_online_spec": h["swaps_online_spec"],
+                           "ceiling_capture": (h.get("ceiling") or {}).get("ceiling_capture")}
+                          for i, (h, (conf, _)) in enumerate(zip(heads, repeats))]
+        res["pooled"] = pooled_figures([conf for conf, _ in repeats], [p for p, _ in runs])
     if cfg.day0:  # once, after the repeats: it answers "how soon", not "how fast"
         day0 = configs["online_spec_day0"] = session("online_spec_day0", items, head="", policy="cost",
                                                      num_steps=best_k, online=True)
@@ -315,6 +326,13 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
             figs["online_spec_day0"] = phase_figures(day0, p)
         res["tokens_to_beat_plain_from_day0"] = tokens_to_beat(day0, res["overall"]["plain"]["tokens_per_s"])
     return res
+
+
+def repeat_order(names: list[str], rep: int) -> list[str]:
+    """The configurations of repeat `rep` in the order they run: an even repeat's as given, an
+    odd one's reversed (counterbalanced: over two repeats a steady drift of the machine's speed
+    adds as much to each configuration's pooled seconds as to any other's)."""
+    return list(names) if rep % 2 == 0 else list(reversed(names))
 
 
 def served(figs: dict) -> int:

@@ -48,12 +48,12 @@ def capture(online: float, ref: float, ceiling: float) -> float | None:
     return None if ceiling <= ref else (online - ref) / (ceiling - ref)
 
 
-def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
+def ceiling_figures(configs: dict, bs1: dict | None, phases: list[str]) -> dict:
     """The per-phase ceiling of `--ceiling-heads` (module doc): the fastest head per phase among
     `cost_policy` (the static head) and the `ceiling_<head>` configurations, weighted by the
     adaptive configuration's tokens per phase; online-spec weighted alike, and the share of the
     ceiling's gain it took (`ceiling_capture`, overall and per phase); the best head's batch-1
-    speedup over plain."""
+    speedup over plain (without `bs1`, none)."""
     heads = ["cost_policy"] + [n for n in configs if n.startswith("ceiling_")]
     ref = configs["sglang_adaptive"]["phases"]
     online = configs["online_spec"]["phases"]
@@ -71,12 +71,43 @@ def ceiling_figures(configs: dict, bs1: dict, phases: list[str]) -> dict:
         ref_s += n / ref_tps
         online_s += n / online_tps
         tokens += n
-    bs1_best = max((n for n in bs1 if n.startswith("ceiling_")), key=lambda n: bs1[n]["tokens_per_s"] or 0)
-    return {"best_per_phase": best, "tokens_per_s": tokens / ceiling_s,
-            "static_sglang_adaptive_tokens_per_s": tokens / ref_s,
-            "online_spec_tokens_per_s": tokens / online_s,
-            "ceiling_capture": capture(tokens / online_s, tokens / ref_s, tokens / ceiling_s),
-            "ceiling_capture_target": CEILING_CAPTURE_TARGET,
-            "ceiling_vs_static_sglang_adaptive": ref_s / ceiling_s,
-            "bs1_best": bs1_best,
-            "ceiling_speedup_vs_plain_bs1": ratio(bs1[bs1_best]["tokens_per_s"], bs1["plain"]["tokens_per_s"])}
+    out = {"best_per_phase": best, "tokens_per_s": tokens / ceiling_s,
+           "static_sglang_adaptive_tokens_per_s": tokens / ref_s,
+           "online_spec_tokens_per_s": tokens / online_s,
+           "ceiling_capture": capture(tokens / online_s, tokens / ref_s, tokens / ceiling_s),
+           "ceiling_capture_target": CEILING_CAPTURE_TARGET,
+           "ceiling_vs_static_sglang_adaptive": ref_s / ceiling_s}
+    if bs1:
+        best_bs1 = max((n for n in bs1 if n.startswith("ceiling_")), key=lambda n: bs1[n]["tokens_per_s"] or 0)
+        out |= {"bs1_best": best_bs1,
+                "ceiling_speedup_vs_plain_bs1": ratio(bs1[best_bs1]["tokens_per_s"], bs1["plain"]["tokens_per_s"])}
+    return out
+
+
+def _pool(blocks: list[dict]) -> dict:
+    """Tokens/s of several runs' blocks taken together: all their tokens over all their seconds."""
+    tokens = [b.get("completion_tokens") for b in blocks]
+    rates = [b.get("tokens_per_s") for b in blocks]
+    if not all(tokens) or not all(rates):
+        return {"completion_tokens": None, "tokens_per_s": None}
+    return {"completion_tokens": sum(tokens), "tokens_per_s": sum(tokens) / sum(n / r for n, r in zip(tokens, rates))}
+
+
+def pooled_figures(runs: list[dict], phases: list[str]) -> dict:
+    """The repeats of `bench e2e --repeats` taken together: each configuration's tokens/s over all
+    its repeats (overall and per phase: tokens over seconds), and online-spec's ratio and
+    `ceiling` from those. With the odd repeats run in reverse order, a machine whose speed drifts
+    steadily over the run slows each configuration's pooled figure alike, where one repeat's
+    ratios carry the drift between its configurations."""
+    names = [n for n in runs[0] if all(n in r for r in runs)]
+    pooled = {n: {"overall": _pool([r[n]["overall"] for r in runs]),
+                  "phases": {p: _pool([r[n]["phases"].get(p) or {} for r in runs]) for p in phases}}
+              for n in names}
+    tps = {n: c["overall"]["tokens_per_s"] for n, c in pooled.items()}
+    out = {"repeats": len(runs), "tokens_per_s": tps,
+           "per_phase_tokens_per_s": {p: {n: c["phases"][p]["tokens_per_s"] for n, c in pooled.items()} for p in phases},
+           "speedup_vs_static_sglang_adaptive": ratio(tps.get("online_spec"), tps.get("sglang_adaptive")),
+           "speedup_vs_static": ratio(tps.get("online_spec"), tps.get("static"))}
+    if "online_spec" in pooled and "sglang_adaptive" in pooled and any(n.startswith("ceiling_") for n in pooled):
+        out["ceiling"] = ceiling_figures(pooled, None, phases)
+    return out

@@ -299,6 +299,45 @@ def test_e2e_repeats_report_medians_of_per_repeat_ratios():
                                                                      "speedup_vs_plain_bs1_adapted": True}
 
 
+def test_e2e_repeats_are_counterbalanced_and_pooled():
+    """Odd repeats run the configurations in reverse; `pooled` takes each configuration's tokens
+    over its seconds in all repeats, so a steady drift of the machine, which in one repeat's order
+    favours the configurations that ran first, slows each pooled figure alike."""
+    from bench.e2e import repeat_order
+    from bench.e2e_figures import pooled_figures
+
+    names = ["plain", "sglang_adaptive", "cost_policy", "online_spec", "ceiling_code"]
+    assert repeat_order(names, 0) == names and repeat_order(names, 2) == names
+    assert repeat_order(names, 1) == names[::-1]
+    # the machine slows steadily: each configuration's seconds a token grow by 10 % of its own per
+    # slot it runs in, one phase of 100 tokens, the slots in each repeat's order
+    true = {"plain": 50.0, "sglang_adaptive": 60.0, "cost_policy": 62.0, "online_spec": 66.0, "ceiling_code": 70.0}
+    runs = []
+    for rep in range(2):
+        conf = {}
+        for slot, n in enumerate(repeat_order(names, rep)):
+            block = {"completion_tokens": 100, "tokens_per_s": true[n] / (1 + 0.1 * slot)}
+            conf[n] = {"overall": dict(block), "phases": {"chat": dict(block)}}
+        runs.append(conf)
+    out = pooled_figures(runs, ["chat"])
+    assert out["repeats"] == 2
+    for n, v in true.items():  # 200 tokens in (1 + 0.1 i + 1 + 0.1 (4 - i)) 100 / v seconds, whatever the slot i
+        assert out["tokens_per_s"][n] == pytest.approx(v / 1.2)
+        assert out["per_phase_tokens_per_s"]["chat"][n] == pytest.approx(v / 1.2)
+    assert out["speedup_vs_static_sglang_adaptive"] == pytest.approx(66 / 60)
+    assert out["speedup_vs_static"] is None  # no static configuration in these runs
+    # pooled, the share of the ceiling's gain is the machine-free one; in the first repeat alone
+    # the ceiling, run last, seemed slower than the reference (no gain: undefined), and in the
+    # second, run first, it made the reference's gap look larger
+    assert out["ceiling"]["ceiling_capture"] == pytest.approx((66 - 60) / (70 - 60))
+    assert pooled_figures(runs[:1], ["chat"])["ceiling"]["ceiling_capture"] is None
+    ref, online = 60 / 1.3, 66 / 1.1
+    assert pooled_figures(runs[1:], ["chat"])["ceiling"]["ceiling_capture"] == pytest.approx((online - ref) / (70 - ref))
+    assert "bs1_best" not in out["ceiling"]  # the batch-1 sessions are not pooled
+    runs[1]["online_spec"]["phases"]["chat"]["tokens_per_s"] = None  # a phase without tokens/s in one repeat
+    assert "error" in pooled_figures(runs, ["chat"])["ceiling"]
+
+
 def test_e2e_return_figure_is_online_specs_ratio_against_the_target():
     """`returns` in the headline: each configuration's figures of the trace's return phase,
     online-spec's ratio measured against 0.95, and the median over repeats."""
