@@ -22,7 +22,9 @@ the GIL, and each hand-over stalls the engine's thread: per-record encoding cost
 given the engine's host window (`follow_window`: a GPU engine's), the sender starts each round's
 work when the engine's thread next waits on the verify forward (the round's longest wait), and
 sends each further message of a round only while it still waits, else in its next wait
-(online_spec/host_window.py). An engine on
+(online_spec/host_window.py). End markers (a few microseconds each) go out without a window;
+once a wait finds none within the window's bound, the queued items after it go out at once
+until the engine opens a window again (an idle engine opens none). An engine on
 a CPU has the publisher encode and send on its own thread instead (`send_inline`), between
 forwards, where the work costs only its own time.
 
@@ -300,6 +302,7 @@ class CapturePublisher:
         return f >= 1.0 or (f > 0.0 and sample_score(request_id, self.cfg.sample_salt) < f)
 
     def _run(self) -> None:
+        idle_at = None  # the window's `opened` when a wait for one last timed out
         try:
             while True:
                 try:
@@ -310,10 +313,18 @@ class CapturePublisher:
                     continue
                 if item is _STOP:
                     break
-                window = self._window
-                # in a window: the round's further records wait for the engine's next ones too; no
-                # window within `wait_s` (an idle engine, rounds with no verify read-back): none do
-                in_window = window is not None and window.wait(long=True)
+                window, in_window = self._window, False
+                if window is None:
+                    pass
+                elif isinstance(item, EndOfRequest):  # a few microseconds of work: it never waits for a window
+                    in_window = window.is_open()
+                elif idle_at is None or window.opened != idle_at:
+                    # in a window: the round's further records wait for the engine's next ones too; no
+                    # window within `wait_s` (an idle engine, rounds with no verify read-back): none do,
+                    # and the items after it wait for none until the engine opens a window again (a
+                    # backlog met by an idle engine went out one `wait_s` an item: ~20 ms each)
+                    in_window = window.wait(long=True)
+                    idle_at = None if in_window else window.opened
                 self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)
                 self._deliver(item, in_window)
         finally:

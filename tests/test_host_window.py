@@ -139,9 +139,37 @@ def test_the_publisher_sends_a_rounds_later_messages_only_in_later_windows(tmp_p
         assert window.waits == [True]
         # a window for the start, none for the second message: the third goes out without waiting
         window.opens, window.waits = 1, []
+        window.opened += 1  # the engine opened a window since that timed-out wait: items wait for one again
         pub.submit(request_records("r3", 2))
         assert pub.drain(10.0) and pub.stats()["sent"] == 9
         assert window.waits == [True, True]
+
+
+def test_an_idle_engine_costs_a_backlog_one_wait_and_end_markers_none(tmp_path):
+    """A wait that finds no window within its bound (the engine idle) lets the queued rounds after
+    it go out without waiting, until the engine opens a window again; an end marker never waits
+    for one. Before, a backlog met by an idle engine (the end of a run, a pause in traffic) went
+    out one `wait_s` (20 ms) an item, and every end marker took a window a round needed."""
+    with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap.sock")) as pub, \
+            CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
+        assert pub.wait_for_subscriber(10.0)
+        window = _ScriptedWindow(opens=0)  # no window ever comes within the bound
+        pub.follow_window(window)
+        time.sleep(0.15)  # the sender is back at its queue, now following the window
+        window.waits.clear()
+        for i in range(5):  # a backlog of five rounds and their end markers
+            pub.submit(request_records(f"r{i}", 1))
+            pub.end_request(f"r{i}")
+        assert pub.drain(10.0)
+        stats = pub.stats()
+        assert stats["sent"] == 10 and stats["end_markers_sent"] == 5
+        assert window.waits == [True]  # the first round's wait timed out; nothing waited after it
+        window.opened += 1  # the engine runs again: the next round waits for its window
+        window.opens, window.waits = 1_000_000, []
+        pub.submit(request_records("r5", 1))
+        pub.end_request("r5")
+        assert pub.drain(10.0) and pub.stats()["sent"] == 12 and pub.stats()["end_markers_sent"] == 6
+        assert window.waits == [True]  # the round's; its end marker's none
 
 
 def test_engine_windows_change_nothing_but_where_the_workers_run():
