@@ -65,6 +65,10 @@ class CollectorBenchConfig:
     serving_repeats: int = doc("paired repeats of the engine-overhead run (the median ratio reported)", 5)
     serving_waves: int = doc("waves of `batch` requests in one timed arm of the engine-overhead run", 4)
     serving_device: str = doc("device of the engine-overhead run (cpu, cuda)", "cpu")
+    serving_head: str = doc("head of the engine-overhead run: 'random' (a fresh head: about one token a round, "
+                            "so the most records a token, the worst case) or a --head value of bench.heads "
+                            "(e.g. shipped: the tokens a round, and so the records a token, of a trained head)",
+                            "random")
     serving_reader: str = doc("the reader in the engine-overhead run: 'subscriber' (decode and reassembly, what "
                               "the trainer runs, in another process) or 'socket' (frames received and counted, "
                               "nothing decoded: the serving process's side of the cost alone)", "subscriber")
@@ -215,15 +219,20 @@ def measure_stalled(cfg: CollectorBenchConfig, endpoint: str) -> dict[str, Any]:
 
 def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
                             prompts: list[list[int]] | None = None) -> dict[str, Any]:
-    """The real engine (SmolLM2 bf16, random head, K=cfg.serving_steps) with capture at 100%
-    sampling and a live subscriber in another process, against capture off; per batch size.
+    """The real engine (SmolLM2 bf16, `cfg.serving_head`, K=cfg.serving_steps) with capture at
+    100% sampling and a live subscriber in another process, against capture off; per batch size.
     prompts: token ids (default: 16 ShareGPT first turns; a GPU machine has no ShareGPT package)."""
     # transformers comes with these two: the subscriber child processes import this module too
+    from bench.heads import resolve_head
+    from online_spec.checkpoint import load_head
     from online_spec.head import new_head
     from serving.engine import Engine, EngineConfig
 
     target = load_target(device=cfg.serving_device)
-    head = new_head(target)
+    if cfg.serving_head == "random":
+        head = new_head(target)
+    else:
+        head = load_head(resolve_head(cfg.serving_head, target), target.info, dtype=target.dtype)[0]
     if prompts is None:
         convs = sharegpt_conversations(limit=16, seed=2, max_prompt_tokens=120, tokenizer=target.tokenizer)
         prompts = [target.encode_chat(c[:1]) for c in convs]
@@ -294,8 +303,11 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
 
 
 def _live_subscriber(endpoint: str, conn, nice: int = 0) -> None:
-    """Child process: a real subscriber that keeps up until told to stop, at niceness `nice`."""
+    """Child process: a real subscriber that keeps up until told to stop, at niceness `nice`, on
+    one torch thread as `online-spec train` runs by default (`--threads 1`): with torch's default,
+    one thread a core, its decoding took 2-4 cores of an H200 host's 16 (2026-11-28)."""
     os.nice(nice)
+    torch.set_num_threads(1)
     # the trainer's subscriber as `online-spec train` configures it (its 100 ms polls)
     sub = CaptureSubscriber(SubscriberConfig(endpoint=endpoint, recv_hwm=100_000), on_span=lambda s: None)
     sub.start()

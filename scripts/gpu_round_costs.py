@@ -226,6 +226,13 @@ def main() -> None:
     ap.add_argument("--capture-overhead", action="store_true",
                     help="also the capture stream's serving overhead on this device (bench.collector's engine run: "
                          "random head, K = 3, capture at 100 %% to a live subscriber process vs off, batch 1 and 16)")
+    ap.add_argument("--capture-head", default="random",
+                    help="head of --capture-overhead: random (one token a round: the worst case) or a bench.heads "
+                         "--head value (shipped: a trained head's tokens a round)")
+    ap.add_argument("--capture-batches", default="1,16", help="batch sizes of --capture-overhead")
+    ap.add_argument("--capture-reader", default="subscriber", choices=("subscriber", "socket"),
+                    help="the reader of --capture-overhead: the trainer's subscriber (decoding), or a bare socket "
+                         "(the serving process's side of the cost alone)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")
@@ -274,9 +281,10 @@ def main() -> None:
         from bench.collector import CollectorBenchConfig, measure_engine_overhead
 
         with tempfile.TemporaryDirectory() as tmp:
-            cap = measure_engine_overhead(CollectorBenchConfig(serving_device=args.device, serving_repeats=5),
-                                          f"ipc://{tmp}/serve.sock",
-                                          prompts=prompts)
+            cap = measure_engine_overhead(CollectorBenchConfig(
+                serving_device=args.device, serving_repeats=5, serving_head=args.capture_head,
+                serving_reader=args.capture_reader, serving_batches=[int(b) for b in args.capture_batches.split(",")]),
+                f"ipc://{tmp}/serve.sock", prompts=prompts)
         out["capture_overhead"] = cap
         print("capture overhead %:", {b: round(r["overhead_pct"], 1) for b, r in cap.items()}, flush=True)
     if args.json:
