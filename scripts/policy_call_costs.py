@@ -10,6 +10,8 @@ written.
     python scripts/policy_call_costs.py          # batch 1
     NULL=1 TOKENS=160 REPEATS=3 B=16 python scripts/policy_call_costs.py   # the planned policy beside
                                                  # the calls' floor (a policy doing nothing), longer runs
+    NULL=2 ...                                   # also the floor with the planner's worker learning
+                                                 # every round beside it (NullWithWorker)
     B=4 python scripts/policy_call_costs.py
     DTYPE=bfloat16 python scripts/policy_call_costs.py   # the serving dtype of a CPU with native bf16
 """
@@ -68,6 +70,21 @@ class NullPolicy:
     def state_dict(self): return {}
     def load_state_dict(self, s): pass
 
+class NullWithWorker(NullPolicy):
+    """The floor's calls with the planner's worker learning beside them: each round goes to a real
+    `PlannedPolicy`'s worker (which learns and plans from it on its own thread, as the planned
+    policy's does), while the engine's calls do nothing. Against `NullPolicy` it measures what the
+    worker's presence on the other core costs the engine thread's calls."""
+    name = "null+worker"
+
+    def __init__(self):
+        self.planned = PlannedPolicy(make())
+
+    def update(self, b, accepted, **kw):
+        self.planned.update(b, accepted, **kw)
+        return 3
+
+
 def make():
     ad = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]}})
     return CostModelPolicy(ad, cost_model=CostModel.with_coefficients((0.006, 0.0005, 0, 0.004, 0), (0.05, 0.002, 0.0006, 0, 0.002)))
@@ -92,6 +109,8 @@ def run(label, pol, wrapped):
 arms = (("bare", make), ("planned", lambda: PlannedPolicy(make())))
 if os.environ.get("NULL", "0") == "1":  # the floor beside the planned policy (bare left out)
     arms = (("null", NullPolicy), ("planned", lambda: PlannedPolicy(make())))
+if os.environ.get("NULL", "0") == "2":  # ... and the floor with the planner's worker learning beside it
+    arms = (("null", NullPolicy), ("null+worker", NullWithWorker), ("planned", lambda: PlannedPolicy(make())))
 for label, make_pol in arms * int(os.environ.get("REPEATS", "2")):
     run(label, make_pol(), wrapped=False)
 if os.environ.get("PER_CALL", "1") == "1":
