@@ -69,6 +69,8 @@ class CollectorBenchConfig:
                             "so the most records a token, the worst case) or a --head value of bench.heads "
                             "(e.g. shipped: the tokens a round, and so the records a token, of a trained head)",
                             "random")
+    serving_sender: str = doc("where the engine-overhead run's engine sends its capture (EngineConfig.capture_sender): "
+                              "thread or engine", "thread")
     serving_reader: str = doc("the reader in the engine-overhead run: 'subscriber' (decode and reassembly, what "
                               "the trainer runs, in another process) or 'socket' (frames received and counted, "
                               "nothing decoded: the serving process's side of the cost alone)", "subscriber")
@@ -82,6 +84,8 @@ class CollectorBenchConfig:
         check(0 <= self.serving_reader_nice <= 19, "serving_reader_nice",
               f"must be in 0..19, got {self.serving_reader_nice!r}")
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
+        check(self.serving_sender in ("thread", "engine"), "serving_sender",
+              f"must be thread or engine, got {self.serving_sender!r}")
         check(self.max_rows >= 1, "max_rows", f"{self.max_rows} < 1")
         check(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1")
         check(self.burst_records >= self.batch_size, "burst_records", f"{self.burst_records} < batch_size")
@@ -247,7 +251,8 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
 
         # one engine for both arms, warmed up first: a fresh engine per run would time its own
         # CUDA graph captures (tens of ms each on a GPU) in both arms and drown the difference
-        eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=cfg.serving_steps))
+        eng = Engine(target, head, EngineConfig(max_batch=batch, max_len=1024, num_steps=cfg.serving_steps,
+                                                capture_sender=cfg.serving_sender))
 
         walls = []  # the capture-on arms' seconds
 

@@ -94,6 +94,29 @@ def run_inline(part: object) -> None:
         fn(True)
 
 
+class SendsDeferred(Protocol):
+    """A part whose work the engine's thread can pump where it waits least (the capture publisher)."""
+
+    def send_deferred(self, on: bool = True) -> None: ...
+
+    def pump(self) -> None: ...
+
+
+def place_capture(pub: object, window: HostWindow | None, device_type: str, sender: str = "thread"):
+    """Where the capture sink (`pub`) does its work: with `sender` 'engine', kept for the engine's
+    thread to pump just before its verify read-back (on a GPU, while the device verifies:
+    `SendsDeferred`); otherwise, on a CPU without windows, on the engine's thread between forwards
+    (`run_inline`), else on its sender thread in the host windows (`follow`). Returns the pump (or None)."""
+    follow(pub, window)
+    fn = getattr(pub, "send_deferred", None)
+    if sender == "engine" and callable(fn):
+        fn(True)
+        return pub.pump
+    if window is None and device_type == "cpu":
+        run_inline(pub)
+    return None
+
+
 def upload(t, device):
     """A host tensor (or a list of ints) on `device` without waiting for the device: on a GPU a
     copy from pageable memory first waits for every kernel already queued on the stream (a hidden

@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--capture-reader", default="subscriber", choices=("subscriber", "socket"),
                     help="the reader of --capture-overhead: the trainer's subscriber (decoding), or a bare socket "
                          "(the serving process's side of the cost alone)")
+    ap.add_argument("--capture-sender", default="thread", choices=("thread", "engine"),
+                    help="where --capture-overhead's engine sends its capture (EngineConfig.capture_sender)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")
@@ -283,7 +285,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             cap = measure_engine_overhead(CollectorBenchConfig(
                 serving_device=args.device, serving_repeats=5, serving_head=args.capture_head,
-                serving_reader=args.capture_reader, serving_batches=[int(b) for b in args.capture_batches.split(",")]),
+                serving_reader=args.capture_reader, serving_sender=args.capture_sender,
+                serving_batches=[int(b) for b in args.capture_batches.split(",")]),
                 f"ipc://{tmp}/serve.sock", prompts=prompts)
         out["capture_overhead"] = cap
         print("capture overhead %:", {b: round(r["overhead_pct"], 1) for b, r in cap.items()}, flush=True)

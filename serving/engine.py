@@ -37,7 +37,7 @@ from online_spec.capture import CaptureRecord
 from online_spec.config import ConfigError
 from online_spec.controller import StaticSteps, StepPolicy, check_policy
 from online_spec.head import EagleHead
-from online_spec.host_window import HostWindow, follow, run_inline, upload
+from online_spec.host_window import HostWindow, follow, place_capture, upload
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams, probs_from_logits
 from online_spec.target import TargetModel
@@ -100,9 +100,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         """The capture sink; its work placed where it costs serving least (online_spec/host_window.py):
         in the host windows on a GPU, on the engine's own thread on a CPU."""
         self._publisher = pub
-        follow(pub, self.window)
-        if self.window is None and self.target.device.type == "cpu":
-            run_inline(pub)
+        self._pump = place_capture(pub, self.window, self.target.device.type, self.cfg.capture_sender)
 
     def add_request(self, req: Request) -> Request:
         """Queue a request; raises EngineFull / PromptTooLong / ValueError without side effects."""
@@ -317,8 +315,10 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
 
     # -- pieces of a round ------------------------------------------------------------------
     def _host(self, t: torch.Tensor, long: bool = False) -> torch.Tensor:
-        """`t` on the host: a blocking read-back on a GPU, inside a host window where the engine
-        has one (`long`: the verify's read-back, the round's longest wait)."""
+        """`t` on the host: a blocking read-back on a GPU, in a host window where the engine has one (`long`: the
+        verify's, the round's longest wait; the capture kept for it goes out first: `capture_sender` 'engine')."""
+        if long and self._pump is not None:
+            self._pump()
         if self.window is None:
             return t.cpu()
         with self.window.waiting(long):

@@ -42,6 +42,11 @@ class EngineConfig:
     host_windows: str = doc("place the capture sender's and the cost policy planner's Python in the moments the "
                             "engine's thread waits on the device (online_spec/host_window.py): on, off, or auto = "
                             "on a CUDA device only (a CPU engine's read-backs do not wait)", "auto")
+    capture_sender: str = doc("where the engine's capture is encoded and sent: 'thread' (on a GPU the "
+                              "publisher's sender thread, in the host windows; on a CPU the engine's thread between "
+                              "forwards) or 'engine' (the engine's own thread just before its verify read-back, on a "
+                              "GPU while the device verifies: no second thread takes turns with it on the "
+                              "interpreter lock)", "thread")
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
@@ -54,6 +59,8 @@ class EngineConfig:
               f"must be auto, on or off, got {self.in_round_cuts!r}")
         check(self.host_windows in ("auto", "on", "off"), "host_windows",
               f"must be auto, on or off, got {self.host_windows!r}")
+        check(self.capture_sender in ("thread", "engine"), "capture_sender",
+              f"must be thread or engine, got {self.capture_sender!r}")
         check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
               "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
         check(self.speculative_num_draft_tokens >= 0, "speculative_num_draft_tokens", "must be >= 0")

@@ -172,6 +172,68 @@ def test_an_idle_engine_costs_a_backlog_one_wait_and_end_markers_none(tmp_path):
         assert window.waits == [True]  # the round's; its end marker's none
 
 
+def test_a_deferred_publisher_sends_when_pumped_and_flushes_what_no_pump_took(tmp_path, monkeypatch):
+    """`send_deferred`: rounds and end markers wait for the caller's `pump` (the engine's thread,
+    before its verify read-back), which sends them in order on the caller's thread; what no pump
+    takes for `DEFER_FLUSH_S` (an idle engine) the sender thread sends; `close` sends the rest."""
+    import collector.publisher as publisher_mod
+
+    monkeypatch.setattr(publisher_mod, "DEFER_FLUSH_S", 3600.0)
+    with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap.sock")) as pub, \
+            CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
+        assert pub.wait_for_subscriber(10.0)
+        pub.send_deferred()
+        pub.submit(request_records("r1", 2))
+        pub.end_request("r1")
+        time.sleep(0.3)  # the sender thread polls every 0.1 s: it must leave kept items alone
+        assert pub.stats()["sent"] == 0 and pub.stats()["end_markers_sent"] == 0
+        senders = []
+        deliver = pub._deliver
+        monkeypatch.setattr(pub, "_deliver", lambda item, in_window=False: (
+            senders.append((threading.current_thread().name, type(item).__name__)), deliver(item, in_window)))
+        pub.pump()  # this thread sends both, the round first
+        assert pub.stats()["sent"] == 3 and pub.stats()["end_markers_sent"] == 1
+        assert senders == [("MainThread", "list"), ("MainThread", "EndOfRequest")]
+        monkeypatch.setattr(publisher_mod, "DEFER_FLUSH_S", 0.0)  # an idle engine: the sender thread flushes
+        pub.submit(request_records("r2", 1))
+        assert wait_until(lambda: pub.stats()["sent"] == 5)  # not `drain`: it pumps on the caller's thread
+        assert senders[-1] == ("capture-publisher", "list")
+        monkeypatch.setattr(publisher_mod, "DEFER_FLUSH_S", 3600.0)
+        pub.end_request("r2")  # kept: the publisher's close sends it
+        pub.close()
+    assert pub.stats()["end_markers_sent"] == 2 and pub.stats()["queue_depth"] == 0
+
+
+def test_an_engine_pumps_the_kept_capture_before_its_verify_read_back(tmp_path):
+    """capture_sender 'engine': each round's capture goes out from the engine's thread just before
+    the next verify read-back (on a GPU, while the device verifies); the output is plain
+    decoding's and every record is sent. Run here on a CPU engine, whose verify does not run
+    asynchronously: the placement, not its overlap, is what this holds."""
+    from serving.engine_config import EngineConfig as Cfg
+    from online_spec.config import ConfigError as CfgError
+
+    with pytest.raises(CfgError, match="capture_sender"):
+        Cfg(capture_sender="process")
+    target = tiny_target(num_layers=4)
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=3, max_len=256, num_steps=0)).generate(prompts, params)
+    with CapturePublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/cap.sock")) as pub, \
+            CaptureSubscriber(SubscriberConfig(endpoint=pub.endpoint), on_span=lambda span: None).start():
+        assert pub.wait_for_subscriber(10.0)
+        eng = Engine(target, new_head(target, seed=4), EngineConfig(max_batch=3, max_len=256, num_steps=3,
+                                                                   capture_sender="engine"), publisher=pub)
+        pumps = []
+        pump = pub.pump
+        eng._pump = lambda: (pumps.append((threading.current_thread().name, len(pub._deferred))), pump())
+        out = eng.generate(prompts, params)
+        assert pub.drain(10.0)
+        stats = pub.stats()
+    assert out == plain
+    assert stats["submitted"] > 0 and stats["sent"] == stats["submitted"] and stats["dropped_invalid"] == 0
+    assert {name for name, _ in pumps} == {"MainThread"} and sum(n for _, n in pumps) > 0
+
+
 def test_engine_windows_change_nothing_but_where_the_workers_run():
     target = tiny_target(num_layers=4)
     prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(5)]
