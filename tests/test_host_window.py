@@ -229,9 +229,13 @@ def test_an_engine_pumps_the_kept_capture_before_its_verify_read_back(tmp_path):
         out = eng.generate(prompts, params)
         assert pub.drain(10.0)
         stats = pub.stats()
+        assert {name for name, _ in pumps} == {"MainThread"} and sum(n for _, n in pumps) > 0
+        pumps.clear()  # sampled requests read no greedy choice back: the accept pumps before its own work
+        eng.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=3))
+        assert pub.drain(10.0) and pub.stats()["sent"] == pub.stats()["submitted"] > stats["submitted"]
+        assert {name for name, _ in pumps} == {"MainThread"} and sum(n for _, n in pumps) > 0
     assert out == plain
     assert stats["submitted"] > 0 and stats["sent"] == stats["submitted"] and stats["dropped_invalid"] == 0
-    assert {name for name, _ in pumps} == {"MainThread"} and sum(n for _, n in pumps) > 0
 
 
 def test_engine_windows_change_nothing_but_where_the_workers_run():
