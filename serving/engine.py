@@ -97,8 +97,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
 
     @publisher.setter
     def publisher(self, pub: CaptureSink | None) -> None:
-        """The capture sink; its work placed where it costs serving least (online_spec/host_window.py):
-        in the host windows on a GPU, on the engine's own thread on a CPU."""
+        """The capture sink, its work placed where it costs serving least (`place_capture`): a GPU's host windows,
+        the engine's thread on a CPU, or pumped by it before each verify read-back (`capture_sender` 'engine')."""
         self._publisher = pub
         self._pump = place_capture(pub, self.window, self.target.device.type, self.cfg.capture_sender)
 
