@@ -48,7 +48,8 @@ together: each configuration's tokens over its seconds in all repeats, overall a
 and online-spec's ratio and `ceiling` (`ceiling_capture`) from those; with the order reversed
 every other repeat, a machine whose speed drifts steadily through the run (on the 2-core VM
 configurations minutes apart moved 15-30 %, `machine_pulse`) slows every configuration's pooled
-figure alike. One ~25 s run per configuration moves ~10 % on a quiet 2-core machine. `--baseline-threads T` gives the server of the trainer-free configurations (plain,
+figure alike. One ~25 s run per configuration moves ~10 % on a quiet 2-core machine.
+`--baseline-threads T` gives the server of the trainer-free configurations (plain,
 static, adaptive, bs1 plain) T torch threads: a deployment without a trainer has the whole
 machine, where online-spec splits it between server and trainer.
 

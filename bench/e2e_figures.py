@@ -105,7 +105,8 @@ def pooled_figures(runs: list[dict], phases: list[str]) -> dict:
               for n in names}
     tps = {n: c["overall"]["tokens_per_s"] for n, c in pooled.items()}
     out = {"repeats": len(runs), "tokens_per_s": tps,
-           "per_phase_tokens_per_s": {p: {n: c["phases"][p]["tokens_per_s"] for n, c in pooled.items()} for p in phases},
+           "per_phase_tokens_per_s": {p: {n: c["phases"][p]["tokens_per_s"] for n, c in pooled.items()}
+                                      for p in phases},
            "speedup_vs_static_sglang_adaptive": ratio(tps.get("online_spec"), tps.get("sglang_adaptive")),
            "speedup_vs_static": ratio(tps.get("online_spec"), tps.get("static"))}
     if "online_spec" in pooled and "sglang_adaptive" in pooled and any(n.startswith("ceiling_") for n in pooled):
