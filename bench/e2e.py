@@ -153,6 +153,9 @@ class E2EConfig:
                            "(serve --plan-ahead)", False)
     switch_interval_ms: float = doc("every configuration's server runs with this interpreter switch interval "
                                     "(serve --switch-interval-ms); 0 = Python's (5 ms)", 0.0)
+    capture_sender: str = doc("where the capturing configurations' engines send their capture (serve "
+                              "--capture-sender): thread (the publisher's sender thread) or engine (the engine's "
+                              "own thread, before each verify read-back)", "thread")
     clients_process: bool = doc("the streaming clients run in a process of their own, as a deployment's do "
                                 "(off: in the server's process, sharing its interpreter lock with the engine "
                                 "thread, as before 2026-11-27)", True)
@@ -170,6 +173,8 @@ class E2EConfig:
         check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
+        check(self.capture_sender in ("thread", "engine"), "capture_sender",
+              f"must be thread or engine, got {self.capture_sender!r}")
         if self.tree:
             self.tree_shape()  # raises naming the field
         self.policy_tree_list()
@@ -223,7 +228,8 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                     max_tokens=cfg.max_tokens, deadline_s=deadline_s, server_threads=cfg.server_threads,
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device, cost_model_store=cost_store, plan_ahead=cfg.plan_ahead,
-                    switch_interval_ms=cfg.switch_interval_ms, clients_process=cfg.clients_process)
+                    switch_interval_ms=cfg.switch_interval_ms, clients_process=cfg.clients_process,
+                    capture_sender=cfg.capture_sender)
         guard.check(f"configuration {name!r}")
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)

@@ -74,6 +74,8 @@ class SessionConfig:
     server_threads: int = doc("torch threads of the server process", 1)
     switch_interval_ms: float = doc("the server's interpreter switch interval (serve --switch-interval-ms); "
                                     "0 = Python's", 0.0)
+    capture_sender: str = doc("where the online server's engine sends its capture (serve --capture-sender): "
+                              "thread or engine", "thread")
     clients_process: bool = doc("the streaming clients run in a process of their own (bench.traffic."
                                 "replay_in_child), as a deployment's do; off: in the server's process, whose "
                                 "interpreter lock their Python then shares with the engine thread", True)
@@ -201,7 +203,8 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             head = None
         engine_cfg = EngineConfig(max_batch=cfg.max_batch, num_steps=0 if plain else max(cfg.num_steps, 1),
                                   max_steps=max(7, cfg.num_steps), speculative_eagle_topk=1 if plain else cfg.eagle_topk,
-                                  speculative_num_draft_tokens=0 if plain else cfg.num_draft_tokens)
+                                  speculative_num_draft_tokens=0 if plain else cfg.num_draft_tokens,
+                                  capture_sender=cfg.capture_sender)
         publisher = None
         if cfg.online:
             publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"))

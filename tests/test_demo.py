@@ -274,6 +274,32 @@ def test_e2e_ceiling_heads_must_be_distinct_real_heads(heads):
         E2EConfig(ceiling_heads=heads)
 
 
+def test_e2e_capture_sender_reaches_the_sessions_and_is_checked(tmp_path, monkeypatch):
+    """`bench e2e --capture-sender` is validated, and a session builds its engine config with it
+    (the capture placement itself: tests/test_host_window.py)."""
+    import serving.engine
+    from bench import session
+    from bench.e2e import E2EConfig
+    from online_spec.config import ConfigError
+
+    with pytest.raises(ConfigError, match="capture_sender"):
+        E2EConfig(capture_sender="process")
+    assert E2EConfig(capture_sender="engine").capture_sender == "engine"
+
+    class Built(Exception):
+        pass
+
+    def engine_config(**kw):  # the session stops here: what reached the engine's config is the point
+        raise Built(kw)
+
+    monkeypatch.setattr(serving.engine, "EngineConfig", engine_config)
+    for sender in ("engine", "thread"):
+        cfg = session.SessionConfig(head="none", run_dir=str(tmp_path / sender), capture_sender=sender)
+        with pytest.raises(Built) as built:
+            session.run_session(None, cfg, [])
+        assert built.value.args[0]["capture_sender"] == sender
+
+
 def test_e2e_repeats_report_medians_of_per_repeat_ratios():
     """With --repeats, each ratio is the median of the repeats' own ratios (not a ratio of
     medians), per-phase and overall figures are element-wise medians, and a figure missing
