@@ -358,15 +358,12 @@ class CapturePublisher:
                     self.pump()
                     break
                 window, in_window = self._window, False
-                if window is None:
-                    pass
-                elif isinstance(item, EndOfRequest):  # a few microseconds of work: it never waits for a window
-                    in_window = window.is_open()
-                elif idle_at is None or window.opened != idle_at:
-                    # in a window: the round's further records wait for the engine's next ones too; no
-                    # window within `wait_s` (an idle engine, rounds with no verify read-back): none do,
-                    # and the items after it wait for none until the engine opens a window again (a
-                    # backlog met by an idle engine went out one `wait_s` an item: ~20 ms each)
+                # an end marker (a few microseconds of work) never waits for a window; a round does,
+                # unless the last wait found none and the engine has opened none since (idle: a backlog
+                # then went out one `wait_s` an item, ~20 ms each). In a window the round's further
+                # records wait for the engine's next ones too; no window within `wait_s`: none do
+                if window is not None and not isinstance(item, EndOfRequest) \
+                        and (idle_at is None or window.opened != idle_at):
                     in_window = window.wait(long=True)
                     idle_at = None if in_window else window.opened
                 self._records_out += 1 if isinstance(item, EndOfRequest) else len(item)

@@ -116,9 +116,9 @@ class ChainRounds:
         records, a `CaptureRound` of the sampled requests' committed rows, built off this thread."""
         B, T = len(reqs), feats.shape[1]
         accepted, rows, index, round_outs = [], [], [], []
-        if self._pump is not None:  # the capture kept for this moment (`capture_sender` 'engine'): the verify runs
-            self._pump()
         greedy_choice = self._host(logits.argmax(-1), long=True) if any(r.params.greedy for r in reqs) else None
+        if greedy_choice is None and self._pump is not None:  # no verify read-back (`_host` pumps before one):
+            self._pump()  # the capture kept for this round goes out before the sampled accept
         for b, r in enumerate(reqs):
             n = lens[b]
             if r.params.greedy:
