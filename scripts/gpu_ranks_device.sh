@@ -18,7 +18,7 @@
 #   5. bash scripts/gpu_ranks_device.sh e2e NAME FLAGS       (another e2e on the same machine, then follow)
 #   6. bash scripts/gpu_ranks_device.sh engine FLAGS         (bench engine there, e.g. --only timeline)
 #   7. bash scripts/gpu_ranks_device.sh script PATH ARGS     (a script of the checkout there, e.g.
-#      scripts/gpu_round_costs.py; JSON it writes under /tmp/w comes back)
+#      scripts/gpu_round_costs.py; the JSON it writes under /tmp/w comes back)
 #   8. bash scripts/gpu_ranks_device.sh code                 (this call's checkout becomes the code there)
 #   9. bash scripts/gpu_ranks_device.sh ranks                (bench ranks again; env DSCONFIGS="zero1 zero0",
 #      BATCH_TOKENS="4096 16384" (rows a step: strong's whole step, weak's per rank),
@@ -30,13 +30,14 @@ export PYTHONPATH=$CODE:/tmp/site ONLINE_SPEC_CACHE=/tmp/osc PYTHONUNBUFFERED=1 
     DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK
 stage=$1; shift
-follow() {  # wait for the running e2e (at most $1 s), then copy what it wrote to $OUT
+follow() {  # wait for the running e2e (at most $1 s), then copy what it wrote to $OUT: its own files only
+    # (at most 8 files come back from a call; the files of earlier runs on the machine would crowd them out)
     local until=$(( $(date +%s) + ${1:-480} )) name=$(cat $W/e2e_name 2>/dev/null || echo e2e)
     while [ ! -e $W/${name}_done ] && [ $(date +%s) -lt $until ]; do sleep 5; done
     grep -v "Loading weights" $W/$name.log | tail -n 30
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
-    cp $W/*.json $W/*.log $W/*_cmd.txt $OUT/ 2>/dev/null
-    for f in $W/run_*/online_spec/trainer.log; do [ -e $f ] && cp $f $OUT/trainer_$(basename $(dirname $(dirname $f))).log; done
+    cp $W/gpu_$name.json $W/$name.log $W/${name}_cmd.txt $OUT/ 2>/dev/null
+    [ -e $W/run_$name/online_spec/trainer.log ] && cp $W/run_$name/online_spec/trainer.log $OUT/trainer_run_$name.log
     [ -e $W/${name}_done ] && echo "$name finished: rc $(cat $W/${name}_done)" || echo "$name still running"
 }
 start_e2e() {  # NAME FLAGS...: bench e2e in its own session (it outlives the call), JSON $W/gpu_NAME.json;
@@ -109,8 +110,9 @@ engine)  # FLAGS...: bench engine on the machine a `run` call set up (the prompt
     ;;
 script)  # SCRIPT ARGS...: a script of the checkout on the set-up machine (its JSON under $W comes back)
     cd $CODE || exit 4
+    touch $W/.script_t0
     python3 "$@" 2>&1 | grep -v "Loading weights" | tail -n 30
-    cp $W/*.json $OUT/ 2>/dev/null
+    find $W -maxdepth 1 -name '*.json' -newer $W/.script_t0 -exec cp {} $OUT/ \;  # what this call wrote
     ;;
 code)  # the call's checkout replaces the set-up machine's code (a fix between calls; nothing reinstalled)
     rm -rf $CODE && mkdir -p $CODE && tar -cf - --exclude=./.gpu --exclude=./.git . | tar -xf - -C $CODE || exit 4
