@@ -79,6 +79,26 @@ def test_the_chains_measured_rounds_outrank_its_prediction():
     assert near.choose(0, 19.3, 0.1) is None and near.choose(0, 18.8, 0.1) == B
 
 
+def test_the_chains_prediction_is_worked_out_only_where_it_is_read():
+    # the cost policy hands a function (its prediction costs the engine's thread microseconds a
+    # round): called in the rounds that compare against it, never once the chain is measured
+    calls = []
+
+    def predicted():
+        calls.append(1)
+        return 10.0
+
+    ch = TreeChooser([[B]], TreeChoiceConfig(min_trials=1, probe_interval=0))
+    assert ch.choose(0, predicted, 0.1) == B and not calls  # untried: nothing compared
+    ch.observe(0, B, [1], 0.12, 0.1)  # 16.7 tok/s
+    assert ch.choose(0, predicted, 0.1) is None and not calls  # the chain's trial
+    ch.chain_ran(0)  # tried, not measured: the prediction stands in
+    assert ch.choose(0, predicted, 0.1) == B and len(calls) == 1  # 16.7 > 10
+    ch.chain_ran(0, [1], 0.09, 0.1)  # measured: 22.2 tok/s
+    assert ch.choose(0, predicted, 0.1) is None and len(calls) == 1  # measured: no call
+    assert ch.choose(0, 10.0, 0.1) is None  # a plain value still works
+
+
 def test_each_batch_size_bucket_measures_its_own_trees():
     # on a CPU a tree's verify costs its tokens times the batch: a tree that pays at batch 1 can
     # lose at batch 4; neither bucket's figures reach the other

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from online_spec.config import check, doc
 from online_spec.controller.round_time import batch_bucket
@@ -112,10 +112,12 @@ class TreeChooser:
             stats = self._stats[slot][b] = {s: _TreeStats() for s in [*self.candidates[slot], CHAIN]}
         return b, stats
 
-    def choose(self, slot: int, chain_tokens_per_s: float, plain_round_s: float,
+    def choose(self, slot: int, chain_tokens_per_s: float | Callable[[], float], plain_round_s: float,
                batch_size: int = 1) -> TreeShape | None:
         """The tree the slot's next round at this batch size runs, or None for the chain
-        (`chain_tokens_per_s`: the policy's predicted value of the chain it would run)."""
+        (`chain_tokens_per_s`: the policy's predicted value of the chain it would run, or a
+        function giving it, called only in the rounds that use it: before the chain has
+        `min_trials` measured rounds in the bucket)."""
         shapes = self.candidates[slot]
         if not shapes:
             return None
@@ -133,6 +135,8 @@ class TreeChooser:
         chain = stats[CHAIN]
         if chain.rounds >= self.config.min_trials:
             chain_tokens_per_s = chain.value(plain_round_s)
+        elif callable(chain_tokens_per_s):
+            chain_tokens_per_s = chain_tokens_per_s()
         best = max(shapes, key=lambda s: stats[s].value(plain_round_s))
         return best if stats[best].value(plain_round_s) > chain_tokens_per_s * (1.0 + self.config.margin) else None
 
