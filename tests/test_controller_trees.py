@@ -3,7 +3,6 @@ through the engine: a tree is chosen where its measured value beats the chain's,
 never reach the chain's estimates, and the output stays the target's."""
 
 import pytest
-import torch
 
 from online_spec.config import ConfigError
 from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
