@@ -112,9 +112,10 @@ class CostModelPolicy(StepPolicyBase):
         the chain has rounds there; online_spec/controller/tree_choice.py)."""
         i = self._slot(batch_size)
         k = self._last[i] or 0
-        # the chain's predicted value, worked out only in the rounds that read it (a round's decisions
-        # run on the engine's thread)
-        chain = lambda: self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)  # noqa: E731
+
+        def chain() -> float:  # the chain's predicted value, worked out only in the rounds that read it
+            return self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)
+
         return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len), batch_size)
 
     def tree_shapes(self) -> list[TreeShape]:
