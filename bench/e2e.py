@@ -45,7 +45,7 @@ starts from the same head in a fresh run directory). Every headline figure is th
 over the repeats of that repeat's ratio, `per_phase` / `overall` the medians of their figures,
 and `repeats` lists each repeat's order, ratios and tokens/s. `pooled` takes the repeats
 together: each configuration's tokens over its seconds in all repeats, overall and per phase,
-and online-spec's ratio and `ceiling` (`ceiling_capture`) from those; with the order reversed
+and online-spec's ratio, `ceiling` (`ceiling_capture`) and `overhead_split` from those; with the order reversed
 every other repeat, a machine whose speed drifts steadily through the run (on the 2-core VM
 configurations minutes apart moved 15-30 %, `machine_pulse`) slows every configuration's pooled
 figure alike. One ~25 s run per configuration moves ~10 % on a quiet 2-core machine.
@@ -94,7 +94,8 @@ from pathlib import Path
 
 from bench.common import SourceGuard, add_bench_args, quick_overrides, write_report
 from bench.demo import DEMO_TRAINER_ARGS
-from bench.e2e_figures import ceiling_figures, met_return, pooled_figures, ratio as _ratio, return_figures
+from bench.e2e_figures import (ceiling_figures, met_return, overhead_split, pooled_figures, ratio as _ratio,
+                                return_figures)
 from bench.heads import HEAD_CHOICES, resolve_head
 from bench.pulse import machine_pulse, pulse_figures
 from bench.report import session_figures, write_rounds
@@ -446,10 +447,9 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
         out["returns"] = return_figures(configs)
     if any(name.startswith("ceiling_") for name in configs):
         out["ceiling"] = ceiling_figures(configs, bs1, phases)
-    if "cost_policy" in configs and "online_no_training" in configs:
-        out["overhead_split"] = {"controller": _ratio(tps("cost_policy"), tps("static")),
-                                 "capture": _ratio(tps("online_no_training"), tps("cost_policy")),
-                                 "training": _ratio(tps("online_spec"), tps("online_no_training"))}
+    split = overhead_split(tps)
+    if split is not None:
+        out["overhead_split"] = split
     out["tokens_to_beat_plain_from_day0"] = None  # set by run_bench when the day-0 run is on
     out["targets"] = dict(TARGETS)
     out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}

@@ -11,6 +11,18 @@ def ratio(a, b):
     return None if a is None or not b else a / b
 
 
+def overhead_split(tps) -> dict | None:
+    """`--overhead-split`'s three factors from each configuration's tokens/s (`tps(name)`, None
+    where it did not run), whose product is online-spec over static: controller = cost_policy /
+    static, capture = online_no_training / cost_policy, training = online_spec /
+    online_no_training; None without the split's configurations."""
+    if tps("cost_policy") is None or tps("online_no_training") is None:
+        return None
+    return {"controller": ratio(tps("cost_policy"), tps("static")),
+            "capture": ratio(tps("online_no_training"), tps("cost_policy")),
+            "training": ratio(tps("online_spec"), tps("online_no_training"))}
+
+
 RETURN_TARGET = 0.95  # acceptance early in a return phase, over the earlier phase's level (issue 30)
 
 
@@ -111,4 +123,7 @@ def pooled_figures(runs: list[dict], phases: list[str]) -> dict:
            "speedup_vs_static": ratio(tps.get("online_spec"), tps.get("static"))}
     if "online_spec" in pooled and "sglang_adaptive" in pooled and any(n.startswith("ceiling_") for n in pooled):
         out["ceiling"] = ceiling_figures(pooled, None, phases)
+    split = overhead_split(tps.get)  # one run's factors move +-10 % on an H200: pooled, the repeats' together
+    if split is not None:
+        out["overhead_split"] = split
     return out

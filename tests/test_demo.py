@@ -361,8 +361,36 @@ def test_e2e_repeats_are_counterbalanced_and_pooled():
     second = pooled_figures(runs[1:], ["chat"])["ceiling"]["ceiling_capture"]
     assert second == pytest.approx((online - ref) / (70 - ref))
     assert "bs1_best" not in out["ceiling"]  # the batch-1 sessions are not pooled
+    assert "overhead_split" not in out  # the split's configurations did not run
     runs[1]["online_spec"]["phases"]["chat"]["tokens_per_s"] = None  # a phase without tokens/s in one repeat
     assert "error" in pooled_figures(runs, ["chat"])["ceiling"]
+
+
+def test_e2e_overhead_split_is_pooled_over_the_repeats():
+    """With `--overhead-split`, `pooled` gives the split's factors from the pooled tokens/s of
+    static, cost_policy, online_no_training and online-spec, as one run's headline gives them from
+    its own (one run's factors move +-10 % on an H200; the repeats' pooled figures move less)."""
+    from bench.e2e import repeat_order
+    from bench.e2e_figures import overhead_split, pooled_figures
+
+    names = ["static", "sglang_adaptive", "cost_policy", "online_no_training", "online_spec"]
+    true = {"static": 50.0, "sglang_adaptive": 52.0, "cost_policy": 60.0, "online_no_training": 57.0,
+            "online_spec": 58.0}
+    runs = []
+    for rep in range(2):  # the machine slows by 10 % a slot; the odd repeat runs in reverse
+        conf = {}
+        for slot, n in enumerate(repeat_order(names, rep)):
+            block = {"completion_tokens": 100, "tokens_per_s": true[n] / (1 + 0.1 * slot)}
+            conf[n] = {"overall": dict(block), "phases": {"chat": dict(block)}}
+        runs.append(conf)
+    split = pooled_figures(runs, ["chat"])["overhead_split"]
+    assert split["controller"] == pytest.approx(60 / 50)
+    assert split["capture"] == pytest.approx(57 / 60)
+    assert split["training"] == pytest.approx(58 / 57)
+    # one repeat alone carries the drift between its slots: capture (slots 2 and 3) reads 57/1.3 over 60/1.2
+    alone = pooled_figures(runs[:1], ["chat"])["overhead_split"]
+    assert alone["capture"] == pytest.approx((57 / 1.3) / (60 / 1.2))
+    assert overhead_split({"static": 50.0, "cost_policy": 60.0}.get) is None  # no online_no_training
 
 
 def test_e2e_return_figure_is_online_specs_ratio_against_the_target():
