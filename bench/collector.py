@@ -47,6 +47,7 @@ from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
+from serving.engine_config import CAPTURE_SENDERS
 
 
 @dataclass
@@ -84,7 +85,7 @@ class CollectorBenchConfig:
         check(0 <= self.serving_reader_nice <= 19, "serving_reader_nice",
               f"must be in 0..19, got {self.serving_reader_nice!r}")
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
-        check(self.serving_sender in ("thread", "engine"), "serving_sender",
+        check(self.serving_sender in CAPTURE_SENDERS, "serving_sender",
               f"must be thread or engine, got {self.serving_sender!r}")
         check(self.max_rows >= 1, "max_rows", f"{self.max_rows} < 1")
         check(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1")

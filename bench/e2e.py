@@ -45,8 +45,8 @@ starts from the same head in a fresh run directory). Every headline figure is th
 over the repeats of that repeat's ratio, `per_phase` / `overall` the medians of their figures,
 and `repeats` lists each repeat's order, ratios and tokens/s. `pooled` takes the repeats
 together: each configuration's tokens over its seconds in all repeats, overall and per phase,
-and online-spec's ratio, `ceiling` (`ceiling_capture`) and `overhead_split` from those; with the order reversed
-every other repeat, a machine whose speed drifts steadily through the run (on the 2-core VM
+and online-spec's ratio, `ceiling` (`ceiling_capture`) and `overhead_split` from those; with
+the order reversed every other repeat, a machine whose speed drifts steadily through the run (on the 2-core VM
 configurations minutes apart moved 15-30 %, `machine_pulse`) slows every configuration's pooled
 figure alike. One ~25 s run per configuration moves ~10 % on a quiet 2-core machine.
 `--baseline-threads T` gives the server of the trainer-free configurations (plain,
@@ -104,6 +104,7 @@ from bench.trace import SHAPES, build_drift_trace, load_trace, phases
 from online_spec.config import ConfigError, check, config_from_args, config_to_dict, doc
 from online_spec.target import load_target
 from online_spec.tree import TreeShape
+from serving.engine_config import CAPTURE_SENDERS
 
 QUICK = dict(requests_per_phase=3, max_tokens=24, calib_steps="1,3", calib_requests=2, bs1_requests=2,
              deadline_s=300.0)
@@ -174,7 +175,7 @@ class E2EConfig:
         check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
-        check(self.capture_sender in ("thread", "engine"), "capture_sender",
+        check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
               f"must be thread or engine, got {self.capture_sender!r}")
         if self.tree:
             self.tree_shape()  # raises naming the field

@@ -216,6 +216,8 @@ def profile_policies(engine, policies: dict, prompts, new_tokens: int, top: int 
 
 
 def main() -> None:
+    from serving.engine_config import CAPTURE_SENDERS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, help="JSONL trace ({'messages': ...} or {'prompt': ...} lines)")
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
@@ -233,7 +235,7 @@ def main() -> None:
     ap.add_argument("--capture-reader", default="subscriber", choices=("subscriber", "socket"),
                     help="the reader of --capture-overhead: the trainer's subscriber (decoding), or a bare socket "
                          "(the serving process's side of the cost alone)")
-    ap.add_argument("--capture-sender", default="thread", choices=("thread", "engine"),
+    ap.add_argument("--capture-sender", default="thread", choices=CAPTURE_SENDERS,
                     help="where --capture-overhead's engine sends its capture (EngineConfig.capture_sender)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",

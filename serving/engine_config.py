@@ -13,6 +13,8 @@ from online_spec.config import check, doc
 from online_spec.tree import TreeShape
 
 
+CAPTURE_SENDERS = ("thread", "engine")  # `capture_sender`: where the capture is encoded and sent
+
 @dataclass
 class EngineConfig:
     max_batch: int = doc("requests decoded together; more wait in the queue", 16)
@@ -59,7 +61,7 @@ class EngineConfig:
               f"must be auto, on or off, got {self.in_round_cuts!r}")
         check(self.host_windows in ("auto", "on", "off"), "host_windows",
               f"must be auto, on or off, got {self.host_windows!r}")
-        check(self.capture_sender in ("thread", "engine"), "capture_sender",
+        check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
               f"must be thread or engine, got {self.capture_sender!r}")
         check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
               "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
