@@ -32,6 +32,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "collector": ("bench.collector", "capture stream throughput, drops and serving overhead"),
     "swap": ("bench.swap", "live head swaps under load: stall, failures, lossless"),
     "drift-alerts": ("bench.drift_alerts", "stationary ShareGPT then HumanEval: false alerts, rounds to alert, W&B read-back"),
+    "cuts": ("bench.cuts", "the cost policy's in-round early stop and verify cut on vs off: do they pay here?"),
     "controller": ("bench.controller", "static K vs EMA vs cost-model policy, stationary and phase-change"),
     "e2e": ("bench.e2e", "plain vs static head vs SGLang adaptive vs online-spec on a drifting trace"),
     "adapt": ("bench.adapt", "ShareGPT -> HumanEval shift: served tokens until the online head nears an in-domain head"),
