@@ -19,11 +19,11 @@ import torch
 from online_spec.capture import CaptureRound, RoundRow
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import accept_sampled, probs_from_logits
-from serving.capture_rows import stage_rows
+from serving.capture_rows import RowStaging
 from serving.requests import Request
 
 
-class ChainRounds:
+class ChainRounds(RowStaging):
     """Drafting and accepting chains; mixed into `Engine`."""
 
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
@@ -142,9 +142,9 @@ class ChainRounds:
             round_outs.append(self._commit_output(r, new, a, n))
         records = []
         if rows:
-            # 5) capture: the rows stay where the verify left them (CPU) or are gathered into fresh
-            #    pinned host buffers by an async copy (CUDA); the publisher's thread builds records
-            f, h, row_index, ready = stage_rows(feats, final, index)
+            # 5) capture: the rows stay where the verify left them (CPU) or are copied whole into a
+            #    pinned host slot by an async copy (CUDA); the publisher's thread gathers and builds records
+            f, h, row_index, ready = self._stage_rows(feats, final, index)
             records = CaptureRound(rows, f, h, row_index=row_index, drafts=drafts, draft_probs=draft_probs,
                                    batch_size=B, draft_version=self.head_version, ready=ready)
         return accepted, records, round_outs

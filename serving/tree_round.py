@@ -36,7 +36,7 @@ from online_spec.host_window import upload
 from online_spec.kvcache import TreeAttentionBatch
 from online_spec.sampling import probs_from_logits
 from online_spec.tree import DraftTree, TreeShape, accept_greedy, accept_sampled, greedy_path
-from serving.capture_rows import stage_rows
+from serving.capture_rows import RowStaging
 
 
 def verify_greedy(target, cache, tokens: torch.Tensor, batch, base: torch.Tensor, parents: torch.Tensor,
@@ -70,7 +70,7 @@ class DeviceTree(NamedTuple):
     base: torch.Tensor
 
 
-class TreeRounds:
+class TreeRounds(RowStaging):
     """Drafting, verifying and committing draft trees; mixed into `Engine`."""
 
     def _draft_tree(self, reqs, tlen: list[int], shape: TreeShape) -> "DeviceTree":
@@ -179,7 +179,7 @@ class TreeRounds:
             outs.append(self._commit_output(r, new, a, steps))
         records = []
         if rows:
-            f, h, row_index, ready = stage_rows(feats, final, index)
+            f, h, row_index, ready = self._stage_rows(feats, final, index)
             records = CaptureRound(rows, f, h, row_index=row_index, drafts=drafts, draft_probs=draft_probs,
                                    batch_size=B, draft_version=self.head_version, ready=ready)
         return accepted, records, outs

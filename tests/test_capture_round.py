@@ -8,6 +8,7 @@ import torch
 from online_spec.capture import CaptureRecord, CaptureRound, RoundRow, adjacency_error
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
+from serving.capture_rows import HostRing
 from serving.engine import Engine, EngineConfig
 from serving.requests import Request
 from tests.distill_helpers import tiny8
@@ -42,28 +43,45 @@ def test_round_builds_its_records_once_on_first_read_after_its_event():
 
 
 class _Sink:
-    def __init__(self):
-        self.rounds, self.prefills = [], []
+    """Keeps each round unbuilt (`hold`), or builds its records at once and keeps only them, as
+    the publisher's sender does (the round, and with it its host slot on CUDA, then goes)."""
+
+    def __init__(self, hold: bool = True):
+        self.rounds, self.prefills, self.hold = [], [], hold
 
     def should_capture(self, request_id):
         return request_id != "skip"
 
     def submit(self, records):
-        (self.rounds if isinstance(records, CaptureRound) else self.prefills).append(records)
+        if isinstance(records, CaptureRound):
+            self.rounds.append(records if self.hold else list(records))
+        else:
+            self.prefills.append(records)
 
     def end_request(self, request_id):
         pass
 
 
-@pytest.mark.parametrize("tree, sampled", [(False, False), (True, False), (True, True)])
-def test_engine_rounds_capture_what_teacher_forcing_gives(tree, sampled):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("tree, sampled, hold, device", [
+    (False, False, True, "cpu"), (True, False, True, "cpu"), (True, True, True, "cpu"),
+    pytest.param(False, False, True, "cuda", marks=CUDA), pytest.param(False, False, False, "cuda", marks=CUDA),
+    pytest.param(True, True, False, "cuda", marks=CUDA)])
+def test_engine_rounds_capture_what_teacher_forcing_gives(tree, sampled, hold, device):
     """Chain and tree rounds (a greedy batch's tree on the device path, a batch with a sampling
-    request on the host path) hand over `CaptureRound`s whose rows are the teacher-forced ones."""
+    request on the host path) hand over `CaptureRound`s whose rows are the teacher-forced ones.
+    On CUDA through the engine's pinned host slots (`HostRing`): every slot held by the sink
+    (`hold`: the ring fills, then rounds get fresh memory), or each round read at once and let go
+    (its slot is reused, and no reuse overwrote rows a round still had to read)."""
     torch.manual_seed(0)
-    target = tiny8()
+    target = tiny8().to(device)
     shape = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if tree else {}
     eng = Engine(target, new_head(target, draft_vocab_size=256, seed=3),
-                 EngineConfig(max_batch=4, max_len=256, num_steps=3, **shape), publisher=(sink := _Sink()))
+                 EngineConfig(max_batch=4, max_len=256, num_steps=3, **shape), publisher=(sink := _Sink(hold)))
+    if device == "cuda":
+        eng._host_ring = HostRing(pin=True, max_slots=4)  # a small ring: the held rounds fill it
     prompts = {"r0": [5, 9, 33, 7], "r1": [1, 2, 3, 4, 5, 6], "skip": [100, 200, 300]}
     for rid, p in prompts.items():
         params = SamplingParams(max_tokens=20, ignore_eos=True, **({"temperature": 0.8, "seed": 7}
@@ -77,12 +95,21 @@ def test_engine_rounds_capture_what_teacher_forcing_gives(tree, sampled):
         if eng.last_round is not None and eng.last_round.num_steps:
             topks.add(eng.last_round.topk)
     assert topks == ({2} if tree else {1})
-    assert sink.rounds and all(r._records is None for r in sink.rounds)  # the engine built none
+    assert sink.rounds and all(not hold or r._records is None for r in sink.rounds)  # the engine built none
     records = [rec for rnd in sink.rounds for rec in rnd]
+    ring = eng.__dict__.get("_host_ring")
+    if device == "cuda":
+        if hold:  # no slot ever freed: four slots, then fresh memory a round
+            assert ring.allocated == 4 and ring.unpooled == len(sink.rounds) - 4 > 0
+        else:  # each round's slot free again before the next round: one slot, reused
+            assert ring.allocated == 1 and ring.unpooled == 0
+    else:
+        assert ring is None  # on a CPU the verify's own tensors go over
     assert {r.request_id for r in records} == {"r0", "r1"}  # an unsampled request sends nothing
     for rid in ("r0", "r1"):
         seq = prompts[rid] + outs[rid]
         ref = capture_tokens(target, [seq], [rid])[0]  # teacher-forced rows of the whole sequence
+        ref.features, ref.final_hidden = ref.features.cpu(), ref.final_hidden.cpu()
         pre = [r for batch in sink.prefills for r in batch if r.request_id == rid]
         mine = sorted((r for r in records if r.request_id == rid), key=lambda r: r.first_pos)
         assert len(pre) == 1 and pre[0].is_prefill and pre[0].first_pos == 0
@@ -93,8 +120,9 @@ def test_engine_rounds_capture_what_teacher_forcing_gives(tree, sampled):
         for rec in mine:
             lo, n = rec.first_pos, rec.num_rows
             assert isinstance(rec, CaptureRecord) and rec.tokens.tolist() == seq[lo:lo + n + 1]
-            torch.testing.assert_close(rec.features.float(), ref.features[lo:lo + n].float(), atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(rec.final_hidden.float(), ref.final_hidden[lo:lo + n].float(),
+            torch.testing.assert_close(rec.features.float().cpu(), ref.features[lo:lo + n].float(),
+                                       atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(rec.final_hidden.float().cpu(), ref.final_hidden[lo:lo + n].float(),
                                        atol=2e-2, rtol=2e-2)
             if not rec.is_prefill:
                 assert rec.num_rows == rec.accept_len + 1 and len(rec.draft_tokens) == rec.num_steps
