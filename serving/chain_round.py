@@ -64,13 +64,15 @@ class ChainRounds(RowStaging):
                 step_tok, step_prob = g_tok, g_prob
             else:
                 step_tok, step_prob = [], []
+                # sampled rows draw on the host, where their generators are (a no-op on a CPU)
+                lf_host, d2t_host = lf.cpu(), d2t.cpu()
                 for b, r in enumerate(reqs):
                     if greedy[b]:
                         step_tok.append(g_tok[b])
                         step_prob.append(g_prob[b])
                     else:
                         full = torch.full((self.target.info.vocab_size,), float("-inf"))
-                        full[d2t] = lf[b]
+                        full[d2t_host] = lf_host[b]
                         q = probs_from_logits(full, r.params)
                         t = int(torch.multinomial(q, 1, generator=r.gen))
                         step_tok.append(t)
@@ -128,7 +130,7 @@ class ChainRounds(RowStaging):
                 a = int(match.cumprod(0).sum()) if n else 0
                 nxt = int(greedy_choice[b, a])
             else:
-                p = probs_from_logits(logits[b, :n + 1], r.params)
+                p = probs_from_logits(logits[b, :n + 1].cpu(), r.params)  # drawn on the host, as its generator
                 a, nxt = accept_sampled(p, q_full[b][:n], drafts[b, :n], r.gen)
             accepted.append(a)
             L = tlen[b]

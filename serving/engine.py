@@ -449,7 +449,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         if r.params.greedy:
             first = int(last.argmax())
         else:
-            first = int(torch.multinomial(probs_from_logits(last, r.params), 1, generator=r.gen))
+            first = int(torch.multinomial(probs_from_logits(last.cpu(), r.params), 1, generator=r.gen))  # host gen
         self.tok_buf[b, :P] = ids
         self.tok_buf[b, P] = first
         self.feat_buf[b, :P] = feats

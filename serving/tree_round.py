@@ -132,7 +132,7 @@ class TreeRounds(RowStaging):
                 if r.params.greedy:
                     path, nxt = accept_greedy(tok_l[b], kids[b], choice_l[b])
                 else:
-                    path, nxt = accept_sampled(tok_l[b], kids[b], probs_from_logits(logits[b], r.params), r.gen)
+                    path, nxt = accept_sampled(tok_l[b], kids[b], probs_from_logits(logits[b].cpu(), r.params), r.gen)
                 paths.append(path)
                 bonus_h.append(nxt)
             # each request's committed columns: the root's, then its path's (padding: the root's)

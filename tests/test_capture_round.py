@@ -68,7 +68,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("tree, sampled, hold, device", [
     (False, False, True, "cpu"), (True, False, True, "cpu"), (True, True, True, "cpu"),
     pytest.param(False, False, True, "cuda", marks=CUDA), pytest.param(False, False, False, "cuda", marks=CUDA),
-    pytest.param(True, True, False, "cuda", marks=CUDA)])
+    pytest.param(False, True, False, "cuda", marks=CUDA), pytest.param(True, True, False, "cuda", marks=CUDA)])
 def test_engine_rounds_capture_what_teacher_forcing_gives(tree, sampled, hold, device):
     """Chain and tree rounds (a greedy batch's tree on the device path, a batch with a sampling
     request on the host path) hand over `CaptureRound`s whose rows are the teacher-forced ones.
