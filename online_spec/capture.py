@@ -23,7 +23,8 @@ accepted, rejected). The wire codec (`collector.wire`) and the replay buffer imp
 the engine makes it, the trainer consumes it, offline or live alike.
 
 `CaptureRound` is how the engine hands over one round's records without building them: the
-round's own tensors (fresh each round, never written again), which rows each record takes, and
+round's own tensors (on a CPU the verify's, fresh each round; on CUDA views of a pinned host
+slot the engine reuses only once nothing holds them), which rows each record takes, and
 a few Python values per record. It is a sequence of `CaptureRecord`s made on first access, on
 whichever thread reads it (the publisher's sender thread), after the host copy of the rows it
 may wait for (`ready`, a CUDA event) has landed; a sink that iterates it sees plain records.
@@ -174,7 +175,8 @@ class CaptureRound(Sequence[CaptureRecord]):
     the token at each slot's first row (the verify's input), or None when each row's `tokens`
     starts with it. drafts, draft_probs: [B, K] the round's drafts and their probabilities (a
     record takes its first num_steps). ready: an event (`.synchronize()`) the rows' host copy
-    completes with, or None. Every tensor is the round's own: the engine never writes it again."""
+    completes with, or None. Every tensor is the round's own: the engine never writes it again
+    while the round (or a slice of it) is alive."""
 
     def __init__(self, rows: Sequence[RoundRow], features, final_hidden, *, row_index: list[int] | None = None,
                  first_tokens=None, drafts=None, draft_probs=None, batch_size: int = 1, draft_version: int = 0,
@@ -192,7 +194,15 @@ class CaptureRound(Sequence[CaptureRecord]):
 
     def __getitem__(self, i):
         if isinstance(i, slice):  # a shorter round, still unbuilt (the publisher drops a full queue's excess)
-            return CaptureRound(self.rows[i], self.features, self.final_hidden, row_index=self.row_index,
+            picked = range(len(self.rows))[i]
+            spans, r0 = [], 0  # each record's rows: its next n of the round's rows in record order (`_build`)
+            for row in self.rows:
+                n = len(row.tokens) - (1 if self.first_tokens is None else 0)
+                spans.append(range(r0, r0 + n))
+                r0 += n
+            rows = [p for k in picked for p in spans[k]]
+            index = rows if self.row_index is None else [self.row_index[p] for p in rows]
+            return CaptureRound([self.rows[k] for k in picked], self.features, self.final_hidden, row_index=index,
                                 first_tokens=self.first_tokens, drafts=self.drafts, draft_probs=self.draft_probs,
                                 batch_size=self.batch_size, draft_version=self.draft_version,
                                 is_prefill=self.is_prefill, ready=self.ready, timestamp=self.timestamp)

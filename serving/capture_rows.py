@@ -69,7 +69,7 @@ class HostRing:
             if _in_use(f, fb) or _in_use(h, hb):
                 continue
             if f.shape[0] < n or f.shape[1] != feats.shape[-1] or h.shape[1] != final.shape[-1] \
-                    or f.dtype != feats.dtype:  # free but too small (or another model's): made anew
+                    or f.dtype != feats.dtype or h.dtype != final.dtype:  # free but too small (or another model's)
                 slot = slots[j] = self._new_slot(max(MIN_ROWS, 1 << (n - 1).bit_length()), feats, final)
                 self.allocated += 1
             self.next = j + 1
@@ -90,8 +90,8 @@ class HostRing:
         f, h = f[:n], h[:n]
         f.copy_(features, non_blocking=True)
         h.copy_(final_hidden, non_blocking=True)
-        if event is not None:
-            event.record()
+        if event is not None:  # on the stream the copies ran on: the device's, not the current device's
+            event.record(torch.cuda.current_stream(features.device))
         return f, h, event
 
 

@@ -44,6 +44,7 @@ class ChainRounds(RowStaging):
         greedy = [r.params.greedy for r in reqs]
         all_greedy = all(greedy)
         d2t = head.draft_to_target
+        d2t_host = None if all_greedy else d2t.cpu()  # a no-op on a CPU
         for j in range(K):
             if j > 0:
                 # step j+1 reads (embedding of draft j, hidden of step j) at position tlen + j - 1
@@ -64,8 +65,7 @@ class ChainRounds(RowStaging):
                 step_tok, step_prob = g_tok, g_prob
             else:
                 step_tok, step_prob = [], []
-                # sampled rows draw on the host, where their generators are (a no-op on a CPU)
-                lf_host, d2t_host = lf.cpu(), d2t.cpu()
+                lf_host = lf.cpu()  # sampled rows draw on the host, where their generators are
                 for b, r in enumerate(reqs):
                     if greedy[b]:
                         step_tok.append(g_tok[b])

@@ -152,9 +152,10 @@ class TreeRounds(RowStaging):
         """4) commit each request's accepted path and bonus (host bookkeeping; the K/V moved
         already), 5) capture. feats / final [B, R, .]: row t of request b is its t-th committed
         row (the root's, then its path's; padding past it), fresh tensors of this round. The
-        capture is a chain round's (`CaptureRound`, serving/capture_rows.py: the rows gathered
-        on the device and copied to pinned memory asynchronously, the records built on the
-        publisher's thread); its drafts are the accepted path, then the first child rejected."""
+        capture is a chain round's (`CaptureRound`, serving/capture_rows.py: on CUDA the outputs
+        copied whole into a reused pinned slot asynchronously, the rows gathered and the records
+        built on the publisher's thread); its drafts are the accepted path, then the first child
+        rejected."""
         B, R = feats.shape[:2]
         capture = any(r.capture for r in reqs)
         kids = tree.children() if capture else None

@@ -42,6 +42,57 @@ def test_round_builds_its_records_once_on_first_read_after_its_event():
     assert isinstance(part, CaptureRound) and part._records is None and part[0].request_id == "b"
 
 
+def test_a_slice_of_a_round_builds_the_rows_of_its_own_records():
+    """Any slice, not only a prefix: each record keeps its own rows, with a row index (CPU and CUDA
+    rounds) or without one (rows in record order)."""
+    feats, final = torch.randn(8, 6), torch.randn(8, 2)
+    drafts, probs = torch.tensor([[7, 8, 9], [4, 5, 6], [1, 2, 3]]), torch.rand(3, 3)
+    rows = [RoundRow("a", 10, 0, [1, 7, 8, 3], 2, 3, ""), RoundRow("b", 20, 1, [2, 9], 0, 3, ""),
+            RoundRow("c", 5, 2, [4, 6], 0, 3, "")]
+    rnd = CaptureRound(rows, feats, final, row_index=[0, 1, 2, 4, 6], drafts=drafts, draft_probs=probs, batch_size=3)
+    want = {"a": feats[0:3], "b": feats[4:5], "c": feats[6:7]}
+    for part in (rnd[1:], rnd[::2], rnd[:1], rnd[2:], rnd[::-1]):
+        assert part._records is None
+        for rec in part:
+            assert torch.equal(rec.features, want[rec.request_id]) and rec.num_rows == len(want[rec.request_id])
+    assert [r.request_id for r in rnd[::2]] == ["a", "c"]
+    ordered = torch.randn(5, 6)  # no index: a's rows 0-2, b's row 3, c's row 4
+    rnd = CaptureRound(rows, ordered, torch.randn(5, 2), drafts=drafts, draft_probs=probs, batch_size=3)
+    b, c = rnd[1:]
+    assert torch.equal(b.features, ordered[3:4]) and torch.equal(c.features, ordered[4:5])
+    assert torch.equal(rnd[::2][1].features, ordered[4:5])
+
+
+def test_host_ring_reuses_a_slot_only_once_nothing_holds_it():
+    """`HostRing`'s slot logic on this CPU (pinned memory and the CUDA event need a GPU: here the
+    slots are pageable and there is no event; the CUDA cases of the engine test below run the
+    real thing): a slot a round or a slice of it still holds is never written, a free one is
+    reused, a free one too small is made anew, and with every slot held a round gets fresh memory."""
+    ring = HostRing(pin=False, max_slots=2)
+    x, y = torch.randn(2, 3, 12), torch.randn(2, 3, 4)
+    f, h, ev = ring.stage(x, y)
+    assert ev is None and torch.equal(f, x.reshape(6, 12)) and torch.equal(h, y.reshape(6, 4))
+    held = CaptureRound([RoundRow("a", 0, 0, [1, 2], 0, 0, "")], f, h, row_index=[0])
+    del f, h
+    f, h, _ = ring.stage(x + 1, y + 1)  # slot 0 is held: slot 1
+    assert ring.allocated == 2 and torch.equal(held.features, x.reshape(6, 12))
+    part = held[:1]
+    del held
+    g, _, _ = ring.stage(x + 2, y + 2)  # slot 0 held by the slice, slot 1 by f: fresh memory
+    assert ring.unpooled == 1 and torch.equal(part.features, x.reshape(6, 12))
+    assert torch.equal(g, (x + 2).reshape(6, 12))
+    del part, g
+    f2, _, _ = ring.stage(x + 3, y + 3)  # slot 0 is free again: reused, no new slot
+    assert ring.allocated == 2 and torch.equal(f2, (x + 3).reshape(6, 12))
+    assert torch.equal(f, (x + 1).reshape(6, 12))  # slot 1 untouched while f holds it
+    del f, h
+    big = torch.randn(4, 10, 12), torch.randn(4, 10, 4)  # 40 rows: more than a slot of 32 holds
+    fb, hb, _ = ring.stage(*big)
+    assert ring.allocated == 3 and fb.shape == (40, 12) and torch.equal(hb, big[1].reshape(40, 4))
+    with pytest.raises(ValueError, match="max_slots"):
+        HostRing(pin=False, max_slots=0)
+
+
 class _Sink:
     """Keeps each round unbuilt (`hold`), or builds its records at once and keeps only them, as
     the publisher's sender does (the round, and with it its host slot on CUDA, then goes)."""
