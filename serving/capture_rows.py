@@ -60,6 +60,11 @@ class HostRing:
             return f, h, event, 0, 0
         return f, h, event, _use_count(f.untyped_storage()._cdata), _use_count(h.untyped_storage()._cdata)
 
+    def _pooled_slot(self, n: int, feats: torch.Tensor, final: torch.Tensor):
+        """A new slot of the ring for `n` rows: at least `MIN_ROWS`, rounded up to a power of two."""
+        self.allocated += 1
+        return self._new_slot(max(MIN_ROWS, 1 << (n - 1).bit_length()), feats, final)
+
     def _take(self, n: int, feats: torch.Tensor, final: torch.Tensor):
         slots, count = self.slots, len(self.slots)
         for i in range(count):
@@ -70,13 +75,11 @@ class HostRing:
                 continue
             if f.shape[0] < n or f.shape[1] != feats.shape[-1] or h.shape[1] != final.shape[-1] \
                     or f.dtype != feats.dtype or h.dtype != final.dtype:  # free but too small (or another model's)
-                slot = slots[j] = self._new_slot(max(MIN_ROWS, 1 << (n - 1).bit_length()), feats, final)
-                self.allocated += 1
+                slot = slots[j] = self._pooled_slot(n, feats, final)
             self.next = j + 1
             return slot
         if _use_count is not None and count < self.max_slots:
-            slots.append(self._new_slot(max(MIN_ROWS, 1 << (n - 1).bit_length()), feats, final))
-            self.allocated += 1
+            slots.append(self._pooled_slot(n, feats, final))
             self.next = 0
             return slots[-1]
         self.unpooled += 1

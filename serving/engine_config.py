@@ -15,6 +15,7 @@ from online_spec.tree import TreeShape
 
 CAPTURE_SENDERS = ("thread", "engine")  # `capture_sender`: where the capture is encoded and sent
 
+
 @dataclass
 class EngineConfig:
     max_batch: int = doc("requests decoded together; more wait in the queue", 16)
