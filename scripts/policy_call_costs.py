@@ -31,7 +31,7 @@ from serving.policy_planner import PlannedPolicy
 B = int(os.environ.get("B", "1"))
 TOKENS = int(os.environ.get("TOKENS", "48"))  # tokens a request: more rounds a run
 target = load_target(dtype=os.environ.get("DTYPE", "float32"))
-head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
+head, _ = load_head(os.environ.get("HEAD_DIR") or resolve_head("shipped", target), target.info, dtype=target.dtype)
 convs = sharegpt_conversations(limit=40, seed=3, split="heldout", max_prompt_tokens=160, tokenizer=target.tokenizer)
 prompts = [target.encode_chat(c[:1]) for c in convs][:max(4, B)]
 

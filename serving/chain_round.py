@@ -31,7 +31,10 @@ class ChainRounds(RowStaging):
         full-vocab draft distributions per request (sampling requests only))."""
         head, B = self.head, len(reqs)
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
-        stops = self.policy.early_stop and self.cuts and K > 1
+        # the early stop is asked after every step but the last; a policy that cuts the verify too
+        # is asked after the last as well (its answer unused), so it can tally every step for its cut
+        tally = self.policy.early_stop and self.policy.truncates and self.cuts
+        stops = tally or (self.policy.early_stop and self.cuts and K > 1)
         if not stops and all(r.params.greedy for r in reqs):
             return self._draft_greedy(tlen, K, logits, hidden)
         # per step, each request's draft and its probability as Python values: the drafts are
@@ -80,11 +83,11 @@ class ChainRounds(RowStaging):
                         q_full[b][j] = q
             tok_steps.append(step_tok)
             prob_steps.append(step_prob)
-            if j + 1 < K and stops:
+            if stops and (j + 1 < K or tally):
                 tp = time.perf_counter_ns()
                 go = self.policy.should_continue(j + 1, step_prob, B, ctx)
                 self._policy_ns += time.perf_counter_ns() - tp
-                if not go:
+                if not go and j + 1 < K:
                     q_full = [q[:j + 1] for q in q_full] if q_full is not None else None
                     break
         drafts = torch.tensor(tok_steps, dtype=torch.long).T.contiguous()  # [B, steps drafted]

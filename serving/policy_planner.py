@@ -64,7 +64,7 @@ from online_spec.config import ConfigError
 from online_spec.controller.base import StepPolicyBase, check_policy
 from online_spec.controller.cost import CostModelPolicy
 from online_spec.controller.acceptance import SMALL_BATCH
-from online_spec.controller.plan import BatchPlan, continue_on, continue_p, tally_step
+from online_spec.controller.plan import PADDED_PYTHON, BatchPlan, continue_p
 from online_spec.host_window import HostWindow
 
 log = logging.getLogger(__name__)
@@ -250,6 +250,7 @@ class PlannedPolicy(StepPolicyBase):
         # survivals through the steps tallied, and each tallied step's gain
         self._sv: list[float] | None = None
         self._gain: list[float] = []
+        self._go = True  # the last early-stop answer of the round (no: the round drafted no more)
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -270,7 +271,7 @@ class PlannedPolicy(StepPolicyBase):
             plan = self.policy.plan(batch_size, ctx_len)  # the worker is idle: nothing is queued
         self._plan = plan
         self._k, self._probing = self.policy.schedule(batch_size, plan.steps)
-        self._sv, self._gain = None, []
+        self._sv, self._gain, self._go = None, [], True
         return self._k
 
     def _nearest(self, plans: dict[int, BatchPlan], batch_size: int) -> BatchPlan | None:
@@ -290,40 +291,94 @@ class PlannedPolicy(StepPolicyBase):
         return best
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
+        """The plan's early stop after `step_index` drafts. The engine's calls (a list of the step's
+        confidences, every step in order, its last included when it cuts the verify too) run in
+        this one frame on local names, since inside a round each object first touched after the
+        head's forward costs about a microsecond: each step is binned once, for this rule and
+        for the verify cut (`tally_step`'s arithmetic, inline); a batch of one reads its bin's
+        verdict (`BatchPlan.go1`)."""
+        if self._probing:  # a probe measures the positions the estimates doubt: no early stop
+            if not (type(step_index) is int and step_index >= 1):
+                raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
+            return step_index < self._k
+        plan = self._plan
+        if type(draft_confidence) is list and type(step_index) is int and step_index == len(self._gain) + 1 \
+                and 0 < (n := len(draft_confidence)) <= SMALL_BATCH:
+            stops, lookup = plan.stops, plan.calib.lookup
+            terms = stops[step_index - 1] if step_index <= len(stops) else None
+            bins, sv = len(lookup) - 1, self._sv
+            if n == 1:
+                c = draft_confidence[0]
+                j = (int(c * bins) if c < 1.0 else bins - 1) if c > 0.0 else 0
+                p = lookup[j]
+                x = p if sv is None else sv[0] * p  # before the first step the row survives: 1.0 * p is p
+                self._sv = [x]
+                self._gain.append(x)
+                go1 = plan.go1
+                if go1:  # `BatchPlan.continue_one`: the verdict of bin j
+                    go = step_index <= len(go1) and (row := go1[step_index - 1]) is not None and row[j]
+                else:
+                    go = continue_p(terms, p)
+            else:
+                total = g = 0.0
+                i = 0
+                if sv is None:
+                    sv = self._sv = [1.0] * n
+                for c in draft_confidence:  # `tally_step`
+                    p = lookup[int(c * bins) if c < 1.0 else bins - 1] if c > 0.0 else lookup[0]
+                    total += p
+                    x = sv[i] * p
+                    sv[i] = x
+                    g += x
+                    i += 1
+                self._gain.append(g)
+                if terms is None:
+                    go = False
+                else:  # `continue_p`, inline
+                    t_now, t_more, expected, surv, a_next = terms
+                    surv *= total / n
+                    go = surv * a_next * t_now > (expected + surv) * t_more
+            self._go = go
+            return go
         if not (isinstance(step_index, int) and step_index >= 1):
             raise ConfigError(f"step_index: must be an int >= 1, got {step_index!r}")
-        if self._probing:  # a probe measures the positions the estimates doubt: no early stop
-            return step_index < self._k
-        plan = self._plan  # `BatchPlan.should_continue`, one call fewer
-        stops = plan.stops
-        terms = stops[step_index - 1] if step_index <= len(stops) else None
-        if type(draft_confidence) is list:
-            n = len(draft_confidence)
-            if n == 1 and plan.go1:
-                return plan.continue_one(step_index, draft_confidence[0])  # a batch of one: its bin's verdict
-            if 1 < n <= SMALL_BATCH and step_index == len(self._gain) + 1:
-                # the engine's steps in order: bin the step once, for this rule and the verify cut
-                lookup = plan.calib.lookup
-                self._sv, g, p_last = tally_step(self._sv, draft_confidence, lookup, len(lookup) - 1)
-                self._gain.append(g)
-                return continue_p(terms, p_last)
-        return continue_on(terms, draft_confidence, plan.calib)
+        return plan.should_continue(step_index, draft_confidence)
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
-        """The plan's verify cut. The engine's padded cut of a round whose early stop tallied its
-        steps (`should_continue` on the same confidences, in order) bins only the last column."""
+        """The plan's verify cut. The engine's padded cut of a round whose early stop tallied every
+        step it drafted (`should_continue` on the same confidences, in order, through the one that
+        answered no or the round's K) reads only the tally, in this frame (`best_common_length`
+        with every row at the round's drafts): no numpy call, each costing microseconds inside a
+        round. One step short of that (a caller that does not ask after the last step), the last
+        column is binned from the array (`BatchPlan.tallied_lengths`)."""
         gain, self._gain, sv, self._sv = self._gain, [], self._sv, None  # a tally serves one cut
-        if padded and not self._probing and type(confidences) is np.ndarray and confidences.ndim == 2:
-            plan = self._plan  # `BatchPlan.verify_lengths`, one call fewer
-            cut = plan.tallied_lengths(confidences, sv, gain) if gain else plan.padded_lengths(confidences)
-            if cut is not None:
-                return cut
-        return self._plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)
+        plan = self._plan
+        if padded and not self._probing:
+            k = len(gain)
+            if k and (not self._go or k == self._k) and len(confidences) == len(sv) and k < len(plan.seconds) \
+                    and len(sv) * k <= PADDED_PYTHON and plan.verify_token_s > 0:
+                seconds = plan.seconds[k]
+                best, best_rate, tokens = 0, -1.0, float(len(sv))
+                for m in range(k + 1):
+                    if m:
+                        tokens += gain[m - 1]
+                    rate = tokens / seconds[m]
+                    if rate >= best_rate:
+                        best, best_rate = m, rate
+                return [best] * len(sv)
+            if type(confidences) is np.ndarray and confidences.ndim == 2:
+                cut = plan.tallied_lengths(confidences, sv, gain) if gain else plan.padded_lengths(confidences)
+                if cut is not None:
+                    return cut
+        return plan.verify_lengths(confidences, padded=padded, keep_all=self._probing)
 
     def update(self, batch_size: int, accepted: Sequence[int], **round_) -> int:
         """Queue the round for the worker (the engine hands over its lists and arrays and never
         writes to them again); returns the K the round ran."""
-        self._learner.put(("round", batch_size, accepted, round_))
+        learner = self._learner  # `_Learner.put`, inline
+        learner.items.append(("round", batch_size, accepted, round_))
+        if learner.parked:
+            learner.wake.set()
         self._submitted += 1
         self._queued += 1
         return self._k

@@ -55,20 +55,22 @@ def leading(row, n):
     return a
 
 
-def drive(policy, stream, lists: bool = False):
+def drive(policy, stream, lists: bool = False, last: bool = False):
     """Run the stream through `policy` as the engine does; returns each round's decisions.
     lists: every step's confidences as the engine passes them (a list: the planner's early stop
-    then tallies every step for the verify cut); else a numpy column every other step."""
+    then tallies every step for the verify cut); else a numpy column every other step. last: ask
+    after the round's last step too, its answer unused (the engine does when the policy also
+    cuts the verify: the planner's cut then reads its tally alone)."""
     decisions = []
     for b, drafts, rewarm in stream:
         ctx = 100 * b  # one context per batch size: a plan is built at its batch size's last context
         k = policy.steps_for(b, ctx)
         stops, kept = [], k
-        for i in range(1, k):
+        for i in range(1, k + 1 if last else k):
             column = drafts[:, i - 1]  # the engine passes a list of floats; a numpy column every other step
             go = policy.should_continue(i, column.tolist() if i % 2 or lists else column, b, ctx)
             stops.append(go)
-            if not go:
+            if not go and i < k:
                 kept = i
                 break
         conf = drafts[:, :kept]
@@ -140,11 +142,12 @@ class LaggedReference:
         self.queue[-1].append(self.policy.rewarm)
 
 
-@pytest.mark.parametrize("keep,lists", [(64, False), (3, False), (64, True)])
-def test_decisions_are_the_bare_policy_one_round_behind(keep, lists):
+@pytest.mark.parametrize("keep,lists,last", [(64, False, False), (3, False, False), (64, True, False),
+                                             (64, True, True), (3, True, True)])
+def test_decisions_are_the_bare_policy_one_round_behind(keep, lists, last):
     stream = traffic(seed=keep)
-    planned = drive(PlannedPolicy(bare_policy(), threaded=False, keep_rounds=keep), stream, lists)
-    reference = drive(LaggedReference(bare_policy(), keep), stream, lists)
+    planned = drive(PlannedPolicy(bare_policy(), threaded=False, keep_rounds=keep), stream, lists, last)
+    reference = drive(LaggedReference(bare_policy(), keep), stream, lists, last)
     assert planned == reference
     ks = {d[0] for d in planned}
     assert len(ks) >= 3 and any(False in d[1] for d in planned)  # K moves and the early stop fires
@@ -199,8 +202,8 @@ def test_a_parked_worker_is_woken_by_the_next_round():
     driver.join(timeout=60)
     assert not driver.is_alive(), "a round did not wake the parked worker"
     assert out[0] == drive(PlannedPolicy(bare_policy(), threaded=False), stream)
-    for _ in range(200):  # idle again: it parks
-        if planned._learner.parked:
+    for _ in range(200):  # idle again: it learns the last rounds and parks (parked alone may still be the
+        if planned._learner.parked and planned._learner.learnt == 80:  # park the last rounds woke it from)
             break
         threading.Event().wait(0.01)
     assert planned._learner.parked and planned.info()["planner"]["rounds_learnt"] == 80
@@ -286,3 +289,64 @@ def test_engine_output_stays_the_targets_with_the_planner():
                  policy=planned)
     assert eng.generate(prompts, params) == plain
     assert planned.info()["planner"]["rounds_queued"] > 10 and planned.info()["planner"]["failures"] == 0
+
+
+class AskLog(PlannedPolicy):
+    """The planner, logging what the engine asks in each round: the early stop's step indices and
+    the verify cut's array shape."""
+
+    def __init__(self, policy):
+        super().__init__(policy, threaded=False)
+        self.rounds = []
+
+    def steps_for(self, batch_size, ctx_len=0):
+        k = super().steps_for(batch_size, ctx_len)
+        self.rounds.append({"asked": [], "cut": None, "k": k})
+        return k
+
+    def should_continue(self, step_index, draft_confidence, batch_size, ctx_len=0):
+        go = super().should_continue(step_index, draft_confidence, batch_size, ctx_len)
+        self.rounds[-1]["asked"].append((step_index, type(draft_confidence) is list, go))
+        return go
+
+    def update(self, batch_size, accepted, **round_):
+        # round seconds of a fixed line, not the measured ones: the decisions, and so the rounds' kinds, repeat
+        drafted = round_["confidences"].shape[1]
+        round_.update(draft_s=0.01 * drafted + 0.002, verify_s=0.1 + 0.02 * batch_size * (drafted + 1))
+        return super().update(batch_size, accepted, **round_)
+
+    def verify_lengths(self, confidences, ctx_len=0, *, padded=False):
+        plan, probing = self._plan, self._probing
+        out = super().verify_lengths(confidences, ctx_len, padded=padded)
+        # the plan's own cut of the same array, by `BatchPlan.verify_lengths` (no tally)
+        self.rounds[-1]["cut"] = (confidences.shape, out, plan.verify_lengths(confidences, padded=padded,
+                                                                              keep_all=probing))
+        return out
+
+
+def test_the_engine_asks_after_every_step_it_drafted_so_the_cut_reads_the_tally():
+    """With the in-round cuts on, a round asks the early stop after steps 1, 2, ... in order, as
+    lists, through the step that answered no or through its last step (its answer then unused),
+    and its verify cut gets exactly those steps' confidences; the planner's cut from its tally
+    equals the plan's own cut of the array (`BatchPlan.verify_lengths`)."""
+    target = tiny_target(num_layers=2)
+    prompts = [list(range(3 + i, 30 + 4 * i)) for i in range(6)]
+    # a confident prior learnt away slowly: K stays above the random head's worth, so early stops fire
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]}, "4": {"candidate_steps": [0, 1, 3, 5]}})
+    policy = AskLog(CostModelPolicy(adaptive, CostPolicyConfig(accept_window=50.0, prior_accept=0.9, probe_interval=8),
+                                    bare_policy().cost))
+    eng = Engine(target, new_head(target, seed=4), EngineConfig(max_batch=4, max_len=256, max_steps=5,
+                                                                 in_round_cuts="on"), policy=policy)
+    eng.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    drafted = [r for r in policy.rounds if r["cut"] is not None]
+    assert len(drafted) > 10
+    for r in drafted:
+        steps = [s for s, _, _ in r["asked"]]
+        assert steps == list(range(1, len(steps) + 1)) and all(as_list for _, as_list, _ in r["asked"])
+        shape, cut, reference = r["cut"]
+        assert shape[1] == len(steps)  # every drafted step was asked about, the last included
+        assert all(go for _, _, go in r["asked"][:-1])  # a no ends the drafting
+        assert cut == reference
+    # rounds stopped early (a no before K) and rounds through K (asked after step K too)
+    assert any(len(r["asked"]) < r["k"] for r in drafted)
+    assert any(len(r["asked"]) == r["k"] > 1 for r in drafted)

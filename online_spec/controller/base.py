@@ -64,7 +64,9 @@ class StepPolicy(Protocol):
 
     def should_continue(self, step_index: int, draft_confidence, batch_size: int, ctx_len: float = 0) -> bool:
         """After draft step `step_index` (1-based) of the round: is one more step worth it?
-        Called only when `early_stop`."""
+        Called only when `early_stop`, after every step but the round's last, in order; when the
+        policy `truncates` too, also after the last (its answer unused: the round is at K), so a
+        policy may tally every drafted step for its `verify_lengths`."""
 
     def verify_lengths(self, confidences, ctx_len: float = 0, *, padded: bool = False) -> list[int]:
         """Per request, how many of the round's drafts ([B, K] confidences) to verify. Called only
