@@ -6,8 +6,8 @@ fewer drafts than it drafted (`verify_lengths`); the engine asks for them where
 (and the early stop keeps a greedy batch off the fused draft chain, which reads back once for
 all K steps), so they serve only where they earn more than they cost. This bench serves the same
 prompts with the cost policy as `serve --policy cost --plan-ahead` runs it (calibrated on this
-device, planned ahead on its worker thread), cuts on and cuts off, interleaved within each repeat (on/off, then off/on), and
-reports per batch size:
+device, planned ahead on its worker thread), cuts on and cuts off, interleaved within each repeat
+(on/off, then off/on), and reports per batch size:
 
     tokens_per_s            each arm's median over the repeats
     on_over_off             median of the repeats' paired ratios (cuts on / cuts off), and

@@ -332,7 +332,8 @@ def test_the_engine_asks_after_every_step_it_drafted_so_the_cut_reads_the_tally(
     target = tiny_target(num_layers=2)
     prompts = [list(range(3 + i, 30 + 4 * i)) for i in range(6)]
     # a confident prior learnt away slowly: K stays above the random head's worth, so early stops fire
-    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]}, "4": {"candidate_steps": [0, 1, 3, 5]}})
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 1, 2, 3, 5]},
+                                         "4": {"candidate_steps": [0, 1, 3, 5]}})
     policy = AskLog(CostModelPolicy(adaptive, CostPolicyConfig(accept_window=50.0, prior_accept=0.9, probe_interval=8),
                                     bare_policy().cost))
     eng = Engine(target, new_head(target, seed=4), EngineConfig(max_batch=4, max_len=256, max_steps=5,
