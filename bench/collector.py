@@ -40,6 +40,7 @@ import torch
 import zmq
 
 from bench.common import add_bench_args, quick_overrides, write_report
+from collector.process_publisher import open_publisher
 from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
 from online_spec.capture import CaptureRecord
@@ -71,7 +72,7 @@ class CollectorBenchConfig:
                             "(e.g. shipped: the tokens a round, and so the records a token, of a trained head)",
                             "random")
     serving_sender: str = doc("where the engine-overhead run's engine sends its capture (EngineConfig.capture_sender): "
-                              "thread or engine", "thread")
+                              "thread, engine or process", "thread")
     serving_reader: str = doc("the reader in the engine-overhead run: 'subscriber' (decode and reassembly, what "
                               "the trainer runs, in another process) or 'socket' (frames received and counted, "
                               "nothing decoded: the serving process's side of the cost alone)", "subscriber")
@@ -86,7 +87,7 @@ class CollectorBenchConfig:
               f"must be in 0..19, got {self.serving_reader_nice!r}")
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
         check(self.serving_sender in CAPTURE_SENDERS, "serving_sender",
-              f"must be thread or engine, got {self.serving_sender!r}")
+              f"must be one of {CAPTURE_SENDERS}, got {self.serving_sender!r}")
         check(self.max_rows >= 1, "max_rows", f"{self.max_rows} < 1")
         check(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1")
         check(self.burst_records >= self.batch_size, "burst_records", f"{self.burst_records} < batch_size")
@@ -271,7 +272,7 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
         without, with_pub, stats, reader_cpu = [], [], {}, []
         for i in range(cfg.serving_repeats):
             parent, child = ctx.Pipe()
-            with CapturePublisher(pub_cfg) as pub:
+            with open_publisher(pub_cfg, cfg.serving_sender) as pub:
                 reader = _live_subscriber if cfg.serving_reader == "subscriber" else _socket_reader
                 proc = ctx.Process(target=reader, args=(pub.endpoint, child, cfg.serving_reader_nice), daemon=True)
                 proc.start()

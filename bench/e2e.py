@@ -156,8 +156,8 @@ class E2EConfig:
     switch_interval_ms: float = doc("every configuration's server runs with this interpreter switch interval "
                                     "(serve --switch-interval-ms); 0 = Python's (5 ms)", 0.0)
     capture_sender: str = doc("where the capturing configurations' engines send their capture (serve "
-                              "--capture-sender): thread (the publisher's sender thread) or engine (the engine's "
-                              "own thread, before each verify read-back)", "thread")
+                              "--capture-sender): thread (the publisher's sender thread), engine (the engine's "
+                              "own thread, before each verify read-back) or process (a child process)", "thread")
     clients_process: bool = doc("the streaming clients run in a process of their own, as a deployment's do "
                                 "(off: in the server's process, sharing its interpreter lock with the engine "
                                 "thread, as before 2026-11-27)", True)
@@ -176,7 +176,7 @@ class E2EConfig:
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
         check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
-              f"must be thread or engine, got {self.capture_sender!r}")
+              f"must be one of {CAPTURE_SENDERS}, got {self.capture_sender!r}")
         if self.tree:
             self.tree_shape()  # raises naming the field
         self.policy_tree_list()

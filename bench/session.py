@@ -39,7 +39,8 @@ import torch
 from bench.trace import TraceItem
 from bench.trainer_watch import TrainerWatch
 from bench.traffic import RequestResult, replay, replay_in_child
-from collector.publisher import CapturePublisher, PublisherConfig
+from collector.process_publisher import open_publisher
+from collector.publisher import PublisherConfig
 from online_spec.advice import warn
 from online_spec.alerts import CallbackAlertSink
 from online_spec.config import check, doc
@@ -75,7 +76,7 @@ class SessionConfig:
     switch_interval_ms: float = doc("the server's interpreter switch interval (serve --switch-interval-ms); "
                                     "0 = Python's", 0.0)
     capture_sender: str = doc("where the online server's engine sends its capture (serve --capture-sender): "
-                              "thread or engine", "thread")
+                              "thread, engine or process", "thread")
     clients_process: bool = doc("the streaming clients run in a process of their own (bench.traffic."
                                 "replay_in_child), as a deployment's do; off: in the server's process, whose "
                                 "interpreter lock their Python then shares with the engine thread", True)
@@ -207,7 +208,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
                                   capture_sender=cfg.capture_sender)
         publisher = None
         if cfg.online:
-            publisher = CapturePublisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"))
+            publisher = open_publisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"), cfg.capture_sender)
         # the server's own control endpoint, in the private socket directory: the trainer swaps
         # through it, and the head bank through its swapper (one swapper knows the live head)
         control_cfg = ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir),

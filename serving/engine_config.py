@@ -13,7 +13,7 @@ from online_spec.config import check, doc
 from online_spec.tree import TreeShape
 
 
-CAPTURE_SENDERS = ("thread", "engine")  # `capture_sender`: where the capture is encoded and sent
+CAPTURE_SENDERS = ("thread", "engine", "process")  # `capture_sender`: where the capture is encoded and sent
 
 
 @dataclass
@@ -49,7 +49,9 @@ class EngineConfig:
                               "publisher's sender thread, in the host windows; on a CPU the engine's thread between "
                               "forwards) or 'engine' (the engine's own thread just before its verify read-back, on a "
                               "GPU while the device verifies: no second thread takes turns with it on the "
-                              "interpreter lock)", "thread")
+                              "interpreter lock) or 'process' (a child process encodes and sends, reading the rows "
+                              "from shared host slots the engine copies into: collector/process_publisher.py)",
+                              "thread")
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
@@ -63,7 +65,7 @@ class EngineConfig:
         check(self.host_windows in ("auto", "on", "off"), "host_windows",
               f"must be auto, on or off, got {self.host_windows!r}")
         check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
-              f"must be thread or engine, got {self.capture_sender!r}")
+              f"must be one of {CAPTURE_SENDERS}, got {self.capture_sender!r}")
         check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
               "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
         check(self.speculative_num_draft_tokens >= 0, "speculative_num_draft_tokens", "must be >= 0")

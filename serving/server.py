@@ -43,7 +43,8 @@ from typing import Callable
 import torch
 
 from collector.endpoint import prepare_run_dir
-from collector.publisher import CapturePublisher, PublisherConfig
+from collector.process_publisher import open_publisher
+from collector.publisher import PublisherConfig
 from online_spec.capture import MAX_ID_CHARS
 from online_spec.config import check, config_to_dict, doc
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
@@ -424,6 +425,6 @@ def build_server(cfg: ServerConfig) -> SpecServer:
     if cfg.capture:  # default socket: in the server's own (0700) run directory
         pcfg = cfg.publisher if cfg.publisher.endpoint or cfg.publisher.run_dir else \
             replace(cfg.publisher, run_dir=cfg.control.run_dir)
-        publisher = CapturePublisher(pcfg)
+        publisher = open_publisher(pcfg, cfg.engine.capture_sender)
     return SpecServer(cfg, target, head, head_version=version, policy=build_policy(cfg, target, head),
                       publisher=publisher, wandb_run=run)

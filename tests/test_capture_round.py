@@ -8,7 +8,7 @@ import torch
 from online_spec.capture import CaptureRecord, CaptureRound, RoundRow, adjacency_error
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
-from serving.capture_rows import HostRing
+from online_spec.host_ring import HostRing
 from serving.engine import Engine, EngineConfig
 from serving.requests import Request
 from tests.distill_helpers import tiny8

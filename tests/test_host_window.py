@@ -213,7 +213,7 @@ def test_an_engine_pumps_the_kept_capture_before_its_verify_read_back(tmp_path):
     from online_spec.config import ConfigError as CfgError
 
     with pytest.raises(CfgError, match="capture_sender"):
-        Cfg(capture_sender="process")
+        Cfg(capture_sender="child")
     target = tiny_target(num_layers=4)
     prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(3)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
