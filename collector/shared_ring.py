@@ -73,17 +73,18 @@ class _Control:
         return int(self.counters[COUNTERS.index(name)])
 
 
-def _register(t: torch.Tensor) -> bool:
-    """Page-lock `t`'s memory in place for async copies; False where CUDA cannot (then the copies into
-    it wait for the device: correct, slower)."""
+def _register(t: torch.Tensor, path: str) -> bool:
+    """Page-lock `t`'s memory (the map of `path`) in place for async copies; False where CUDA cannot
+    (then the copies into it wait for the device: correct, slower). On the H200 VM CUDA page-locks
+    a map of a file in /dev/shm and refuses one under /tmp (error 1)."""
     try:
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     except Exception as e:  # noqa: BLE001 - no CUDA runtime binding: pageable memory
         log.warning("shared capture slots: cannot page-lock (%s); copies into them will wait for the device", e)
         return False
     if int(err) != 0:
-        log.warning("shared capture slots: cudaHostRegister failed (%s); copies into them will wait for the device",
-                    err)
+        log.warning("shared capture slots: cudaHostRegister failed (error %d) for %s; copies into them will wait "
+                    "for the device", int(err), path)
         return False
     return True
 
@@ -119,7 +120,7 @@ class SharedRing(HostRing):
         path = os.path.join(self.dir, f"{self.prefix}-{self._made}.slot")
         mm = _map(path, fbytes + hbytes, create=True)
         raw = torch.frombuffer(mm, dtype=torch.uint8)
-        registered = self.pin and feats.is_cuda and _register(raw)
+        registered = self.pin and feats.is_cuda and _register(raw, path)
         self._maps[index] = (mm, raw, registered)
         fdt, hdt = _dtype_name(feats.dtype), _dtype_name(final.dtype)
         self.files[index] = (path, rows, fdt, hdt, fdim, hdim)
