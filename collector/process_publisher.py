@@ -4,9 +4,9 @@
 close), for `serve --capture-sender process`. A sender thread in the serving process takes the
 interpreter lock from the engine's host loop whenever it runs (on an H200 the capture cost the
 engine alone 10-12 % of its tokens/s with the work on the sender thread or on the engine's own
-thread: docs/collector.md). Here a child process (spawned) owns the stream: it binds the XPUB
-socket, encodes each round (collector/wire_round.py) and sends it, with a `CapturePublisher` of
-its own. The serving process does per round only what cannot move:
+thread: docs/collector.md). Here a child process (`python -m collector.process_publisher`) owns
+the stream: it binds the XPUB socket, encodes each round (collector/wire_round.py) and sends it,
+with a `CapturePublisher` of its own. The serving process does per round only what cannot move:
 
 - the engine stages the round's rows into a slot of this publisher's `ring` (`SharedRing`,
   collector/shared_ring.py: /dev/shm, page-locked on CUDA): two async copies and an event;
@@ -30,10 +30,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import pickle
+import select
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -135,7 +137,7 @@ class ProcessPublisher:
             "end_markers_sent": c["end_markers_sent"], "end_markers_dropped": c["end_markers_dropped"] + self._ends_dropped,
             "send_errors": c["send_errors"], "queue_depth": len(self._pending) + self._in_flight(),
             "subscribed": bool(self.ring.control.counter("subscribed")), "endpoint": self.endpoint,
-            "sender": "process", "sender_alive": self._proc is not None and self._proc.is_alive(),
+            "sender": "process", "sender_alive": self._proc is not None and self._proc.poll() is None,
             "sender_restarts": self.sender_restarts}
         return out
 
@@ -231,10 +233,10 @@ class ProcessPublisher:
                     if not self._closed:
                         self._flush()
             proc = self._proc
-            if proc is not None and not proc.is_alive() and not self._closed \
+            if proc is not None and proc.poll() is not None and not self._closed \
                     and time.monotonic() - last_restart >= RESTART_S:
                 last_restart = time.monotonic()
-                log.error("capture sender process exited (code %s); starting it again", proc.exitcode)
+                log.error("capture sender process exited (code %s); starting it again", proc.returncode)
                 try:
                     with self._lock:
                         self._restart()
@@ -257,28 +259,35 @@ class ProcessPublisher:
         self._start()
 
     def _start(self) -> str:
-        """Spawn the child, wait until it has bound both sockets, connect the push socket."""
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=sender_main, name="capture-sender",
-                           args=(self.cfg, self.ring.control_path, self.ring.max_slots, self._items_ep, child),
-                           daemon=True)
-        proc.start()
-        child.close()
+        """Start the child (`python -m collector.process_publisher`: a fresh interpreter that imports
+        nothing of the serving process's main module), wait until it has bound both sockets, and
+        connect the push socket. Returns the stream's endpoint."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "collector.process_publisher"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env, start_new_session=False)
         self._proc = proc
-        if not parent.poll(START_TIMEOUT_S):
-            proc.kill()
-            raise RuntimeError(f"capture sender process did not start within {START_TIMEOUT_S:.0f} s")
-        kind, value = parent.recv()
-        if kind != "ready":
-            proc.join(5)
-            raise RuntimeError(f"capture sender process: {value}")
+        try:
+            proc.stdin.write(pickle.dumps((self.cfg, self.ring.control_path, self.ring.max_slots, self._items_ep,
+                                           os.getpid())))
+            proc.stdin.close()
+            ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+            line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        except OSError as e:
+            line = f"error {e}"
+        if not line.startswith("ready "):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+            why = line[len("error "):] if line.startswith("error ") else \
+                f"exited with code {proc.returncode} before it was ready (its stderr above says why)" if line == "" \
+                and proc.returncode is not None else f"did not start within {START_TIMEOUT_S:.0f} s"
+            raise RuntimeError(f"capture sender process: {why}")
         push = self._zctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, self.cfg.queue_size)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(self._items_ep)
         self._push = push
-        return value
+        return line[len("ready "):]
 
     def _stop_child(self, timeout_s: float) -> None:
         if self._push is not None:
@@ -287,11 +296,12 @@ class ProcessPublisher:
             except zmq.Again:
                 pass
         if self._proc is not None:
-            self._proc.join(timeout_s)
-            if self._proc.is_alive():
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
                 log.error("capture sender process did not stop within %.1f s; killing it", timeout_s)
                 self._proc.kill()
-                self._proc.join(5)
+                self._proc.wait(5)
 
     def _teardown(self) -> None:
         if self._push is not None:
@@ -308,15 +318,17 @@ def _on_host(rec: CaptureRecord) -> CaptureRecord:
     return dataclasses.replace(rec, **moved) if moved else rec
 
 
-def sender_main(cfg: PublisherConfig, control_path: str, max_slots: int, items_ep: str, conn) -> None:
+def sender_main(cfg: PublisherConfig, control_path: str, max_slots: int, items_ep: str, parent_pid: int,
+                say=print) -> None:
     """The child: a `CapturePublisher` that encodes and sends on this process's main thread, fed
-    by the serving process's items; its counters go to the shared control file after each item."""
+    by the serving process's items; its counters go to the shared control file after each item.
+    `say` reports "ready ENDPOINT" or "error WHY" to the parent, once."""
     torch.set_num_threads(1)
     try:
         pub = CapturePublisher(cfg)
         pub.send_inline(True)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        say(f"error {type(e).__name__}: {e}")
         return
     reader = SlotReader(control_path, max_slots)
     ctx = zmq.Context()
@@ -324,16 +336,15 @@ def sender_main(cfg: PublisherConfig, control_path: str, max_slots: int, items_e
     try:
         pull.bind(items_ep)
     except zmq.ZMQError as e:
-        conn.send(("error", f"cannot bind {items_ep}: {e}"))
+        say(f"error cannot bind {items_ep}: {e}")
         pub.close()
         return
-    conn.send(("ready", pub.endpoint))
-    parent = mp.parent_process()
+    say(f"ready {pub.endpoint}")
     done = 0
     try:
         while True:
             if not pull.poll(100):
-                if parent is not None and not parent.is_alive():
+                if os.getppid() != parent_pid:  # the serving process is gone
                     break
                 reader.set("subscribed", int(bool(pub._topics)))
                 continue
@@ -358,7 +369,6 @@ def sender_main(cfg: PublisherConfig, control_path: str, max_slots: int, items_e
         pull.close(0)
         ctx.term()
         pub.close()
-        os._exit(0)  # the parent owns the shared files; nothing else to tidy
 
 
 def _handle(pub: CapturePublisher, reader: SlotReader, msg: tuple) -> None:
@@ -383,3 +393,21 @@ def open_publisher(cfg: PublisherConfig, sender: str = "thread") -> CapturePubli
     """The capture publisher for an engine's `capture_sender`: 'process' sends from a child
     process (`ProcessPublisher`); 'thread' and 'engine' from this one (`CapturePublisher`)."""
     return ProcessPublisher(cfg) if sender == "process" else CapturePublisher(cfg)
+
+
+def _child() -> None:
+    """`python -m collector.process_publisher`: the arguments come pickled on stdin (from
+    `ProcessPublisher._start` only), the handshake line goes to stdout."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s capture-sender %(levelname)s %(message)s")
+    args = pickle.load(sys.stdin.buffer)
+
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        os.dup2(2, 1)  # nothing more on the pipe, which nobody reads: it would fill and stall this process
+
+    sender_main(*args, say=say)
+
+
+if __name__ == "__main__":
+    _child()
