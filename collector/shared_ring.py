@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # the sender process's counters in the control file, after the slots' busy bytes
 COUNTERS = ("items_done", "sent", "messages_sent", "dropped_hwm", "dropped_no_subscriber", "dropped_invalid",
             "bytes_sent", "end_markers_sent", "end_markers_dropped", "send_errors", "subscribed", "dropped_queue_full")
+PREFIX = "online-spec-capture-"  # then the serving process's pid
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -89,13 +90,37 @@ def _register(t: torch.Tensor, path: str) -> bool:
     return True
 
 
+def remove_stale(directory: str) -> int:
+    """Remove this user's slot and control files left by serving processes that are gone (killed
+    before `close`); returns how many. Run when a ring is made."""
+    removed = 0
+    for name in os.listdir(directory):
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        path = os.path.join(directory, name)
+        try:
+            if not pid.isdigit() or os.path.exists(f"/proc/{pid}") or os.stat(path).st_uid != os.getuid():
+                continue
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class SharedRing(HostRing):
-    """`HostRing` over shared-memory slots (see the module docstring). `pin`: page-lock them (CUDA)."""
+    """`HostRing` over shared-memory slots (see the module docstring). `pin`: page-lock them (CUDA).
+    A closed ring stages every round into its scratch slot (nothing is sent any more)."""
 
     def __init__(self, *, pin: bool, max_slots: int = 32, directory: str = ""):
         super().__init__(pin=pin, max_slots=max_slots)
         self.dir = directory or _shm_dir()
-        self.prefix = f"online-spec-capture-{os.getpid()}-{id(self):x}"
+        if os.path.isdir("/proc/self"):
+            n = remove_stale(self.dir)
+            if n:
+                log.info("shared capture slots: removed %d files of serving processes that are gone", n)
+        self.prefix = f"{PREFIX}{os.getpid()}-{id(self):x}"
         self.control_path = os.path.join(self.dir, self.prefix + ".ctl")
         self.control = _Control(self.control_path, max_slots, create=True)
         self.files: dict[int, tuple[str, int, str, str, int, int]] = {}  # index -> describe() without the index
@@ -126,6 +151,12 @@ class SharedRing(HostRing):
         self.files[index] = (path, rows, fdt, hdt, fdim, hdim)
         f, h = _slot_views(raw, rows, fdim, hdim, feats.dtype, final.dtype)
         return f, h, (torch.cuda.Event() if feats.is_cuda else None), 0, 0
+
+    def _take(self, n: int, feats: torch.Tensor, final: torch.Tensor):
+        if self.closed:  # no slot files any more
+            self.last = None
+            return self._overflow(n, feats, final)
+        return super()._take(n, feats, final)
 
     def _overflow(self, n: int, feats: torch.Tensor, final: torch.Tensor):
         """Every slot busy: the copies go to one private scratch slot, and the round is not sent."""

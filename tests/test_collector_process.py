@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -18,7 +19,7 @@ import torch
 
 from collector.process_publisher import ProcessPublisher, open_publisher
 from collector.publisher import CapturePublisher, PublisherConfig
-from collector.shared_ring import SharedRing, SlotReader
+from collector.shared_ring import PREFIX, SharedRing, SlotReader
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
 from distill_helpers import tiny8
 from online_spec.head import new_head
@@ -175,6 +176,22 @@ def test_shared_slots_are_busy_until_freed_grow_by_a_new_file_and_overflow_to_sc
         reader.views(ring.describe(0), 65)
     ring.close()
     assert os.listdir(tmp_path) == []
+    ring.stage(x, y)  # closed: the scratch slot, no new file
+    assert ring.last is None and os.listdir(tmp_path) == []
+
+
+def test_files_of_a_serving_process_that_is_gone_are_removed_when_a_ring_is_made(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f"{PREFIX}{gone.pid}-1f-3.slot").write_bytes(b"x")
+    (tmp_path / f"{PREFIX}{gone.pid}-1f.ctl").write_bytes(b"x")
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-2e-1.slot"  # a live process's: kept
+    mine.write_bytes(b"x")
+    other = tmp_path / "unrelated.slot"
+    other.write_bytes(b"x")
+    ring = SharedRing(pin=False, max_slots=1, directory=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name, os.path.basename(ring.control_path)])
+    ring.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
