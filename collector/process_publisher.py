@@ -47,7 +47,7 @@ import zmq
 from online_spec import advice
 from online_spec.capture import CaptureRecord, CaptureRound, RoundRow
 
-from collector.publisher import CapturePublisher, PublisherConfig, sample_score
+from collector.publisher import CapturePublisher, PublisherConfig, RequestSampling
 from collector.shared_ring import COUNTERS, SharedRing, SlotReader
 from collector.wire import EndOfRequest
 
@@ -57,7 +57,7 @@ RESTART_S = 5.0  # at most one restart of a dead sender process this often
 START_TIMEOUT_S = 120.0
 
 
-class ProcessPublisher:
+class ProcessPublisher(RequestSampling):
     """See the module docstring. `max_slots`: shared slots (rounds the child may be behind)."""
 
     def __init__(self, cfg: PublisherConfig, *, max_slots: int = 32, pin: bool | None = None):
@@ -87,12 +87,6 @@ class ProcessPublisher:
         self._flusher.start()
 
     # ---- engine-facing API (caller's thread; nothing here waits) -----------------------------
-
-    def should_capture(self, request_id: str) -> bool:
-        self.requests_seen += 1
-        take = self._sampled(request_id)
-        self.requests_captured += take
-        return take
 
     def submit(self, records: Sequence[CaptureRecord]) -> None:
         n = len(records)
@@ -175,10 +169,6 @@ class ProcessPublisher:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
-
-    def _sampled(self, request_id: str) -> bool:
-        f = self.cfg.sample_fraction
-        return f >= 1.0 or (f > 0.0 and sample_score(request_id, self.cfg.sample_salt) < f)
 
     def _round_item(self, rnd: CaptureRound):
         """(event, payload, records, slot) for a round staged in the ring; None when it is not

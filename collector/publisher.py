@@ -124,7 +124,27 @@ def sample_score(request_id: str, salt: str = "") -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
-class CapturePublisher:
+class RequestSampling:
+    """Per-request sampling (see the module docstring) for a publisher with `cfg` (a
+    `PublisherConfig`) and the counters `requests_seen`, `requests_captured`."""
+
+    cfg: PublisherConfig
+    requests_seen: int
+    requests_captured: int
+
+    def should_capture(self, request_id: str) -> bool:
+        """Whether to capture this request; call once when it is admitted."""
+        self.requests_seen += 1
+        take = self._sampled(request_id)
+        self.requests_captured += take
+        return take
+
+    def _sampled(self, request_id: str) -> bool:
+        f = self.cfg.sample_fraction
+        return f >= 1.0 or (f > 0.0 and sample_score(request_id, self.cfg.sample_salt) < f)
+
+
+class CapturePublisher(RequestSampling):
     """Binds the capture stream; `submit` never blocks (see the module docstring)."""
 
     def __init__(self, cfg: PublisherConfig):
@@ -185,13 +205,6 @@ class CapturePublisher:
         self._thread.start()
 
     # ---- engine-facing API (caller's thread; nothing here waits) -----------------------------
-
-    def should_capture(self, request_id: str) -> bool:
-        """Whether to capture this request; call once when it is admitted."""
-        self.requests_seen += 1
-        take = self._sampled(request_id)
-        self.requests_captured += take
-        return take
 
     def submit(self, records: Sequence[CaptureRecord]) -> None:
         """Queue this round's records of sampled requests; drops (and counts) when full.
@@ -337,10 +350,6 @@ class CapturePublisher:
         self.close()
 
     # ---- sender thread ------------------------------------------------------------------------
-
-    def _sampled(self, request_id: str) -> bool:
-        f = self.cfg.sample_fraction
-        return f >= 1.0 or (f > 0.0 and sample_score(request_id, self.cfg.sample_salt) < f)
 
     def _run(self) -> None:
         idle_at = None  # the window's `opened` when a wait for one last timed out
