@@ -283,8 +283,9 @@ def test_e2e_capture_sender_reaches_the_sessions_and_is_checked(tmp_path, monkey
     from online_spec.config import ConfigError
 
     with pytest.raises(ConfigError, match="capture_sender"):
-        E2EConfig(capture_sender="process")
+        E2EConfig(capture_sender="child")
     assert E2EConfig(capture_sender="engine").capture_sender == "engine"
+    assert E2EConfig(capture_sender="process").capture_sender == "process"
 
     class Built(Exception):
         pass
@@ -293,7 +294,7 @@ def test_e2e_capture_sender_reaches_the_sessions_and_is_checked(tmp_path, monkey
         raise Built(kw)
 
     monkeypatch.setattr(serving.engine, "EngineConfig", engine_config)
-    for sender in ("engine", "thread"):
+    for sender in ("engine", "thread", "process"):
         cfg = session.SessionConfig(head="none", run_dir=str(tmp_path / sender), capture_sender=sender)
         with pytest.raises(Built) as built:
             session.run_session(None, cfg, [])
