@@ -20,7 +20,10 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         `serving_overhead_pct` = 100 x (1 - capture_ratio) per batch size; `reader_cpu_share`:
         the reader process's CPU seconds while connected over the capture-on arm's wall (the
         share of a core it takes from the engine's: on 2 cores, capture's cost beside serving's);
-        the reader runs at `serving_reader_nice` (the trainer's `--nice`)
+        the reader runs at `serving_reader_nice` (the trainer's `--nice`). `serving_sink` splits
+        the cost: 'null' stages the rows as capture does and drops every round (the engine's own
+        share), 'busy' runs the 'on' arm uncaptured beside one busy-spinning process (what a busy
+        neighbour costs the engine's thread)
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -50,6 +53,8 @@ from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.engine_config import CAPTURE_SENDERS
 
+SINKS = ("publisher", "null", "busy")  # `serving_sink`
+
 
 @dataclass
 class CollectorBenchConfig:
@@ -76,6 +81,11 @@ class CollectorBenchConfig:
     serving_reader: str = doc("the reader in the engine-overhead run: 'subscriber' (decode and reassembly, what "
                               "the trainer runs, in another process) or 'socket' (frames received and counted, "
                               "nothing decoded: the serving process's side of the cost alone)", "subscriber")
+    serving_sink: str = doc("what the engine-overhead run's 'on' arm adds, to split capture's cost: 'publisher' "
+                            "(capture to a live reader, the figure), 'null' (the rows staged as for capture, every "
+                            "round then dropped: the engine's own share, no sender or reader) or 'busy' (no "
+                            "capture, one busy-spinning process beside the engine: what a busy neighbour costs)",
+                            "publisher")
     serving_reader_nice: int = doc("niceness of the reader's process in the engine-overhead run, as the trainer's "
                                    "`--nice` sets it (0: the server's own priority, the stricter case; 19: as "
                                    "docs/trainer.md deploys the trainer and the demo and bench e2e run it)", 0)
@@ -83,6 +93,7 @@ class CollectorBenchConfig:
     def __post_init__(self) -> None:
         check(self.serving_reader in ("subscriber", "socket"), "serving_reader",
               f"must be 'subscriber' or 'socket', got {self.serving_reader!r}")
+        check(self.serving_sink in SINKS, "serving_sink", f"must be one of {SINKS}, got {self.serving_sink!r}")
         check(0 <= self.serving_reader_nice <= 19, "serving_reader_nice",
               f"must be in 0..19, got {self.serving_reader_nice!r}")
         check(self.hidden_size >= 1, "hidden_size", f"{self.hidden_size} < 1")
@@ -269,8 +280,16 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
             return n / (time.perf_counter() - t0)
 
         run_decode(None)  # warm-up
-        without, with_pub, stats, reader_cpu = [], [], {}, []
-        for i in range(cfg.serving_repeats):
+        without, with_pub, stats, reader_cpu, received = [], [], {}, [], None
+        for i in range(cfg.serving_repeats if cfg.serving_sink != "publisher" else 0):
+            if i % 2 == 0:
+                without.append(run_decode(None))
+            tps, arm = _split_arm(cfg.serving_sink, run_decode, ctx)
+            with_pub.append(tps)
+            if i % 2 == 1:
+                without.append(run_decode(None))
+            stats = {"sink": cfg.serving_sink, **arm}
+        for i in range(cfg.serving_repeats if cfg.serving_sink == "publisher" else 0):
             parent, child = ctx.Pipe()
             with open_publisher(pub_cfg, cfg.serving_sender) as pub:
                 reader = _live_subscriber if cfg.serving_reader == "subscriber" else _socket_reader
@@ -379,3 +398,54 @@ def _count_records(endpoint: str, expected: int, conn) -> None:
     sub.close(flush=True)
     conn.send({"records": stats["records"], "malformed": stats["malformed"], "span_rows": rows[0],
                "elapsed_s": (t_last or time.perf_counter()) - (t_first or 0.0)})
+
+
+class _NullSink:
+    """`serving_sink` 'null': takes every request, lets the engine stage each round's rows as for
+    capture (the CaptureRound, and on CUDA the copies into the host ring), and drops the round."""
+
+    def __init__(self):
+        self.rounds = self.records = 0
+
+    def should_capture(self, request_id: str) -> bool:
+        return True
+
+    def submit(self, records) -> None:
+        self.rounds += 1
+        self.records += len(records)
+
+    def end_request(self, request_id: str) -> None:
+        pass
+
+    def drain(self, timeout_s: float) -> bool:
+        return True
+
+    def stats(self) -> dict[str, int]:
+        return {"rounds": self.rounds, "records": self.records}
+
+
+def _spin(conn) -> None:
+    """Child process: busy on one core (pure Python, as a sender or reader would be) until told."""
+    conn.send("ready")
+    while not conn.poll():
+        for _ in range(10_000):
+            pass
+
+
+def _split_arm(sink: str, run_decode, ctx) -> tuple[float, dict]:
+    """The 'on' arm of `serving_sink` 'null' or 'busy' (see the field): (tokens/s, its counts)."""
+    if sink == "null":
+        null = _NullSink()
+        return run_decode(null), null.stats()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_spin, args=(child,), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(120) or parent.recv() != "ready":
+            raise RuntimeError("bench busy neighbour did not start")
+        return run_decode(None), {"neighbours": 1}
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

@@ -237,6 +237,9 @@ def main() -> None:
                          "(the serving process's side of the cost alone)")
     ap.add_argument("--capture-sender", default="thread", choices=CAPTURE_SENDERS,
                     help="where --capture-overhead's engine sends its capture (EngineConfig.capture_sender)")
+    ap.add_argument("--capture-sink", default="publisher", choices=("publisher", "null", "busy"),
+                    help="what --capture-overhead's 'on' arm adds (bench.collector serving_sink): capture to a "
+                         "reader, the rows staged and dropped (null), or a busy process beside the engine (busy)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")
@@ -287,7 +290,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             cap = measure_engine_overhead(CollectorBenchConfig(
                 serving_device=args.device, serving_repeats=5, serving_head=args.capture_head,
-                serving_reader=args.capture_reader, serving_sender=args.capture_sender,
+                serving_reader=args.capture_reader, serving_sender=args.capture_sender, serving_sink=args.capture_sink,
                 serving_batches=[int(b) for b in args.capture_batches.split(",")]),
                 f"ipc://{tmp}/serve.sock", prompts=prompts)
         out["capture_overhead"] = cap
