@@ -72,12 +72,12 @@ class ProcessPublisher(RequestSampling):
         self._pending: collections.deque = collections.deque()  # (event or None, payload, records, slot or None)
         self._closed = False
         self.requests_seen = self.requests_captured = self.submitted = 0
-        self.dropped_queue_full = self.dropped_closed = self.dropped_sender_died = 0
+        self.dropped_queue_full = self.dropped_closed = self.dropped_sender_died = self.dropped_invalid = 0
         self.sender_restarts = 0
         self._ends_dropped = 0
         self._pushed = 0  # items handed to the current child
         self._lost = collections.Counter()  # counters of children that died, carried into stats()
-        self._last_submit = self._started_at = time.monotonic()
+        self._last_submit = time.monotonic()
         try:
             self.endpoint = self._start()
         except BaseException:
@@ -98,7 +98,12 @@ class ProcessPublisher(RequestSampling):
             return
         self._last_submit = time.monotonic()
         if isinstance(records, CaptureRound):
-            item = self._round_item(records)
+            try:
+                item = self._round_item(records)
+            except Exception:  # keep serving: a round this publisher cannot describe is dropped, counted
+                self.dropped_invalid += n
+                log.exception("capture (sender process): dropping a round it cannot hand over")
+                return
             if item is None:
                 self.dropped_queue_full += n
                 advice.warn(log, "capture_slots",
@@ -126,7 +131,7 @@ class ProcessPublisher(RequestSampling):
             "submitted": self.submitted, "sent": c["sent"], "messages_sent": c["messages_sent"],
             "dropped_queue_full": self.dropped_queue_full + c["dropped_queue_full"],
             "dropped_hwm": c["dropped_hwm"], "dropped_no_subscriber": c["dropped_no_subscriber"],
-            "dropped_invalid": c["dropped_invalid"], "dropped_closed": self.dropped_closed,
+            "dropped_invalid": c["dropped_invalid"] + self.dropped_invalid, "dropped_closed": self.dropped_closed,
             "dropped_sender_died": self.dropped_sender_died, "bytes_sent": c["bytes_sent"],
             "end_markers_sent": c["end_markers_sent"], "end_markers_dropped": c["end_markers_dropped"] + self._ends_dropped,
             "send_errors": c["send_errors"], "queue_depth": len(self._pending) + self._in_flight(),
@@ -176,10 +181,10 @@ class ProcessPublisher(RequestSampling):
         j = self.ring.last
         if j is None or j >= len(self.ring.slots) or rnd.features.data_ptr() != self.ring.slots[j][0].data_ptr():
             return None
-        self.ring.mark(j)
         first = None if rnd.first_tokens is None else rnd.first_tokens.tolist()
-        drafts = None if rnd.drafts is None else rnd.drafts.numpy()
-        probs = None if rnd.draft_probs is None else rnd.draft_probs.numpy()
+        drafts = None if rnd.drafts is None else rnd.drafts.cpu().numpy()
+        probs = None if rnd.draft_probs is None else rnd.draft_probs.cpu().numpy()
+        self.ring.mark(j)
         payload = ("round", self.ring.describe(j), int(rnd.features.shape[0]), [tuple(r) for r in rnd.rows],
                    rnd.row_index, first, drafts, probs, rnd.batch_size, rnd.draft_version, rnd.is_prefill,
                    rnd.timestamp)

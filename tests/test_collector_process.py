@@ -204,3 +204,14 @@ def test_shared_slots_are_page_locked_on_cuda():
     ev.synchronize()
     assert f.is_pinned() and h.is_pinned() and torch.equal(f, x.reshape(6, 12).cpu())
     ring.close()
+
+
+def test_a_round_the_publisher_cannot_hand_over_is_dropped_counted_and_serving_goes_on(tmp_path):
+    from online_spec.capture import CaptureRound, RoundRow
+
+    with ProcessPublisher(PublisherConfig(endpoint=f"ipc://{tmp_path}/c.sock")) as pub:
+        f, h, _ = pub.ring.stage(torch.randn(1, 2, 12), torch.randn(1, 2, 4))
+        bad = CaptureRound([RoundRow("a", 0, 0, [1, 2], 0, 1, "")], f, h, row_index=[0], drafts=object(),
+                           draft_probs=object())
+        pub.submit(bad)  # does not raise
+        assert pub.stats()["dropped_invalid"] == 1 and not pub.ring.control.busy.any()
