@@ -191,9 +191,10 @@ class ProcessPublisher(RequestSampling):
         return rnd.ready, payload, len(rnd), j
 
     def _flush(self, wait: bool = False) -> None:
-        """Push the pending items whose copies have landed, in order (caller holds the lock)."""
+        """Push the pending items whose copies have landed, in order (caller holds the lock); none
+        while a child is being started again."""
         pending = self._pending
-        while pending:
+        while pending and self._push is not None:
             ready, payload, n, slot = pending[0]
             if ready is not None:
                 if wait:
@@ -233,24 +234,28 @@ class ProcessPublisher(RequestSampling):
                 last_restart = time.monotonic()
                 log.error("capture sender process exited (code %s); starting it again", proc.returncode)
                 try:
-                    with self._lock:
-                        self._restart()
+                    self._restart()
                 except Exception:  # keep serving: the next tick tries again
                     log.exception("capture sender process: restart failed")
 
     def _restart(self) -> None:
-        """A new child after one died: what the dead one held is dropped (counted), its slots freed."""
-        self.dropped_sender_died += max(self._in_flight(), 0)
-        for name in COUNTERS:
-            if name not in ("items_done", "subscribed"):
-                self._lost[name] += self.ring.control.counter(name)
-        self.ring.control.counters[:] = 0
-        for j in range(len(self.ring.slots)):
-            if not any(slot == j for _, _, _, slot in self._pending):
-                self.ring.free(j)
-        self._push.close(0)  # messages queued for the dead child must not reach the new one
-        self._pushed = 0
-        self.sender_restarts += 1
+        """A new child after one died: what the dead one held is dropped (counted), its slots freed.
+        The start (seconds) runs outside the lock, so `submit` never waits for it: meanwhile items
+        stay pending, each round holding its slot, and with every slot held rounds are dropped."""
+        with self._lock:
+            self.dropped_sender_died += max(self._in_flight(), 0)
+            for name in COUNTERS:
+                if name not in ("items_done", "subscribed"):
+                    self._lost[name] += self.ring.control.counter(name)
+            self.ring.control.counters[:] = 0
+            for j in range(len(self.ring.slots)):
+                if not any(slot == j for _, _, _, slot in self._pending):
+                    self.ring.free(j)
+            if self._push is not None:
+                self._push.close(0)  # messages queued for the dead child must not reach the new one
+            self._push = None
+            self._pushed = 0
+            self.sender_restarts += 1
         self._start()
 
     def _start(self) -> str:
