@@ -48,7 +48,7 @@ from online_spec import advice
 from online_spec.capture import CaptureRecord, CaptureRound, RoundRow
 
 from collector.publisher import CapturePublisher, PublisherConfig, RequestSampling
-from collector.shared_ring import COUNTERS, SharedRing, SlotReader
+from collector.shared_ring import COUNTERS, PUB_COUNTERS, SharedRing, SlotReader
 from collector.wire import EndOfRequest
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ProcessPublisher(RequestSampling):
         self.dropped_queue_full = self.dropped_closed = self.dropped_sender_died = self.dropped_invalid = 0
         self.sender_restarts = 0
         self._ends_dropped = 0
-        self._pushed = 0  # items handed to the current child
+        self._pushed = self._pushed_records = self._pushed_ends = 0  # handed to the current child
         self._lost = collections.Counter()  # counters of children that died, carried into stats()
         self._last_submit = time.monotonic()
         try:
@@ -205,6 +205,8 @@ class ProcessPublisher(RequestSampling):
             try:
                 self._push.send(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
                 self._pushed += 1
+                self._pushed_records += n
+                self._pushed_ends += payload[0] == "end"
             except zmq.Again:  # the child is queue_size items behind (or gone): drop, never wait
                 if slot is not None:
                     self.ring.free(slot)
@@ -243,10 +245,12 @@ class ProcessPublisher(RequestSampling):
         The start (seconds) runs outside the lock, so `submit` never waits for it: meanwhile items
         stay pending, each round holding its slot, and with every slot held rounds are dropped."""
         with self._lock:
-            self.dropped_sender_died += max(self._in_flight(), 0)
-            for name in COUNTERS:
-                if name not in ("items_done", "subscribed"):
-                    self._lost[name] += self.ring.control.counter(name)
+            c = self.ring.control
+            self.dropped_sender_died += max(self._pushed_records - c.counter("records_done"), 0)
+            self._ends_dropped += max(self._pushed_ends - c.counter("end_markers_sent")
+                                      - c.counter("end_markers_dropped"), 0)
+            for name in PUB_COUNTERS:
+                self._lost[name] += c.counter(name)
             self.ring.control.counters[:] = 0
             for j in range(len(self.ring.slots)):
                 if not any(slot == j for _, _, _, slot in self._pending):
@@ -254,7 +258,7 @@ class ProcessPublisher(RequestSampling):
             if self._push is not None:
                 self._push.close(0)  # messages queued for the dead child must not reach the new one
             self._push = None
-            self._pushed = 0
+            self._pushed = self._pushed_records = self._pushed_ends = 0
             self.sender_restarts += 1
         self._start()
 
@@ -340,7 +344,7 @@ def sender_main(cfg: PublisherConfig, control_path: str, max_slots: int, items_e
         pub.close()
         return
     say(f"ready {pub.endpoint}")
-    done = 0
+    done = records = 0
     try:
         while True:
             if not pull.poll(100):
@@ -360,11 +364,12 @@ def sender_main(cfg: PublisherConfig, control_path: str, max_slots: int, items_e
                 if msg[0] == "round":
                     reader.free(msg[1][0])
             done += 1
-            for name in COUNTERS[1:-2]:
+            records += len(msg[3]) if msg[0] == "round" else len(msg[1]) if msg[0] == "records" else 0
+            for name in PUB_COUNTERS:
                 reader.set(name, getattr(pub, name))
-            reader.set("dropped_queue_full", pub.dropped_queue_full)
             reader.set("subscribed", int(bool(pub._topics)))
-            reader.set("items_done", done)
+            reader.set("records_done", records)
+            reader.set("items_done", done)  # last: the parent reads the others as of this count
     finally:
         pull.close(0)
         ctx.term()

@@ -34,8 +34,9 @@ from online_spec.host_ring import HostRing
 
 log = logging.getLogger(__name__)
 # the sender process's counters in the control file, after the slots' busy bytes
-COUNTERS = ("items_done", "sent", "messages_sent", "dropped_hwm", "dropped_no_subscriber", "dropped_invalid",
-            "bytes_sent", "end_markers_sent", "end_markers_dropped", "send_errors", "subscribed", "dropped_queue_full")
+PUB_COUNTERS = ("sent", "messages_sent", "dropped_hwm", "dropped_no_subscriber", "dropped_invalid", "bytes_sent",
+                "end_markers_sent", "end_markers_dropped", "send_errors", "dropped_queue_full")  # its publisher's
+COUNTERS = ("items_done", "records_done", "subscribed", *PUB_COUNTERS)
 PREFIX = "online-spec-capture-"  # then the serving process's pid
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
