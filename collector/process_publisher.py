@@ -219,8 +219,7 @@ class ProcessPublisher(RequestSampling):
         return self._pushed - self.ring.control.counter("items_done")
 
     def _child_counters(self) -> dict[str, int]:
-        c = {name: self.ring.control.counter(name) + self._lost[name] for name in COUNTERS}
-        return c
+        return {name: self.ring.control.counter(name) + self._lost[name] for name in COUNTERS}
 
     def _flush_loop(self) -> None:
         last_restart = 0.0
