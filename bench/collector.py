@@ -22,8 +22,10 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         share of a core it takes from the engine's: on 2 cores, capture's cost beside serving's);
         the reader runs at `serving_reader_nice` (the trainer's `--nice`). `serving_sink` splits
         the cost: 'null' stages the rows as capture does and drops every round (the engine's own
-        share), 'busy' runs the 'on' arm uncaptured beside one busy-spinning process (what a busy
-        neighbour costs the engine's thread)
+        share), 'wait' adds a thread that waits on each round's ready event as the sender does,
+        'encode' has that thread build and encode each round's messages too (the sender's work but
+        the socket), 'busy' runs the 'on' arm uncaptured beside one busy-spinning process (what a
+        busy neighbour costs the engine's thread); publisher - encode is then the socket and reader
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -33,8 +35,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,8 @@ from bench.common import add_bench_args, quick_overrides, write_report
 from collector.process_publisher import open_publisher
 from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
+from collector.wire import frames_nbytes
+from collector.wire_round import encode_messages
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
@@ -53,7 +59,7 @@ from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.engine_config import CAPTURE_SENDERS
 
-SINKS = ("publisher", "null", "busy")  # `serving_sink`
+SINKS = ("publisher", "null", "wait", "encode", "busy")  # `serving_sink`
 
 
 @dataclass
@@ -83,8 +89,11 @@ class CollectorBenchConfig:
                               "nothing decoded: the serving process's side of the cost alone)", "subscriber")
     serving_sink: str = doc("what the engine-overhead run's 'on' arm adds, to split capture's cost: 'publisher' "
                             "(capture to a live reader, the figure), 'null' (the rows staged as for capture, every "
-                            "round then dropped: the engine's own share, no sender or reader) or 'busy' (no "
-                            "capture, one busy-spinning process beside the engine: what a busy neighbour costs)",
+                            "round then dropped: the engine's own share, no sender or reader), 'wait' (as 'null', "
+                            "and a thread of the serving process waits on each round's ready event, as the sender "
+                            "does), 'encode' (as 'wait', and that thread builds and encodes each round's messages "
+                            "as the sender does, no socket) or 'busy' (no capture, one busy-spinning process beside "
+                            "the engine: what a busy neighbour costs)",
                             "publisher")
     serving_reader_nice: int = doc("niceness of the reader's process in the engine-overhead run, as the trainer's "
                                    "`--nice` sets it (0: the server's own priority, the stricter case; 19: as "
@@ -284,7 +293,7 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
         for i in range(cfg.serving_repeats if cfg.serving_sink != "publisher" else 0):
             if i % 2 == 0:
                 without.append(run_decode(None))
-            tps, arm = _split_arm(cfg.serving_sink, run_decode, ctx)
+            tps, arm = _split_arm(cfg.serving_sink, run_decode, ctx, cfg.wire_dtype)
             with_pub.append(tps)
             if i % 2 == 1:
                 without.append(run_decode(None))
@@ -424,6 +433,46 @@ class _NullSink:
         return {"rounds": self.rounds, "records": self.records}
 
 
+class _ThreadSink(_NullSink):
+    """`serving_sink` 'wait' / 'encode': as 'null', and a thread of the serving process takes each
+    round as the publisher's sender thread does: waits on its ready event ('wait'), or builds and
+    encodes its messages ('encode', which waits first as `CaptureRound` does); nothing is sent."""
+
+    def __init__(self, encode: bool, wire_dtype: str):
+        super().__init__()
+        self.encode, self.wire_dtype = encode, wire_dtype
+        self.done = self.bytes = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="bench-sink", daemon=True)
+        self._thread.start()
+
+    def submit(self, records) -> None:
+        super().submit(records)
+        self._queue.put(records)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self.encode:
+                messages, _ = encode_messages(item, self.wire_dtype)
+                self.bytes += sum(frames_nbytes(frames) for frames, _ in messages)
+            elif getattr(item, "ready", None) is not None:
+                item.ready.synchronize()
+            self.done += 1
+
+    def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.done < self.rounds and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.done >= self.rounds
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "taken": self.done, "bytes_encoded": self.bytes}
+
+
 def _spin(conn) -> None:
     """Child process: busy on one core (pure Python, as a sender or reader would be) until told."""
     conn.send("ready")
@@ -432,11 +481,17 @@ def _spin(conn) -> None:
             pass
 
 
-def _split_arm(sink: str, run_decode, ctx) -> tuple[float, dict]:
-    """The 'on' arm of `serving_sink` 'null' or 'busy' (see the field): (tokens/s, its counts)."""
+def _split_arm(sink: str, run_decode, ctx, wire_dtype: str = "bfloat16") -> tuple[float, dict]:
+    """The 'on' arm of `serving_sink` 'null', 'wait', 'encode' or 'busy' (see the field): (tokens/s, its counts)."""
     if sink == "null":
         null = _NullSink()
         return run_decode(null), null.stats()
+    if sink in ("wait", "encode"):
+        taker = _ThreadSink(sink == "encode", wire_dtype)
+        try:
+            return run_decode(taker), taker.stats()
+        finally:
+            taker.close()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_spin, args=(child,), daemon=True)
     proc.start()

@@ -151,7 +151,7 @@ class SharedRing(HostRing):
         fdt, hdt = _dtype_name(feats.dtype), _dtype_name(final.dtype)
         self.files[index] = (path, rows, fdt, hdt, fdim, hdim)
         f, h = _slot_views(raw, rows, fdim, hdim, feats.dtype, final.dtype)
-        return f, h, (torch.cuda.Event() if feats.is_cuda else None), 0, 0
+        return f, h, (torch.cuda.Event(blocking=True) if feats.is_cuda else None), 0, 0  # as HostRing's
 
     def _take(self, n: int, feats: torch.Tensor, final: torch.Tensor):
         if self.closed:  # no slot files any more

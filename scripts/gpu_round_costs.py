@@ -237,9 +237,10 @@ def main() -> None:
                          "(the serving process's side of the cost alone)")
     ap.add_argument("--capture-sender", default="thread", choices=CAPTURE_SENDERS,
                     help="where --capture-overhead's engine sends its capture (EngineConfig.capture_sender)")
-    ap.add_argument("--capture-sink", default="publisher", choices=("publisher", "null", "busy"),
+    ap.add_argument("--capture-sink", default="publisher", choices=("publisher", "null", "wait", "encode", "busy"),
                     help="what --capture-overhead's 'on' arm adds (bench.collector serving_sink): capture to a "
-                         "reader, the rows staged and dropped (null), or a busy process beside the engine (busy)")
+                         "reader, the rows staged and dropped (null), a thread waiting on each round (wait) or "
+                         "encoding it too (encode), or a busy process beside the engine (busy)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")

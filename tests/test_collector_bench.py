@@ -64,11 +64,12 @@ def test_the_serving_overhead_with_a_bare_socket_reader(tmp_path: Path):
         main(["bench", "collector", "--serving-reader-nice", "20", "--json", str(out)])
 
 
-@pytest.mark.parametrize("sink", ["null", "busy"])
+@pytest.mark.parametrize("sink", ["null", "wait", "encode", "busy"])
 def test_the_serving_overhead_split_by_its_sink(tmp_path: Path, sink):
     """--serving-sink null: the 'on' arm stages every round's rows and drops them (no publisher,
-    no reader); busy: the 'on' arm captures nothing and runs beside a busy process. Both pair
-    the arms as the publisher's run does."""
+    no reader); wait / encode: a thread takes each round, waits on it / builds and encodes its
+    messages, every round taken before the arm ends; busy: the 'on' arm captures nothing and runs
+    beside a busy process. All pair the arms as the publisher's run does."""
     out = tmp_path / "bench.json"
     rc = main(["bench", "collector", "--quick", "--hidden-size", "16", "--batch-size", "8",
                "--burst-records", "64", "--stall-rounds", "4", "--round-ms", "0",
@@ -78,9 +79,12 @@ def test_the_serving_overhead_split_by_its_sink(tmp_path: Path, sink):
     over = json.loads(out.read_text())["serving_overhead"]["2"]
     assert len(over["tokens_per_s_on_runs"]) == len(over["tokens_per_s_off_runs"]) == len(over["capture_ratios"]) == 2
     assert over["publisher_stats"]["sink"] == sink and over["subscriber_received"] is None
-    if sink == "null":
+    if sink in ("null", "wait", "encode"):
         assert over["publisher_stats"]["rounds"] > 0 and over["publisher_stats"]["records"] > 0
-    else:
+    if sink in ("wait", "encode"):
+        assert over["publisher_stats"]["taken"] == over["publisher_stats"]["rounds"]
+        assert (over["publisher_stats"]["bytes_encoded"] > 0) == (sink == "encode")
+    if sink == "busy":
         assert over["publisher_stats"]["neighbours"] == 1
     with pytest.raises(ConfigError, match="serving_sink"):
         main(["bench", "collector", "--serving-sink", "nowhere", "--json", str(out)])
