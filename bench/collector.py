@@ -23,9 +23,9 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         the reader runs at `serving_reader_nice` (the trainer's `--nice`). `serving_sink` splits
         the cost: 'null' stages the rows as capture does and drops every round (the engine's own
         share), 'wait' adds a thread that waits on each round's ready event as the sender does,
-        'encode' has that thread build and encode each round's messages too (the sender's work but
-        the socket), 'busy' runs the 'on' arm uncaptured beside one busy-spinning process (what a
-        busy neighbour costs the engine's thread); publisher - encode is then the socket and reader
+        'encode' has that thread build and encode each round's messages too (the sender's work
+        without the socket, and at once: no host windows), 'busy' runs the 'on' arm uncaptured
+        beside one busy-spinning process (what a busy neighbour costs the engine's thread)
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -441,7 +441,7 @@ class _ThreadSink(_NullSink):
     def __init__(self, encode: bool, wire_dtype: str):
         super().__init__()
         self.encode, self.wire_dtype = encode, wire_dtype
-        self.done = self.bytes = 0
+        self.done = self.bytes = self.errors = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bench-sink", daemon=True)
         self._thread.start()
@@ -452,11 +452,14 @@ class _ThreadSink(_NullSink):
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self.encode:
-                messages, _ = encode_messages(item, self.wire_dtype)
-                self.bytes += sum(frames_nbytes(frames) for frames, _ in messages)
-            elif getattr(item, "ready", None) is not None:
-                item.ready.synchronize()
+            try:
+                if self.encode:
+                    messages, _ = encode_messages(item, self.wire_dtype)
+                    self.bytes += sum(frames_nbytes(frames) for frames, _ in messages)
+                elif getattr(item, "ready", None) is not None:
+                    item.ready.synchronize()
+            except Exception:  # counted, and the arm goes on: a bench figure, never a hang in drain
+                self.errors += 1
             self.done += 1
 
     def drain(self, timeout_s: float) -> bool:
@@ -470,7 +473,7 @@ class _ThreadSink(_NullSink):
         self._thread.join(10)
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "taken": self.done, "bytes_encoded": self.bytes}
+        return {**super().stats(), "taken": self.done, "bytes_encoded": self.bytes, "errors": self.errors}
 
 
 def _spin(conn) -> None:

@@ -84,6 +84,7 @@ def test_the_serving_overhead_split_by_its_sink(tmp_path: Path, sink):
     if sink in ("wait", "encode"):
         assert over["publisher_stats"]["taken"] == over["publisher_stats"]["rounds"]
         assert (over["publisher_stats"]["bytes_encoded"] > 0) == (sink == "encode")
+        assert over["publisher_stats"]["errors"] == 0
     if sink == "busy":
         assert over["publisher_stats"]["neighbours"] == 1
     with pytest.raises(ConfigError, match="serving_sink"):
