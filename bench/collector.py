@@ -35,10 +35,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,21 +44,17 @@ from typing import Any
 import torch
 import zmq
 
+from bench.capture_sinks import SINKS, split_arm
 from bench.common import add_bench_args, quick_overrides, write_report
 from collector.process_publisher import open_publisher
 from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
-from collector.wire import frames_nbytes
-from collector.wire_round import encode_messages
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, config_from_args, config_to_dict, doc
 from online_spec.data import sharegpt_conversations
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
 from serving.engine_config import CAPTURE_SENDERS
-
-SINKS = ("publisher", "null", "wait", "encode", "busy")  # `serving_sink`
-
 
 @dataclass
 class CollectorBenchConfig:
@@ -293,7 +287,7 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
         for i in range(cfg.serving_repeats if cfg.serving_sink != "publisher" else 0):
             if i % 2 == 0:
                 without.append(run_decode(None))
-            tps, arm = _split_arm(cfg.serving_sink, run_decode, ctx, cfg.wire_dtype)
+            tps, arm = split_arm(cfg.serving_sink, run_decode, ctx, cfg.wire_dtype)
             with_pub.append(tps)
             if i % 2 == 1:
                 without.append(run_decode(None))
@@ -407,103 +401,3 @@ def _count_records(endpoint: str, expected: int, conn) -> None:
     sub.close(flush=True)
     conn.send({"records": stats["records"], "malformed": stats["malformed"], "span_rows": rows[0],
                "elapsed_s": (t_last or time.perf_counter()) - (t_first or 0.0)})
-
-
-class _NullSink:
-    """`serving_sink` 'null': takes every request, lets the engine stage each round's rows as for
-    capture (the CaptureRound, and on CUDA the copies into the host ring), and drops the round."""
-
-    def __init__(self):
-        self.rounds = self.records = 0
-
-    def should_capture(self, request_id: str) -> bool:
-        return True
-
-    def submit(self, records) -> None:
-        self.rounds += 1
-        self.records += len(records)
-
-    def end_request(self, request_id: str) -> None:
-        pass
-
-    def drain(self, timeout_s: float) -> bool:
-        return True
-
-    def stats(self) -> dict[str, int]:
-        return {"rounds": self.rounds, "records": self.records}
-
-
-class _ThreadSink(_NullSink):
-    """`serving_sink` 'wait' / 'encode': as 'null', and a thread of the serving process takes each
-    round as the publisher's sender thread does: waits on its ready event ('wait'), or builds and
-    encodes its messages ('encode', which waits first as `CaptureRound` does); nothing is sent."""
-
-    def __init__(self, encode: bool, wire_dtype: str):
-        super().__init__()
-        self.encode, self.wire_dtype = encode, wire_dtype
-        self.done = self.bytes = self.errors = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="bench-sink", daemon=True)
-        self._thread.start()
-
-    def submit(self, records) -> None:
-        super().submit(records)
-        self._queue.put(records)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                if self.encode:
-                    messages, _ = encode_messages(item, self.wire_dtype)
-                    self.bytes += sum(frames_nbytes(frames) for frames, _ in messages)
-                elif getattr(item, "ready", None) is not None:
-                    item.ready.synchronize()
-            except Exception:  # counted, and the arm goes on: a bench figure, never a hang in drain
-                self.errors += 1
-            self.done += 1
-
-    def drain(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.done < self.rounds and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return self.done >= self.rounds
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(10)
-
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), "taken": self.done, "bytes_encoded": self.bytes, "errors": self.errors}
-
-
-def _spin(conn) -> None:
-    """Child process: busy on one core (pure Python, as a sender or reader would be) until told."""
-    conn.send("ready")
-    while not conn.poll():
-        for _ in range(10_000):
-            pass
-
-
-def _split_arm(sink: str, run_decode, ctx, wire_dtype: str = "bfloat16") -> tuple[float, dict]:
-    """The 'on' arm of `serving_sink` 'null', 'wait', 'encode' or 'busy' (see the field): (tokens/s, its counts)."""
-    if sink == "null":
-        null = _NullSink()
-        return run_decode(null), null.stats()
-    if sink in ("wait", "encode"):
-        taker = _ThreadSink(sink == "encode", wire_dtype)
-        try:
-            return run_decode(taker), taker.stats()
-        finally:
-            taker.close()
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_spin, args=(child,), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120) or parent.recv() != "ready":
-            raise RuntimeError("bench busy neighbour did not start")
-        return run_decode(None), {"neighbours": 1}
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()

@@ -216,6 +216,7 @@ def profile_policies(engine, policies: dict, prompts, new_tokens: int, top: int 
 
 
 def main() -> None:
+    from bench.capture_sinks import SINKS
     from serving.engine_config import CAPTURE_SENDERS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -237,7 +238,7 @@ def main() -> None:
                          "(the serving process's side of the cost alone)")
     ap.add_argument("--capture-sender", default="thread", choices=CAPTURE_SENDERS,
                     help="where --capture-overhead's engine sends its capture (EngineConfig.capture_sender)")
-    ap.add_argument("--capture-sink", default="publisher", choices=("publisher", "null", "wait", "encode", "busy"),
+    ap.add_argument("--capture-sink", default="publisher", choices=SINKS,
                     help="what --capture-overhead's 'on' arm adds (bench.collector serving_sink): capture to a "
                          "reader, the rows staged and dropped (null), a thread waiting on each round (wait) or "
                          "encoding it too (encode), or a busy process beside the engine (busy)")
