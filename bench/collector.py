@@ -25,7 +25,10 @@ Measures, through a real ZMQ socket (ipc by default) with realistic records (H=5
         share), 'wait' adds a thread that waits on each round's ready event as the sender does,
         'encode' has that thread build and encode each round's messages too (the sender's work
         without the socket, and at once: no host windows), 'busy' runs the 'on' arm uncaptured
-        beside one busy-spinning process (what a busy neighbour costs the engine's thread)
+        beside one busy-spinning process (what a busy neighbour costs the engine's thread).
+        `serving_reserve` runs both arms with the engine's thread on a core of its own
+        (online_spec/cpu_reserve.py: 'apart', as `serve --reserve-cpu`) or, a diagnostic, every
+        other thread and child on the engine's core ('shared'); `cpu_reserve` reports it
 
     online-spec bench collector --quick --json results/bench_collector.json
 """
@@ -51,6 +54,7 @@ from collector.publisher import CapturePublisher, PublisherConfig
 from collector.subscriber import CaptureSubscriber, SubscriberConfig
 from online_spec.capture import CaptureRecord
 from online_spec.config import check, config_from_args, config_to_dict, doc
+from online_spec.cpu_reserve import MODES, CpuReserve
 from online_spec.data import sharegpt_conversations
 from online_spec.sampling import SamplingParams
 from online_spec.target import load_target
@@ -92,10 +96,16 @@ class CollectorBenchConfig:
     serving_reader_nice: int = doc("niceness of the reader's process in the engine-overhead run, as the trainer's "
                                    "`--nice` sets it (0: the server's own priority, the stricter case; 19: as "
                                    "docs/trainer.md deploys the trainer and the demo and bench e2e run it)", 0)
+    serving_reserve: str = doc("the engine-overhead run's CPU placement: 'off' (the OS's), 'apart' (the engine's "
+                               "thread on a core of its own, every other thread and child process off it: "
+                               "EngineConfig.reserve_cpu) or 'shared' (every other thread and child on the "
+                               "engine's core: what a neighbour there costs)", "off")
 
     def __post_init__(self) -> None:
         check(self.serving_reader in ("subscriber", "socket"), "serving_reader",
               f"must be 'subscriber' or 'socket', got {self.serving_reader!r}")
+        check(self.serving_reserve in ("off",) + MODES, "serving_reserve",
+              f"must be off, apart or shared, got {self.serving_reserve!r}")
         check(self.serving_sink in SINKS, "serving_sink", f"must be one of {SINKS}, got {self.serving_sink!r}")
         check(0 <= self.serving_reader_nice <= 19, "serving_reader_nice",
               f"must be in 0..19, got {self.serving_reader_nice!r}")
@@ -246,7 +256,6 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
     from bench.heads import resolve_head
     from online_spec.checkpoint import load_head
     from online_spec.head import new_head
-    from serving.engine import Engine, EngineConfig
 
     target = load_target(device=cfg.serving_device)
     if cfg.serving_head == "random":
@@ -260,6 +269,23 @@ def measure_engine_overhead(cfg: CollectorBenchConfig, endpoint: str,
     pub_cfg = PublisherConfig(endpoint=endpoint, sample_fraction=1.0, queue_size=4096, send_hwm=4096,
                               wire_dtype=cfg.wire_dtype)
     ctx = mp.get_context("spawn")
+    reserve = None if cfg.serving_reserve == "off" else CpuReserve(mode=cfg.serving_reserve)
+    try:
+        if reserve is not None:
+            reserve.hold()  # this thread runs the engine: its core from here on
+        out = _engine_overhead(cfg, target, head, prompts, sp, pub_cfg, ctx)
+    finally:
+        if reserve is not None:
+            reserve.close()
+    if reserve is not None:
+        for row in out.values():
+            row["cpu_reserve"] = reserve.stats()
+    return out
+
+
+def _engine_overhead(cfg, target, head, prompts, sp, pub_cfg, ctx) -> dict[str, Any]:
+    from serving.engine import Engine, EngineConfig
+
     out = {}
     for batch in cfg.serving_batches:
         n = batch * cfg.serving_waves

@@ -158,6 +158,8 @@ class E2EConfig:
     capture_sender: str = doc("where the capturing configurations' engines send their capture (serve "
                               "--capture-sender): thread (the publisher's sender thread), engine (the engine's "
                               "own thread, before each verify read-back) or process (a child process)", "thread")
+    reserve_cpu: str = doc("every configuration's server keeps a CPU core for its engine thread, the trainer and "
+                           "clients off it (serve --reserve-cpu: off, auto or a CPU)", "off")
     clients_process: bool = doc("the streaming clients run in a process of their own, as a deployment's do "
                                 "(off: in the server's process, sharing its interpreter lock with the engine "
                                 "thread, as before 2026-11-27)", True)
@@ -177,6 +179,8 @@ class E2EConfig:
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
         check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
               f"must be one of {CAPTURE_SENDERS}, got {self.capture_sender!r}")
+        check(self.reserve_cpu in ("off", "auto") or self.reserve_cpu.isdigit(), "reserve_cpu",
+              f"must be off, auto or a CPU number, got {self.reserve_cpu!r}")
         if self.tree:
             self.tree_shape()  # raises naming the field
         self.policy_tree_list()
@@ -231,7 +235,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                     trainer_threads=cfg.trainer_threads, trainer_args=targs, device=cfg.device,
                     trainer_device=cfg.trainer_device, cost_model_store=cost_store, plan_ahead=cfg.plan_ahead,
                     switch_interval_ms=cfg.switch_interval_ms, clients_process=cfg.clients_process,
-                    capture_sender=cfg.capture_sender)
+                    capture_sender=cfg.capture_sender, reserve_cpu=cfg.reserve_cpu)
         guard.check(f"configuration {name!r}")
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)

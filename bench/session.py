@@ -77,6 +77,8 @@ class SessionConfig:
                                     "0 = Python's", 0.0)
     capture_sender: str = doc("where the online server's engine sends its capture (serve --capture-sender): "
                               "thread, engine or process", "thread")
+    reserve_cpu: str = doc("the server's engine thread on a CPU core of its own, every other thread and child "
+                           "process (trainer, clients) off it (serve --reserve-cpu): off, auto or a CPU", "off")
     clients_process: bool = doc("the streaming clients run in a process of their own (bench.traffic."
                                 "replay_in_child), as a deployment's do; off: in the server's process, whose "
                                 "interpreter lock their Python then shares with the engine thread", True)
@@ -205,7 +207,7 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
         engine_cfg = EngineConfig(max_batch=cfg.max_batch, num_steps=0 if plain else max(cfg.num_steps, 1),
                                   max_steps=max(7, cfg.num_steps), speculative_eagle_topk=1 if plain else cfg.eagle_topk,
                                   speculative_num_draft_tokens=0 if plain else cfg.num_draft_tokens,
-                                  capture_sender=cfg.capture_sender)
+                                  capture_sender=cfg.capture_sender, reserve_cpu=cfg.reserve_cpu)
         publisher = None
         if cfg.online:
             publisher = open_publisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"), cfg.capture_sender)

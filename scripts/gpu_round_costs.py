@@ -242,6 +242,9 @@ def main() -> None:
                     help="what --capture-overhead's 'on' arm adds (bench.collector serving_sink): capture to a "
                          "reader, the rows staged and dropped (null), a thread waiting on each round (wait) or "
                          "encoding it too (encode), or a busy process beside the engine (busy)")
+    ap.add_argument("--capture-reserve", default="off", choices=("off", "apart", "shared"),
+                    help="--capture-overhead's CPU placement (bench.collector serving_reserve): the OS's, the "
+                         "engine's thread on a core of its own (apart), or every other thread on its core (shared)")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")
@@ -293,10 +296,12 @@ def main() -> None:
             cap = measure_engine_overhead(CollectorBenchConfig(
                 serving_device=args.device, serving_repeats=5, serving_head=args.capture_head,
                 serving_reader=args.capture_reader, serving_sender=args.capture_sender, serving_sink=args.capture_sink,
+                serving_reserve=args.capture_reserve,
                 serving_batches=[int(b) for b in args.capture_batches.split(",")]),
                 f"ipc://{tmp}/serve.sock", prompts=prompts)
         out["capture_overhead"] = cap
-        print("capture overhead %:", {b: round(r["overhead_pct"], 1) for b, r in cap.items()}, flush=True)
+        print("capture overhead %:", {b: round(r["overhead_pct"], 1) for b, r in cap.items()},
+              "tok/s off:", {b: round(r["tokens_per_s_capture_off"], 1) for b, r in cap.items()}, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 

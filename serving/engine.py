@@ -28,6 +28,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -69,6 +70,9 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.cuts = c.cuts_on(target.device)  # ask the policy's in-round early stop / verify cut
         # around the blocking read-backs: the publisher and a planned policy run there (online_spec/host_window.py)
         self.window = HostWindow() if c.windows_on(target.device) else None
+        self.cpus = c.cpu_reserve(target.device)  # the engine thread's own core, taken on its first round
+        if self.cpus is not None:
+            weakref.finalize(self, self.cpus.close)
         self.publisher = publisher
         follow(self.policy, self.window)
         self.head: EagleHead | None = None
@@ -195,6 +199,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
     # -- one round --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.cpus is not None:
+            self.cpus.hold()
         # a swap that lands while idle is reported with the next round
         swapped = self._apply_pending_swap() or self._swap_unreported
         self._swap_unreported = False

@@ -1,15 +1,18 @@
 """The embedded engine's settings (`EngineConfig`): batch and length limits, K, the tree shape
-(SGLang's flags), CUDA graphs, the queue, staged swaps and the policy's in-round cuts. `serve`
-derives its engine flags from these fields; serving/engine.py runs them.
+(SGLang's flags), CUDA graphs, the queue, staged swaps, the policy's in-round cuts and the
+engine thread's CPU core. `serve` derives its engine flags from these fields; serving/engine.py
+runs them.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from online_spec.config import check, doc
+from online_spec.config import ConfigError, check, doc
+from online_spec.cpu_reserve import CpuReserve
 from online_spec.tree import TreeShape
 
 
@@ -52,6 +55,11 @@ class EngineConfig:
                               "interpreter lock) or 'process' (a child process encodes and sends, reading the rows "
                               "from shared host slots the engine copies into: collector/process_publisher.py)",
                               "thread")
+    reserve_cpu: str = doc("keep one CPU core for the engine's thread (online_spec/cpu_reserve.py): its thread "
+                           "pinned to one CPU, every other thread of the server and its child processes (capture "
+                           "sender, ZMQ I/O, planner) moved off that core every 0.2 s: off, a CPU number, or "
+                           "auto = the highest-numbered CPU on a CUDA device when the process may use 4 CPUs or "
+                           "more, else off (a CPU engine's torch threads need every core)", "off")
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
@@ -66,6 +74,8 @@ class EngineConfig:
               f"must be auto, on or off, got {self.host_windows!r}")
         check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
               f"must be one of {CAPTURE_SENDERS}, got {self.capture_sender!r}")
+        check(self.reserve_cpu in ("off", "auto") or self.reserve_cpu.isdigit(), "reserve_cpu",
+              f"must be off, auto or a CPU number, got {self.reserve_cpu!r}")
         check(isinstance(self.speculative_eagle_topk, int) and self.speculative_eagle_topk >= 1,
               "speculative_eagle_topk", f"must be an int >= 1, got {self.speculative_eagle_topk!r}")
         check(self.speculative_num_draft_tokens >= 0, "speculative_num_draft_tokens", "must be >= 0")
@@ -100,3 +110,16 @@ class EngineConfig:
     def cuts_on(self, device: torch.device) -> bool:
         """Whether rounds on `device` ask the policy's in-round cuts (`in_round_cuts`)."""
         return self.in_round_cuts == "on" or (self.in_round_cuts == "auto" and device.type != "cuda")
+
+    def cpu_reserve(self, device: torch.device) -> CpuReserve | None:
+        """The engine thread's `CpuReserve` on `device` (`reserve_cpu`), or None."""
+        if self.reserve_cpu == "off":
+            return None
+        if self.reserve_cpu == "auto":
+            if device.type != "cuda" or len(os.sched_getaffinity(0)) < 4:
+                return None
+            return CpuReserve()
+        try:
+            return CpuReserve(int(self.reserve_cpu))
+        except ValueError as e:
+            raise ConfigError(f"reserve_cpu: {e}") from None

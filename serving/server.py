@@ -250,6 +250,7 @@ class SpecServer:
             "drift": None if self.drift is None else self.drift.info(),
             "trainer_alerts": self.trainer_alerts[-10:],
             "head_bank": None if self.bank is None else self.bank.info(),
+            "cpu_reserve": None if e.cpus is None else e.cpus.stats(),
             "cuda_graphs": None if e.graphs is None else {"captured": e.graphs.captures,
                                                           "capture_failures": e.graphs.capture_failures,
                                                           "warmup": self.graph_warmup},
@@ -278,6 +279,8 @@ class SpecServer:
         if self.control is not None:
             self.control.close()
         self.loop.close()
+        if self.engine.cpus is not None:  # the engine thread's core back to every thread
+            self.engine.cpus.close()
         if self.engine.publisher is not None and hasattr(self.engine.publisher, "close"):
             self.engine.publisher.close()
         if self.drift is not None:
