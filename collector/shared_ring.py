@@ -7,7 +7,10 @@ the sender process (`SlotReader`). On CUDA each slot is page-locked in place
 pinned memory. A slot is busy from the round's submit (`mark`) until the sender process has
 encoded it (`SlotReader.free`) or the publisher dropped the round (`free`): a byte per slot in a
 shared control file, which also carries the sender's counters (`COUNTERS`), so neither side
-sends the other a message to learn them. With every slot busy a round is copied into a scratch
+sends the other a message to learn them. The serving process holds a shared `flock` on its
+control file while the ring lives: that lock, not the pid in the files' names, tells a later
+ring (`remove_stale`) whether the files' owner is gone, so a serving process in another pid
+namespace sharing /dev/shm, or a pid reused since, is judged by what the kernel knows. With every slot busy a round is copied into a scratch
 slot that is never sent (`overflow_id` None), and the publisher counts it dropped: the sender
 process reads only shared slots, and fresh pinned memory would cost the decode path an
 allocation.
@@ -22,10 +25,12 @@ allocation.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -38,6 +43,7 @@ PUB_COUNTERS = ("sent", "messages_sent", "dropped_hwm", "dropped_no_subscriber",
                 "end_markers_sent", "end_markers_dropped", "send_errors", "dropped_queue_full")  # its publisher's
 COUNTERS = ("items_done", "records_done", "subscribed", *PUB_COUNTERS)
 PREFIX = "online-spec-capture-"  # then the serving process's pid
+NEW_GRACE_S = 60.0  # an unlocked control file under its private name this young may be being made
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -67,7 +73,16 @@ class _Control:
 
     def __init__(self, path: str, max_slots: int, create: bool):
         off, size = _control_bytes(max_slots)
-        self.path, self.mm = path, _map(path, size, create)
+        self.lock_fd = None
+        if create:  # made under a private name, locked, then renamed: no moment where it is unlocked
+            tmp = f"{path}.{os.getpid()}.new"
+            self.mm = _map(tmp, size, create=True)
+            self.lock_fd = os.open(tmp, os.O_RDONLY)
+            fcntl.flock(self.lock_fd, fcntl.LOCK_SH)
+            os.rename(tmp, path)
+        else:
+            self.mm = _map(path, size, create=False)
+        self.path = path
         self.busy = np.frombuffer(self.mm, dtype=np.uint8, count=max_slots)
         self.counters = np.frombuffer(self.mm, dtype=np.int64, count=len(COUNTERS), offset=off)
 
@@ -91,17 +106,47 @@ def _register(t: torch.Tensor, path: str) -> bool:
     return True
 
 
+def owner_alive(control_path: str) -> bool:
+    """Whether a live process holds `control_path`'s lock (a ring's owner, for as long as the ring
+    lives). False for a file nobody has locked, or one that is gone."""
+    try:
+        fd = os.open(control_path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own lock, if it got one
+    return False
+
+
 def remove_stale(directory: str) -> int:
-    """Remove this user's slot and control files left by serving processes that are gone (killed
-    before `close`); returns how many. Run when a ring is made."""
+    """Remove this user's slot and control files whose ring's owner is gone (killed before
+    `close`): an owner is alive while it holds its control file's lock (`owner_alive`); slot files
+    whose control file is missing belong to a ring that closed or died. A control file under its
+    private `.new` name is left to its maker while locked or younger than `NEW_GRACE_S`. Returns
+    how many files went. Run when a ring is made."""
+    names = [n for n in os.listdir(directory) if n.startswith(PREFIX)]
+    alive = {n[:-len(".ctl")] for n in names
+             if n.endswith(".ctl") and owner_alive(os.path.join(directory, n))}
     removed = 0
-    for name in os.listdir(directory):
-        if not name.startswith(PREFIX):
-            continue
-        pid = name[len(PREFIX):].split("-", 1)[0]
+    for name in names:
         path = os.path.join(directory, name)
+        if name.endswith(".ctl"):
+            owner = name[:-len(".ctl")]
+        elif name.endswith(".slot"):
+            owner = name[:-len(".slot")].rsplit("-", 1)[0]
+        elif name.endswith(".new"):  # a control file before its maker renames it: judged by its own lock
+            owner = ""
+        else:
+            continue
         try:
-            if not pid.isdigit() or os.path.exists(f"/proc/{pid}") or os.stat(path).st_uid != os.getuid():
+            st = os.stat(path)
+            if owner in alive or st.st_uid != os.getuid():
+                continue
+            if not owner and (time.time() - st.st_mtime < NEW_GRACE_S or owner_alive(path)):
                 continue
             os.unlink(path)
             removed += 1
@@ -117,10 +162,9 @@ class SharedRing(HostRing):
     def __init__(self, *, pin: bool, max_slots: int = 32, directory: str = ""):
         super().__init__(pin=pin, max_slots=max_slots)
         self.dir = directory or _shm_dir()
-        if os.path.isdir("/proc/self"):
-            n = remove_stale(self.dir)
-            if n:
-                log.info("shared capture slots: removed %d files of serving processes that are gone", n)
+        n = remove_stale(self.dir)
+        if n:
+            log.info("shared capture slots: removed %d files of serving processes that are gone", n)
         self.prefix = f"{PREFIX}{os.getpid()}-{id(self):x}"
         self.control_path = os.path.join(self.dir, self.prefix + ".ctl")
         self.control = _Control(self.control_path, max_slots, create=True)
@@ -211,6 +255,9 @@ class SharedRing(HostRing):
             os.unlink(self.control_path)
         except OSError:
             pass
+        if self.control.lock_fd is not None:
+            os.close(self.control.lock_fd)
+            self.control.lock_fd = None
 
 
 def _dtype_name(dt: torch.dtype) -> str:

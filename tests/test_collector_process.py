@@ -11,6 +11,7 @@ import glob
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -28,6 +29,7 @@ from serving.engine import Engine, EngineConfig
 from serving.requests import Request
 
 DEADLINE_S = 30.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = {"r0": [5, 9, 33, 7], "r1": [1, 2, 3, 4, 5, 6], "r2": [100, 200, 300]}
 
 
@@ -185,17 +187,68 @@ def test_shared_slots_are_busy_until_freed_grow_by_a_new_file_and_overflow_to_sc
     assert ring.last is None and os.listdir(tmp_path) == []
 
 
-def test_files_of_a_serving_process_that_is_gone_are_removed_when_a_ring_is_made(tmp_path):
+OWNER = """
+import sys, torch
+from collector.shared_ring import SharedRing
+ring = SharedRing(pin=False, max_slots=2, directory=sys.argv[1])
+ring.stage(torch.randn(1, 3, 12), torch.randn(1, 3, 4))
+print(ring.prefix, flush=True)
+sys.stdin.read()  # lives until the test closes stdin or kills it
+"""
+
+
+def _rename_owner(directory, prefix: str, fake: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith(prefix):
+            os.rename(os.path.join(directory, name), os.path.join(directory, fake + name[len(prefix):]))
+
+
+def test_a_live_rings_files_are_kept_whatever_pid_they_name_and_a_killed_ones_removed(tmp_path):
+    """Liveness is the control file's lock, held by the ring's process: a serving process in
+    another pid namespace sharing /dev/shm names a pid that means nothing here (simulated: a real
+    second process's files renamed to carry a pid that is gone); once it is killed, its files go."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (tmp_path / f"{PREFIX}{gone.pid}-1f-3.slot").write_bytes(b"x")
-    (tmp_path / f"{PREFIX}{gone.pid}-1f.ctl").write_bytes(b"x")
-    mine = tmp_path / f"{PREFIX}{os.getpid()}-2e-1.slot"  # a live process's: kept
-    mine.write_bytes(b"x")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        prefix = owner.stdout.readline().strip()
+        assert prefix.startswith(PREFIX), prefix
+        fake = f"{PREFIX}{gone.pid}-{prefix.rsplit('-', 1)[1]}"
+        _rename_owner(tmp_path, prefix, fake)  # the lock stays with the file: a rename keeps the inode
+        theirs = sorted(os.listdir(tmp_path))
+        assert theirs == [f"{fake}-1.slot", f"{fake}.ctl"]
+        ring = SharedRing(pin=False, max_slots=1, directory=str(tmp_path))
+        assert set(theirs) <= set(os.listdir(tmp_path))  # alive: nothing of it removed
+        ring.close()
+        owner.kill()
+        owner.wait()
+        ring = SharedRing(pin=False, max_slots=1, directory=str(tmp_path))
+        assert os.listdir(tmp_path) == [os.path.basename(ring.control_path)]  # killed: every file of it gone
+        ring.close()
+        assert os.listdir(tmp_path) == []
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_files_nobody_holds_are_removed_even_under_a_live_pid(tmp_path):
+    """A pid reused since (here: this process's own pid) keeps nothing alive: files whose control
+    file nobody has locked, and slot files with no control file, go; another program's files and
+    a control file still being made (its private name, young) stay."""
+    me = f"{PREFIX}{os.getpid()}-2e"
+    (tmp_path / f"{me}.ctl").write_bytes(b"x")
+    (tmp_path / f"{me}-1.slot").write_bytes(b"x")
+    (tmp_path / f"{PREFIX}{os.getpid()}-3f-2.slot").write_bytes(b"x")  # its control file is gone
     other = tmp_path / "unrelated.slot"
     other.write_bytes(b"x")
+    making = tmp_path / f"{PREFIX}{os.getpid()}-4a.ctl.{os.getpid()}.new"
+    making.write_bytes(b"x")
+    left = tmp_path / f"{PREFIX}{os.getpid()}-5b.ctl.{os.getpid()}.new"  # a maker that died before its rename
+    left.write_bytes(b"x")
+    os.utime(left, (time.time() - 3600, time.time() - 3600))
     ring = SharedRing(pin=False, max_slots=1, directory=str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name, os.path.basename(ring.control_path)])
+    assert sorted(os.listdir(tmp_path)) == sorted([other.name, making.name, os.path.basename(ring.control_path)])
     ring.close()
 
 
