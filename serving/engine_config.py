@@ -59,7 +59,9 @@ class EngineConfig:
                            "pinned to one CPU, every other thread of the server and its child processes (capture "
                            "sender, ZMQ I/O, planner) moved off that core every 0.2 s: off, a CPU number, or "
                            "auto = the highest-numbered CPU on a CUDA device when the process may use 4 CPUs or "
-                           "more, else off (a CPU engine's torch threads need every core)", "off")
+                           "more, else off (a CPU engine's torch threads need every core). Off by default: on an "
+                           "H200 the OS already kept busy threads off the engine's CPU, and capture cost the same "
+                           "with the reserve as without (docs/engine.md)", "off")
 
     def __post_init__(self):
         check(self.max_batch >= 1, "max_batch", "must be >= 1")
