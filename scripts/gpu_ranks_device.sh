@@ -24,6 +24,7 @@
 #      BATCH_TOKENS="4096 16384" (rows a step: strong's whole step, weak's per rank),
 #      MODES, STEPS, WARMUP, ROWS (the buffer; at most the 70,518 of tokens.json), REPEATS)
 # On one GPU: SKIP_RANKS=1 TRAINER_DEVICE=cuda (the trainer colocated with the server).
+# This machine's side (building .gpu/a-c, moving the results and heads out and back): scripts/gpu_prep.sh.
 set -o pipefail
 W=/tmp/w CODE=/tmp/code
 export PYTHONPATH=$CODE:/tmp/site ONLINE_SPEC_CACHE=/tmp/osc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
