@@ -70,6 +70,17 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _threads() -> list[int]:
+    """Thread ids of this process and of every process below it."""
+    me, out = os.getpid(), []
+    for pid in [me] + _descendants(me):
+        try:
+            out.extend(map(int, os.listdir(f"/proc/{pid}/task")))
+        except OSError:
+            continue
+    return out
+
+
 class CpuReserve:
     """One CPU core kept for the calling engine thread (see the module docstring)."""
 
@@ -118,15 +129,8 @@ class CpuReserve:
     def sweep(self) -> int:
         """Move every thread but the engine's, and the descendants' threads, to `others`; -> threads moved."""
         moved = 0
-        me = os.getpid()
-        for pid in [me] + _descendants(me):
-            try:
-                tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:
-                continue
-            for t in map(int, tids):
-                if t == self.tid:
-                    continue
+        for t in _threads():
+            if t != self.tid:
                 moved += self._set(t, self.others)
         self.sweeps += 1
         self.moved += moved
@@ -155,14 +159,8 @@ class CpuReserve:
             self._stop.set()
         if self._sweeper is not None:
             self._sweeper.join(5)
-        me = os.getpid()
-        for pid in [me] + _descendants(me):
-            try:
-                tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:
-                continue
-            for t in map(int, tids):
-                self._set(t, self.allowed)
+        for t in _threads():
+            self._set(t, self.allowed)
 
     def stats(self) -> dict:
         return {"mode": self.mode, "engine_cpu": self.cpu, "reserved": sorted(self.reserved),
