@@ -10,10 +10,10 @@ shared control file, which also carries the sender's counters (`COUNTERS`), so n
 sends the other a message to learn them. The serving process holds a shared `flock` on its
 control file while the ring lives: that lock, not the pid in the files' names, tells a later
 ring (`remove_stale`) whether the files' owner is gone, so a serving process in another pid
-namespace sharing /dev/shm, or a pid reused since, is judged by what the kernel knows. With every slot busy a round is copied into a scratch
-slot that is never sent (`overflow_id` None), and the publisher counts it dropped: the sender
-process reads only shared slots, and fresh pinned memory would cost the decode path an
-allocation.
+namespace sharing /dev/shm, or a pid reused since, is judged by what the kernel knows. With
+every slot busy a round is copied into a scratch slot that is never sent (`overflow_id` None),
+and the publisher counts it dropped: the sender process reads only shared slots, and fresh
+pinned memory would cost the decode path an allocation.
 
     ring = SharedRing(pin=torch.cuda.is_available())
     f, h, ev = ring.stage(feats, final)         # engine; ring.last is the slot

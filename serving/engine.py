@@ -28,7 +28,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Callable
 
@@ -70,9 +69,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.cuts = c.cuts_on(target.device)  # ask the policy's in-round early stop / verify cut
         # around the blocking read-backs: the publisher and a planned policy run there (online_spec/host_window.py)
         self.window = HostWindow() if c.windows_on(target.device) else None
-        self.cpus = c.cpu_reserve(target.device)  # the engine thread's own core, taken on its first round
-        if self.cpus is not None:
-            weakref.finalize(self, self.cpus.close)
+        self.cpus = c.cpu_reserve(target.device, owner=self)  # the engine thread's core, from its first round
         self.publisher = publisher
         follow(self.policy, self.window)
         self.head: EagleHead | None = None

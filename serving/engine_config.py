@@ -7,6 +7,7 @@ runs them.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -113,15 +114,20 @@ class EngineConfig:
         """Whether rounds on `device` ask the policy's in-round cuts (`in_round_cuts`)."""
         return self.in_round_cuts == "on" or (self.in_round_cuts == "auto" and device.type != "cuda")
 
-    def cpu_reserve(self, device: torch.device) -> CpuReserve | None:
-        """The engine thread's `CpuReserve` on `device` (`reserve_cpu`), or None."""
+    def cpu_reserve(self, device: torch.device, owner: object = None) -> CpuReserve | None:
+        """The engine thread's `CpuReserve` on `device` (`reserve_cpu`), or None; closed when `owner`
+        (the engine) is collected, if given."""
         if self.reserve_cpu == "off":
             return None
         if self.reserve_cpu == "auto":
             if device.type != "cuda" or len(os.sched_getaffinity(0)) < 4:
                 return None
-            return CpuReserve()
-        try:
-            return CpuReserve(int(self.reserve_cpu))
-        except ValueError as e:
-            raise ConfigError(f"reserve_cpu: {e}") from None
+            reserve = CpuReserve()
+        else:
+            try:
+                reserve = CpuReserve(int(self.reserve_cpu))
+            except ValueError as e:
+                raise ConfigError(f"reserve_cpu: {e}") from None
+        if owner is not None:
+            weakref.finalize(owner, reserve.close)
+        return reserve
