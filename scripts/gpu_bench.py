@@ -12,7 +12,8 @@ SmolLM2 GGUF travels in parts (docs/engine.md, "GPU", says how):
 
 What it does, in order (each part's JSON is written as soon as it is done):
 1. graphs_exact: fp32 target and the shipped head; for K 0/3/7 and batch 1/4/8 the engine with
-   CUDA graphs against the same engine eager, greedy, token for token (must be identical).
+   CUDA graphs against the same engine eager, greedy, token for token (must be identical), and
+   each K's graphed output against plain decoding's (K = 0) at the same batch (lossless).
 2. bench engine (`bench.engine.run_bench`, shipped head, bf16): graphed and eager plain
    step, cost ratios, tokens/s per batch and K, HF generate, the lossless matrix (graphed).
 3. bench swap (`bench.swap.measure`): the real server with its control endpoint on the
@@ -64,7 +65,8 @@ def graphs_exact(prompts: list[list[int]], head_dir: str, device: str, n_tokens:
     head, _ = load_head(head_dir, t32.info, dtype=torch.float32)
     head = head.to(t32.device)
     sp = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
-    cases, ok = [], True
+    cases, ok, plain = [], True, {}  # plain[b]: K = 0's graphed outputs at batch b
+    lossless = True
     for K in steps:
         for b in batches:
             ps = prompts[:b]
@@ -77,10 +79,14 @@ def graphs_exact(prompts: list[list[int]], head_dir: str, device: str, n_tokens:
                     caps, fails = eng.graphs.captures, eng.graphs.capture_failures
             same = outs[True] == outs[False]
             ok &= same
+            if K == 0:
+                plain[b] = outs[True]
+            as_plain = outs[True] == plain[b] if b in plain else None  # spec decoding == plain decoding
+            lossless &= as_plain is not False
             cases.append({"K": K, "batch": b, "prompts": len(ps), "graphs_captured": caps,
-                          "capture_failures": fails, "identical": same})
+                          "capture_failures": fails, "identical": same, "equals_plain": as_plain})
             log.info("graphs vs eager K=%d batch=%d: identical=%s (%d graphs)", K, b, same, caps)
-    return {"graphs_identical_to_eager": bool(ok), "dtype": "float32", "tokens_per_prompt": n_tokens,
+    return {"graphs_identical_to_eager": bool(ok), "spec_equals_plain": bool(lossless), "dtype": "float32", "tokens_per_prompt": n_tokens,
             "cuda": t32.device.type == "cuda", "cases": cases}
 
 
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         r = graphs_exact(ep, head_dir, args.device, 8 if tiny else 64,
                          batches=(1, 2) if tiny else (1, 4, 8), steps=(0, 3) if tiny else (0, 3, 7))
         save(args.out, "gpu_graphs_exact.json", r, argv)
-        ok &= r["graphs_identical_to_eager"]
+        ok &= r["graphs_identical_to_eager"] and r["spec_equals_plain"]
     if "engine" in parts:
         kw = dict(new_tokens=4, repeats=1, batch_sizes=[1, 2], steps=[1], ctx_len=32, lossless_prompts=2,
                   lossless_tokens=4) if tiny else {}

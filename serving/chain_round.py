@@ -5,9 +5,12 @@
 after the draft cache's catch-up, each on the previous step's token and hidden state, and asks
 the policy (where it declares `early_stop` and the engine's `in_round_cuts` let it) whether one
 more step pays; a greedy batch with no such check keeps its drafts on the device and reads them
-back once a round (`_draft_greedy`). `_accept_chain` takes the verify's logits and commits the
-accepted prefix and the target's next token. The verify itself, one target forward over [last
-committed token, drafts], stays in `Engine.step`.
+back once a round (`_draft_greedy`): on a GPU with no verify cut to choose (`keep_drafts`), that
+read-back waits for the verify and comes with its argmax, so the verify is queued behind the draft
+chain without the host waiting in between. `_verify_tokens` builds the verify's input [last
+committed token, drafts] where the drafts are; `_accept_chain` takes the verify's logits and
+commits the accepted prefix and the target's next token. The verify itself, one target forward,
+stays in `Engine.step`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import torch
 
 from online_spec.capture import CaptureRound, RoundRow
+from online_spec.host_window import upload
 from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import accept_sampled, probs_from_logits
 from serving.capture_rows import RowStaging
@@ -26,9 +30,14 @@ from serving.requests import Request
 class ChainRounds(RowStaging):
     """Drafting and accepting chains; mixed into `Engine`."""
 
+    # whether a greedy chain's drafts stay on the device until the verify's read-back (None: on a
+    # CUDA device); a policy that cuts the verify reads them before it, so they come back then
+    keep_drafts: bool | None = None
+
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],
-        full-vocab draft distributions per request (sampling requests only))."""
+        full-vocab draft distributions per request (sampling requests only), kept): kept, the
+        drafts and probs are still on the device, read back by `_accept_chain`."""
         head, B = self.head, len(reqs)
         logits, hidden = self._extend_draft(tlen)  # [B, Vd], [B, H] at the last committed row
         # the early stop is asked after every step but the last; a policy that cuts the verify too
@@ -36,7 +45,8 @@ class ChainRounds(RowStaging):
         tally = self.policy.early_stop and self.policy.truncates and self.cuts
         stops = tally or (self.policy.early_stop and self.cuts and K > 1)
         if not stops and all(r.params.greedy for r in reqs):
-            return self._draft_greedy(tlen, K, logits, hidden)
+            keep = self.target.device.type == "cuda" if self.keep_drafts is None else self.keep_drafts
+            return self._draft_greedy(tlen, K, logits, hidden, keep and not (self.policy.truncates and self.cuts))
         # per step, each request's draft and its probability as Python values: the drafts are
         # read back once a step anyway (the next step embeds them, the policy reads the
         # probabilities), and [B, K] tensors are built once at the end, not element by element
@@ -95,33 +105,53 @@ class ChainRounds(RowStaging):
         probs = torch.tensor(prob_steps, dtype=torch.float32).T.contiguous()
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them
             self.dcache.lengths[b] = tlen[b]
-        return drafts, probs, q_full
+        return drafts, probs, q_full, False
 
-    def _draft_greedy(self, tlen: list[int], K: int, logits: torch.Tensor, hidden: torch.Tensor):
+    def _draft_greedy(self, tlen: list[int], K: int, logits: torch.Tensor, hidden: torch.Tensor, keep: bool):
         """`_draft` for a greedy batch that no early stop interrupts: the K steps' drafts and
         probabilities stay on the device (each step embeds the previous step's argmax where it
         is) and are read back once, together, after the last step; with CUDA graphs the K steps
         are one replay (`CudaGraphs.draft_chain`: on an H100 the step-by-step launches kept the
         draft stage host-bound, ~0.5 ms a step). The same drafts as the step-by-step loop: the
-        argmax of the same softmax, its probability gathered alike."""
+        argmax of the same softmax, its probability gathered alike. keep: no read-back here."""
         head, B, dev = self.head, len(tlen), self.target.device
         if self.graphs is not None:  # all K steps in one graph replay
             toks_k, probs_k = self.graphs.draft_chain(head, self.dcache, logits, hidden, tlen, K)
         else:
             toks_k, probs_k = head.greedy_chain(self.target.embed_tokens, self.target.rope, self.dcache, logits,
                                                 hidden, K, lambda j: AttentionBatch([t + j - 1 for t in tlen], 1, dev))
-        # one read-back: target ids (< 2^24, exact in float32) beside their probabilities
-        both = self._host(torch.cat([toks_k.float(), probs_k.float()], 1))
         for b in range(B):  # speculative rows are dropped; the next extend rewrites them
             self.dcache.lengths[b] = tlen[b]
-        return both[:, :K].long().contiguous(), both[:, K:].contiguous(), None
+        if keep:
+            return toks_k.long(), probs_k.float(), None, True
+        # one read-back: target ids (< 2^24, exact in float32) beside their probabilities
+        both = self._host(torch.cat([toks_k.float(), probs_k.float()], 1))
+        return both[:, :K].long().contiguous(), both[:, K:].contiguous(), None, False
 
-    def _accept_chain(self, reqs, tlen, lens, drafts, draft_probs, q_full, logits, feats, final):
-        """3) accept, 4) commit, 5) capture for a chain. Returns (accepted, records, outputs):
-        records, a `CaptureRound` of the sampled requests' committed rows, built off this thread."""
+    def _verify_tokens(self, tlen: list[int], drafts: torch.Tensor, kept: bool) -> torch.Tensor:
+        """The verify's input [B, K+1]: each slot's last committed token, then its drafts; on the
+        device beside kept drafts (the tokens go up without waiting for the device), else on the host."""
+        last = self.tok_buf[:len(tlen)].gather(1, torch.tensor(tlen)[:, None])
+        if kept:
+            return torch.cat([upload(last, drafts.device), drafts], dim=1)
+        return torch.cat([last, drafts], dim=1)
+
+    def _accept_chain(self, reqs, tlen, lens, drafts, draft_probs, q_full, logits, feats, final, kept=False):
+        """3) accept, 4) commit, 5) capture for a chain. Returns (accepted, records, outputs,
+        draft_probs on the host): records, a `CaptureRound` of the sampled requests' committed
+        rows, built off this thread. kept: the drafts are on the device (a greedy batch), read back
+        with the verify's argmax in one copy."""
         B, T = len(reqs), feats.shape[1]
         accepted, rows, index, round_outs = [], [], [], []
-        greedy_choice = self._host(logits.argmax(-1), long=True) if any(r.params.greedy for r in reqs) else None
+        if kept:  # ids < 2^24 are exact in float32, beside the probabilities
+            k = drafts.shape[1]
+            host = self._host(torch.cat([logits.argmax(-1).float(), drafts.float(), draft_probs], 1), long=True)
+            greedy_choice = host[:, :k + 1].long()
+            drafts, draft_probs = host[:, k + 1:2 * k + 1].long().contiguous(), host[:, 2 * k + 1:].contiguous()
+        elif any(r.params.greedy for r in reqs):
+            greedy_choice = self._host(logits.argmax(-1), long=True)
+        else:
+            greedy_choice = None
         if greedy_choice is None and self._pump is not None:  # no verify read-back (`_host` pumps before one):
             self._pump()  # the capture kept for this round goes out before the sampled accept
         for b, r in enumerate(reqs):
@@ -152,4 +182,4 @@ class ChainRounds(RowStaging):
             f, h, row_index, ready = self._stage_rows(feats, final, index)
             records = CaptureRound(rows, f, h, row_index=row_index, drafts=drafts, draft_probs=draft_probs,
                                    batch_size=B, draft_version=self.head_version, ready=ready)
-        return accepted, records, round_outs
+        return accepted, records, round_outs, draft_probs

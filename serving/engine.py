@@ -246,11 +246,11 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             # 1) draft: catch the draft cache up on committed features, then up to K chained steps
             #    (fewer when the policy predicts the next step does not pay).
             q_full: list[torch.Tensor] | None = None
-            if K > 0:
-                drafts, draft_probs, q_full = self._draft(reqs, tlen, K, ctx)
+            if K > 0:  # kept: a greedy chain's drafts still on the device (serving/chain_round.py)
+                drafts, draft_probs, q_full, kept = self._draft(reqs, tlen, K, ctx)
                 K = drafts.shape[1]
             else:
-                drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0)
+                drafts, draft_probs, kept = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0), False
                 if self.head is not None and self.graphs is not None:
                     # keep the draft cache caught up through plain rounds, one graphed head row a
                     # request: the round that drafts again would otherwise catch up every row
@@ -261,22 +261,20 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
             # length for the batch: a request cut shorter than the rest would save nothing.
             lens, drafted = [K] * B, K
-            confidences = draft_probs.numpy()  # [B, K] on the host already: the policy reads it, no copy
-            if K > 0 and self.policy.truncates and self.cuts:
-                tp = time.perf_counter_ns()
-                lens = self.policy.verify_lengths(confidences, ctx, padded=True)
+            if K > 0 and self.policy.truncates and self.cuts:  # the drafts came back (`_draft`)
+                tp = time.perf_counter_ns()  # [B, K] on the host: the policy reads it, no copy
+                lens = self.policy.verify_lengths(draft_probs.numpy(), ctx, padded=True)
                 self._policy_ns += time.perf_counter_ns() - tp
                 lens = lens if max(lens) <= K else [min(K, n) for n in lens]  # never more than drafted
                 K = max(lens)
                 drafts, draft_probs = drafts[:, :K], draft_probs[:, :K]
-                confidences = confidences[:, :K]
             t2 = time.perf_counter()
             tl.mark("draft")
             captures.append(self._captures())
 
             # 2) verify: the last committed token and the K drafts, at positions tlen..tlen+K, in one
             #    target forward over the KV cache. tokens [B, K+1] -> logits [B, K+1, V].
-            tokens = torch.cat([self.tok_buf[:B].gather(1, torch.tensor(tlen)[:, None]), drafts], dim=1)
+            tokens = self._verify_tokens(tlen, drafts, kept)
             if self.graphs is not None:
                 logits, feats, final = self.graphs.target_forward(tokens, tlen, self.tcache)
             else:
@@ -285,8 +283,9 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             tl.mark("verify")
 
             # 3) accept, 4) commit, 5) capture
-            accepted, records, round_outs = self._accept_chain(reqs, tlen, lens, drafts, draft_probs, q_full,
-                                                               logits, feats, final)
+            accepted, records, round_outs, draft_probs = self._accept_chain(reqs, tlen, lens, drafts, draft_probs,
+                                                                            q_full, logits, feats, final, kept)
+            confidences = draft_probs.numpy()  # [B, K] on the host
             verified = K + 1
         t3 = time.perf_counter()
         tl.mark("accept")

@@ -12,7 +12,7 @@ divergence is checked against that rule and counted.
 import pytest
 import torch
 
-from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy
+from online_spec.controller import AdaptiveConfig, CostModel, CostModelPolicy, StaticSteps
 from online_spec.head import new_head
 from online_spec.sampling import SamplingParams
 from serving.engine import Engine, EngineConfig
@@ -86,6 +86,44 @@ def test_shipped_head_accepts_drafts_and_keeps_output(smol_fp32, prompts, refere
     eng.on_round.append(lambda s, o: accepted.extend(s.accepted))
     assert eng.generate(prompts[44:48], GREEDY) == reference[44:48]
     assert sum(accepted) >= 10 and max(accepted) >= 2, accepted  # drafts really were kept
+
+
+class RecordingStatic(StaticSteps):
+    """A static K that records what each round hands `update` (accepted, the drafts' confidences)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.seen = []
+
+    def update(self, batch_size, accepted, **round_):
+        conf = round_.get("confidences")
+        self.seen.append((list(accepted), None if conf is None else conf.tolist()))
+        return super().update(batch_size, accepted, **round_)
+
+
+def test_drafts_kept_on_device_until_the_verify_read_back_keep_everything(smol_fp32, prompts, reference):
+    """`keep_drafts` (on by default on a GPU): a greedy chain's drafts are read back with the
+    verify's argmax instead of before the verify. Forced on here on the CPU, the rounds must give
+    the same output, the same accepted counts and the same confidences to the policy as the
+    read-back before the verify, with the shipped head (whose rounds keep drafts)."""
+    from bench.heads import resolve_head
+    from online_spec.checkpoint import load_head
+
+    head, _ = load_head(resolve_head("shipped", smol_fp32), smol_fp32.info, dtype=smol_fp32.dtype)
+    seen = {}
+    for keep in (True, False):
+        policy = RecordingStatic(4)
+        eng = Engine(smol_fp32, head, EngineConfig(max_batch=4, max_len=512, num_steps=4, max_steps=7),
+                     policy=policy)
+        eng.keep_drafts = keep
+        kept = []
+        draft = eng._draft_greedy
+        eng._draft_greedy = lambda *a: kept.append(a[-1]) or draft(*a)
+        assert eng.generate(prompts[44:48], GREEDY) == reference[44:48]
+        assert kept and set(kept) == {keep}
+        seen[keep] = policy.seen
+    assert seen[True] == seen[False]
+    assert sum(sum(a) for a, _ in seen[True]) >= 10  # drafts really were kept
 
 
 def test_head_swapped_mid_generation_keeps_output(smol_fp32, prompts, reference):
