@@ -4,10 +4,8 @@
 # --capture-overhead` run per entry of RUNS, each "sink:reader:sender:reserve" (bench collector's
 # --serving-sink / reader / --capture-sender / --serving-reserve choices), JSON to $OUT/cap_I_....json.
 #   RUNS="publisher:subscriber:thread:off publisher:subscriber:thread:apart" bash scripts/gpu_capture_runs.sh
-# HOLD=off: each round's capture handed over at once, the sender waiting on its event (default on:
-# after the engine's next read-back, no event); BATCHES (1,4,16), REPEATS (4), CAP_TIMEOUT (170 s
-# a run; a process sender over three batch sizes needs more than 140 s), TOPO=1 prints the host's
-# CPU topology first.
+# BATCHES (1,4,16), REPEATS (4), CAP_TIMEOUT (170 s a run; a process sender over three batch sizes
+# needs more than 140 s), TOPO=1 prints the host's CPU topology first.
 W=/tmp/w CODE=/tmp/code
 export PYTHONPATH=$CODE:/tmp/site ONLINE_SPEC_CACHE=/tmp/osc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
     DS_ACCELERATOR=cuda
@@ -16,11 +14,11 @@ cd $CODE || { echo "no $CODE: run 'gpu_ranks_device.sh run .gpu/c' first" >&2; e
 i=0
 for r in $RUNS; do
     i=$((i + 1)); IFS=: read -r sink reader sender reserve <<< "$r"
-    name=cap_${i}_${sink}_${reader}_${sender}_${reserve}_hold${HOLD:-on}
+    name=cap_${i}_${sink}_${reader}_${sender}_${reserve}
     t0=$(date +%s)
     timeout "${CAP_TIMEOUT:-170}" python3 scripts/gpu_round_costs.py --trace $W/trace_l.jsonl --device cuda \
         --no-policies --capture-overhead --capture-head shipped --capture-batches "${BATCHES:-1,4,16}" \
         --repeats "${REPEATS:-4}" --capture-sink "$sink" --capture-reader "$reader" --capture-sender "$sender" \
-        --capture-reserve "$reserve" --capture-hold "${HOLD:-on}" --json "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tail -n 6
+        --capture-reserve "$reserve" --json "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tail -n 6
     echo "== $name rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s $(date -u +%H:%M:%S)"
 done

@@ -245,9 +245,6 @@ def main() -> None:
     ap.add_argument("--capture-reserve", default="off", choices=("off", "apart", "shared"),
                     help="--capture-overhead's CPU placement (bench.collector serving_reserve): the OS's, the "
                          "engine's thread on a core of its own (apart), or every other thread on its core (shared)")
-    ap.add_argument("--capture-hold", default="on", choices=("on", "off"),
-                    help="on: the engine hands a CUDA round's capture over after its next read-back, with no event "
-                         "to wait on (serving/capture_rows.py); off: at once, the sender waiting on its event")
     ap.add_argument("--no-policies", action="store_true", help="skip the policies (with --capture-overhead: only that)")
     ap.add_argument("--verify-probe", action="store_true",
                     help="also time the graphed target forward alone per tokens verified (CUDA only)")
@@ -294,10 +291,6 @@ def main() -> None:
         import tempfile
 
         from bench.collector import CollectorBenchConfig, measure_engine_overhead
-        from serving.capture_rows import RowStaging
-
-        RowStaging.hold_rounds = args.capture_hold == "on"
-        out["capture_hold"] = args.capture_hold
 
         with tempfile.TemporaryDirectory() as tmp:
             cap = measure_engine_overhead(CollectorBenchConfig(

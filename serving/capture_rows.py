@@ -47,7 +47,6 @@ class RowStaging:
     round's hand-over to the publisher (`_hand_over`, `_flush_held`)."""
 
     _held = None  # the last round's records, waiting for the engine's next read-back (CUDA)
-    hold_rounds = True  # False: each round goes at once with its event (the probes' A/B)
 
     def _hand_over(self, records) -> None:
         """After a round's verify read-back: the round before's records go to the publisher, their
@@ -58,7 +57,7 @@ class RowStaging:
             held.ready = None
             self._publisher.submit(held)
         if records:
-            if getattr(records, "ready", None) is None or not self.hold_rounds:
+            if getattr(records, "ready", None) is None:
                 self._publisher.submit(records)
             else:
                 self._held = records
