@@ -16,13 +16,6 @@ path, which gathers the committed rows by the index.
   synchronous copy would wait for all of it. The copies are queued before the next round's
   kernels, so a CUDA graph's output buffer may be rewritten by it.
 
-The engine hands a CUDA round's records over one round late (`_hand_over`): after the next
-round's verify read-back, which waited for every copy queued before that verify, so the records
-go with no event to wait on and the sender makes no CUDA call at all (a thread waiting on each
-round's event cost an H200's engine 2-4 % of its rounds, docs/results.md). A held round goes at
-once, with its event, before an end-of-request marker (a request's rows come before its end) and
-when the engine's publisher changes (`_flush_held`).
-
 A slot is reused once nothing holds a view of it any more (the publisher dropped the round it
 went out with; the storage's use count says so, not a hand-back the sender could forget). With
 every slot busy (a sender more than `max_slots` rounds behind) a round gets fresh pinned memory,
@@ -43,31 +36,7 @@ from online_spec.host_ring import HostRing
 
 
 class RowStaging:
-    """The engine's side of capture staging (a mixin of the round kinds): `_stage_rows`, and the
-    round's hand-over to the publisher (`_hand_over`, `_flush_held`)."""
-
-    _held = None  # the last round's records, waiting for the engine's next read-back (CUDA)
-
-    def _hand_over(self, records) -> None:
-        """After a round's verify read-back: the round before's records go to the publisher, their
-        copies landed (that read-back waited for them: `ready` dropped); this round's are held
-        while their copies are in flight, or go now when nothing is (ready None: a CPU)."""
-        held, self._held = self._held, None
-        if held is not None:
-            held.ready = None
-            self._publisher.submit(held)
-        if records:
-            if getattr(records, "ready", None) is None:
-                self._publisher.submit(records)
-            else:
-                self._held = records
-
-    def _flush_held(self) -> None:
-        """The held round to the publisher now, with its event (the sender waits for its copies)."""
-        held, self._held = self._held, None
-        pub = self.__dict__.get("_publisher")
-        if held is not None and pub is not None:
-            pub.submit(held)
+    """The engine's side of capture staging (a mixin of the round kinds): `_stage_rows`."""
 
     def _stage_rows(self, features: torch.Tensor, final_hidden: torch.Tensor, index: list[int]):
         """-> (features, final_hidden, row_index, ready event or None) for a `CaptureRound`."""

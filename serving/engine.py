@@ -100,7 +100,6 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
     def publisher(self, pub: CaptureSink | None) -> None:
         """The capture sink, its work placed where it costs serving least (`place_capture`): a GPU's host windows,
         the engine's thread on a CPU, or pumped by it before each verify read-back (`capture_sender` 'engine')."""
-        self._flush_held()  # to the sink that was live when its round ran
         self._publisher = pub
         self._pump = place_capture(pub, self.window, self.target.device.type, self.cfg.capture_sender)
 
@@ -307,8 +306,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                                verify_s=stats.steady_verify_s, confidences=confidences, tree=shape)
             self._policy_ns += time.perf_counter_ns() - tp
         stats.policy_s = self._policy_ns * 1e-9
-        if self.publisher is not None:  # the last round's records; this round's held until the next (CUDA)
-            self._hand_over(records)
+        if self.publisher is not None and records:
+            self.publisher.submit(records)
         for hook in self.on_round:
             hook(stats, round_outs)
         self.last_round = stats
@@ -480,7 +479,6 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             self._move_slot(r.slot, dst)
             r.slot = dst
         self.running = sorted(keep, key=lambda r: r.slot)
-        self._flush_held()  # a request's rows go before its end marker
         for r in done:
             if self.publisher is not None and r.capture:
                 self.publisher.end_request(r.request_id)
