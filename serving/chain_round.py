@@ -33,6 +33,10 @@ class ChainRounds(RowStaging):
     # whether a greedy chain's drafts stay on the device until the verify's read-back (None: on a
     # CUDA device); a policy that cuts the verify reads them before it, so they come back then
     keep_drafts: bool | None = None
+    # whether a K = 0 round keeps the draft cache caught up where graphs replay the head (one head
+    # row a request a round), or the next drafting round catches up every row served at K = 0 (in
+    # chunked fills; always so on a CPU)
+    catch_up_plain: bool = True
 
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],

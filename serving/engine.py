@@ -251,11 +251,12 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
                 K = drafts.shape[1]
             else:
                 drafts, draft_probs, kept = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0), False
-                if self.head is not None and self.graphs is not None:
+                if self.head is not None and self.graphs is not None and self.catch_up_plain:
                     # keep the draft cache caught up through plain rounds, one graphed head row a
-                    # request: the round that drafts again would otherwise catch up every row
-                    # served at K = 0, slot by slot and eagerly (H100, batch 4: such rounds' excess
-                    # over the median round was 71 % of the cost policy's wall time)
+                    # request: the round that drafts again would otherwise catch up every row served
+                    # at K = 0, slot by slot (H100, batch 4, eager fills then: such rounds' excess
+                    # over the median round was 71 % of the cost policy's wall time; now chunk
+                    # replays: `catch_up_plain`, scripts/plain_round_ab.py)
                     self._extend_draft(tlen)
             # verify length (confidence-prior verifier): low-confidence tails are not verified. The
             # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one

@@ -495,3 +495,29 @@ def test_warm_graphs_covers_the_trees_a_policy_may_pick():
     trees = policy.info()["slots"]["1"]["trees"]  # per batch-size bucket: 1, 2-3, 4-7
     assert all(trees[b]["3,2,6"]["rounds"] > 0 and trees[b]["2,4,5"]["rounds"] > 0 for b in ("1", "2", "4"))
     assert set(eng.graphs._graphs) == warmed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (on a CPU no K = 0 round catches up)")
+def test_plain_rounds_left_to_the_next_drafting_round_draft_the_same():
+    """`catch_up_plain` off: K = 0 rounds leave the draft cache behind and the next drafting round
+    catches it up in chunk replays. Its drafts are those of the engine that caught up every K = 0
+    round (the same rows of the draft cache, written by other kernels: equal up to fp32 rounding,
+    so the argmaxes agree), and the output is plain decoding's."""
+    from bench.lossless import CyclingSteps
+
+    torch.manual_seed(0)
+    target = tiny_target().to("cuda")
+    head = new_head(target, draft_vocab_size=256, seed=4).to("cuda")
+    prompts = [[5, 9, 33, 7, 2], [1, 2, 3, 4, 5, 6, 7], [100, 200, 300], [8, 8, 9]]
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_len=256, num_steps=0)).generate(prompts, sp)
+    drafts = {}
+    for catch_up in (True, False):
+        eng = Engine(target, head, EngineConfig(max_batch=4, max_len=256, num_steps=3, max_steps=7),
+                     policy=CyclingSteps([0] * 12 + [3] * 4))
+        eng.catch_up_plain = catch_up
+        seen, draft = [], eng._draft
+        eng._draft = lambda *a: (lambda out: seen.append(out[0].cpu().tolist()) or out)(draft(*a))
+        assert eng.generate(prompts, sp) == plain
+        drafts[catch_up] = seen
+    assert len(drafts[True]) >= 3 and drafts[True] == drafts[False]
