@@ -1,7 +1,8 @@
 #!/bin/bash
 # This machine's side of a lent-GPU session (scripts/gpu_ranks_device.sh is the device's side).
 #   bash scripts/gpu_prep.sh prep    build what the calls carry: .gpu/a and .gpu/b (the GGUF in two
-#                                    halves), .gpu/c (Python 3.12 wheels, the chat head, the traces
+#                                    halves), .gpu/c (Python 3.12 wheels, pytest's among them for the
+#                                    CUDA tests, the chat head, the traces
 #                                    trace_l.jsonl (160 a phase) and trace_d.jsonl (48 a phase))
 #   bash scripts/gpu_prep.sh out     move bench/results and online_spec/pretrained (~90 MB) out of the
 #                                    checkout to $STASH, so the tree a call carries stays under 64 MiB
@@ -39,6 +40,7 @@ build_drift_trace('.gpu/c/trace_d.jsonl', 48, 48, 48, 0)"
         gguf==0.19.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 \
         pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 opentelemetry-api==1.45.2 \
         hjson==3.1.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 typing-extensions prometheus-client h11 click \
+        pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0 packaging==26.2 pygments==2.20.0 \
         && pip wheel -q --no-deps deepspeed==0.19.8) 2>&1 | grep -v "is ignored: it is neither" || true
     echo "wheels: $(ls .gpu/c/whl | wc -l)"; du -sh .gpu/a .gpu/b .gpu/c
     ;;
