@@ -7,8 +7,9 @@ schedule (`--phase` K = 0 rounds, then as many at K = `--k`, over and over: a po
 to plain decoding and probing out of it), each with `catch_up_plain` on and off, the arms
 alternating which goes first, after an untimed warm-up of each (bf16, the shipped head, CUDA
 graphs where the device has them). Reports each arm's tokens/s (median of --reps), the paired
-ratios off / on, and whether every arm's outputs equal plain decoding's in every repeat (they
-must: only when the draft cache catches up moves).
+ratios off / on, and whether each arm's outputs equalled plain decoding's in every repeat: in
+fp32 they must (`--dtype float32`: the script fails otherwise); in bf16 a verify of several
+tokens may round a near-tie the other way than a one-token step, so there it is only reported.
 
     python3 scripts/plain_round_ab.py --prompts-file engine_prompts.json --json out.json
 """
@@ -91,11 +92,12 @@ def main(argv=None) -> int:
                     "lazy_over_caught_up_range": [round(min(ratios), 4), round(max(ratios), 4)],
                     "caught_up_over_plain": round(statistics.median(on) / p, 4),
                     "lazy_over_plain": round(statistics.median(off) / p, 4),
-                    "outputs_equal_plain": same[name, True] and same[name, False]}
+                    "caught_up_equals_plain": same[name, True], "lazy_equals_plain": same[name, False]}
             out["cases"].append(case)
             print(json.dumps(case), flush=True)
     Path(a.json).write_text(json.dumps(out, indent=1))
-    return 0 if all(c["outputs_equal_plain"] for c in out["cases"]) else 1
+    lossless = all(c["caught_up_equals_plain"] and c["lazy_equals_plain"] for c in out["cases"])
+    return 0 if lossless or a.dtype != "float32" else 1
 
 
 if __name__ == "__main__":
