@@ -39,25 +39,34 @@ def timed(eng: Engine, prompts: list, sp: SamplingParams, cuda: bool) -> tuple[f
     return sum(len(o) for o in outs) / (time.perf_counter() - t0), outs
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_common(ap: argparse.ArgumentParser, new_tokens: int) -> None:
+    """The options every in-process engine A/B of these scripts takes."""
     ap.add_argument("--prompts-file", required=True, help="bench engine --save-prompts JSON (token ids per set)")
-    ap.add_argument("--data", default="chat")
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--steps", default="2,3,5")
     ap.add_argument("--requests", type=int, default=8, help="prompts served per run (at most the batch at a time)")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", required=True)
-    a = ap.parse_args(argv)
+
+
+def load(a: argparse.Namespace):
+    """-> (target, whether it is on CUDA, the shipped head on its device, prompt sets, sampling)."""
     target = load_target(device=a.device, dtype=getattr(torch, a.dtype))
-    cuda = target.device.type == "cuda"
     head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
-    head = head.to(target.device)
     sets = json.loads(Path(a.prompts_file).read_text())
-    sp = SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)
+    return (target, target.device.type == "cuda", head.to(target.device), sets,
+            SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common(ap, 64)
+    ap.add_argument("--data", default="chat")
+    ap.add_argument("--steps", default="2,3,5")
+    a = ap.parse_args(argv)
+    target, cuda, head, sets, sp = load(a)
     out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "dtype": a.dtype, "data": a.data, "requests": a.requests, "new_tokens": a.new_tokens,
                  "reps": a.reps, "cases": []}

@@ -25,35 +25,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.heads import resolve_head  # noqa: E402
 from bench.lossless import CyclingSteps  # noqa: E402
-from online_spec.checkpoint import load_head  # noqa: E402
-from online_spec.sampling import SamplingParams  # noqa: E402
-from online_spec.target import load_target  # noqa: E402
-from scripts.keep_drafts_ab import timed  # noqa: E402
+from scripts.keep_drafts_ab import add_common, load, timed  # noqa: E402
 from serving.engine import Engine, EngineConfig  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts-file", required=True, help="bench engine --save-prompts JSON (token ids per set)")
+    add_common(ap, 96)
     ap.add_argument("--data", default="code", help="the prompt set (code: where the chat head loses to plain)")
-    ap.add_argument("--batches", default="1,4")
     ap.add_argument("--k", type=int, default=3, help="K of the phased schedule's drafting rounds")
     ap.add_argument("--phase", type=int, default=16, help="rounds a phase of the phased schedule")
-    ap.add_argument("--requests", type=int, default=8, help="prompts served per run (at most the batch at a time)")
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
-    target = load_target(device=a.device, dtype=getattr(torch, a.dtype))
-    cuda = target.device.type == "cuda"
-    head, _ = load_head(resolve_head("shipped", target), target.info, dtype=target.dtype)
-    head = head.to(target.device)
-    sets = json.loads(Path(a.prompts_file).read_text())
-    sp = SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)
+    target, cuda, head, sets, sp = load(a)
     out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "dtype": a.dtype, "data": a.data, "k": a.k, "phase": a.phase, "requests": a.requests,
                  "new_tokens": a.new_tokens, "reps": a.reps, "cases": []}
