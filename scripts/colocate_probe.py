@@ -11,6 +11,10 @@ from disk; it gets no new traffic and publishes nothing), under each setting in 
     on         the trainer with the demo's flags only
     FLAGS      the trainer with these flags added, e.g. "--nice 19" or "--max-duty 0.5"
 
+With `--device cuda` the server runs on the GPU (CUDA graphs) and the trainer trains there too
+(`--device cuda` among its flags; a setting's own `--device cpu` moves it to the host's cores):
+the trainer's kernels time-slice with the server's, which `--max-duty` bounds.
+
 Settings run interleaved, `--repeats` times; reported: the server's tokens/s per setting (median
 over repeats, and each repeat), its ratio to `off` within each repeat (median), and the trainer's
 optimizer steps per second (how fast it still learns).
@@ -38,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def start_trainer(src: Path, work: Path, flags: list[str], head: str) -> tuple[subprocess.Popen, int, float]:
+def start_trainer(src: Path, work: Path, flags: list[str], head: str,
+                  device: str = "cpu") -> tuple[subprocess.Popen, int, float]:
     """A daemon resuming from a copy of `src`, started and past its first steps; returns (process,
     its optimizer step when it started, time.monotonic() when it was ready)."""
     from bench.demo import DEMO_TRAINER_ARGS
@@ -50,7 +55,7 @@ def start_trainer(src: Path, work: Path, flags: list[str], head: str) -> tuple[s
     step0 = json.loads((run_dir / "state.json").read_text())["step"]
     args = [sys.executable, "-m", "bench.demo_trainer", "--run-dir", str(run_dir),
             "--capture-endpoint", f"ipc://{work}/unused.sock", "--threads", "1", "--wandb-mode", "disabled",
-            "--init-head", head, *DEMO_TRAINER_ARGS, *flags]
+            "--init-head", head, "--device", device, *DEMO_TRAINER_ARGS, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(REPO)}
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -63,7 +68,7 @@ def start_trainer(src: Path, work: Path, flags: list[str], head: str) -> tuple[s
             raise RuntimeError(f"trainer did not start; see {work / 'trainer.log'}")
         time.sleep(0.5)
     ready = time.monotonic()
-    time.sleep(10)  # past its first steps (a step is ~2 s on this CPU)
+    time.sleep(10)  # past its first steps (a step is ~2 s on a 2-core CPU)
     return proc, step0, ready
 
 
@@ -90,6 +95,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settings", default="off;on;--nice 19;--max-duty 0.5",
                     help="';'-separated trainer flag sets; 'off' = no trainer, 'on' = no flags added")
+    ap.add_argument("--device", default="cpu", help="the server's and (unless a setting says) the trainer's device")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
 
@@ -102,7 +108,7 @@ def main() -> int:
     from online_spec.target import load_target
     from bench.trace import load_trace
 
-    target = load_target()
+    target = load_target(device=args.device)
     head = resolve_head(args.head, target, 0)
     items = load_trace(args.trace)[args.skip:args.skip + args.requests]
     settings = [s.strip() for s in args.settings.split(";") if s.strip()]
@@ -114,11 +120,11 @@ def main() -> int:
                 proc = None
                 if s != "off":
                     proc, step0, ready = start_trainer(Path(args.trainer_dir), work, [] if s == "on" else s.split(),
-                                                       str(Path(head).resolve()))
+                                                       str(Path(head).resolve()), args.device)
                 t0 = time.monotonic()
                 try:
                     figs = session_figures(run_session(target, SessionConfig(
-                        name=s, run_dir=str(work / "session"), head=head, num_steps=args.num_steps,
+                        name=s, run_dir=str(work / "session"), head=head, num_steps=args.num_steps, device=args.device,
                         concurrency=args.concurrency, max_tokens=args.max_tokens, progress_every_s=0), items))
                 finally:
                     wall = time.monotonic() - t0
