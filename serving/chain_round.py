@@ -34,9 +34,10 @@ class ChainRounds(RowStaging):
     # CUDA device); a policy that cuts the verify reads them before it, so they come back then
     keep_drafts: bool | None = None
     # whether a K = 0 round keeps the draft cache caught up where graphs replay the head (one head
-    # row a request a round), or the next drafting round catches up every row served at K = 0 (in
-    # chunked fills; always so on a CPU)
-    catch_up_plain: bool = True
+    # row a request a round), or (the default) the next drafting round catches up every row served
+    # at K = 0 in its chunked fills, so a K = 0 round costs a plain step (always so on a CPU; H200:
+    # K = 0 rounds 1.24 / 1.19x faster left behind at batch 1 / 4, scripts/plain_round_ab.py)
+    catch_up_plain: bool = False
 
     def _draft(self, reqs: list[Request], tlen: list[int], K: int, ctx: int):
         """K chained draft steps per request -> (drafts [B,K] target ids, their draft probs [B,K],

@@ -252,9 +252,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
             else:
                 drafts, draft_probs, kept = torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0), False
                 if self.head is not None and self.graphs is not None and self.catch_up_plain:
-                    # keep the draft cache caught up, one graphed head row a request, or leave every row
-                    # to the round that drafts again (`catch_up_plain`): eager fills there once cost 71 %
-                    # of the cost policy's wall time (H100, batch 4); chunk replays now, scripts/plain_round_ab.py
+                    # keep the draft cache caught up, one graphed head row a request (`catch_up_plain`,
+                    # off by default: the round that drafts again catches up in its chunked fills)
                     self._extend_draft(tlen)
             # verify length (confidence-prior verifier): low-confidence tails are not verified. The
             # verify forward is rectangular (every request at K + 1 tokens), so the policy picks one
