@@ -57,7 +57,7 @@ def start_trainer(src: Path, work: Path, flags: list[str], head: str,
             "--capture-endpoint", f"ipc://{work}/unused.sock", "--threads", "1", "--wandb-mode", "disabled",
             "--init-head", head, "--device", device, *DEMO_TRAINER_ARGS, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
     logf = open(work / "trainer.log", "ab")
@@ -65,7 +65,8 @@ def start_trainer(src: Path, work: Path, flags: list[str], head: str,
     t0 = time.monotonic()
     while not (run_dir / READY_FILE).exists():
         if proc.poll() is not None or time.monotonic() - t0 > 300:
-            raise RuntimeError(f"trainer did not start; see {work / 'trainer.log'}")
+            tail = (work / "trainer.log").read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError("trainer did not start; its log ends:\n" + "\n".join(tail))
         time.sleep(0.5)
     ready = time.monotonic()
     time.sleep(10)  # past its first steps (a step is ~2 s on a 2-core CPU)
