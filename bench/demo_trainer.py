@@ -26,6 +26,7 @@ from pathlib import Path
 from trainer.daemon import install_signal_handlers
 from trainer.train_cli import add_arguments as add_train_arguments
 from trainer.train_cli import build_daemon, share_machine
+from trainer.warm_up import warm_up
 
 log = logging.getLogger("bench.demo_trainer")
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("starting: target model, replay buffer, then the distiller (DeepSpeed op and process group)")
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
+    log.info("warmed up: %s", warm_up(daemon))  # the first step's one-off costs before traffic (trainer/warm_up.py)
     (Path(daemon.cfg.run_dir) / READY_FILE).write_text("ready")  # the session waits for this before traffic
     log.info("ready in %.0f s: subscribed to the capture stream; training starts at %d buffered rows",
              time.monotonic() - t0, daemon.cfg.min_buffer_tokens)

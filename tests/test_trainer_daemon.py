@@ -511,3 +511,32 @@ def test_nice_lowers_the_trainer_process_priority():
     refused, after_bad, after_ok = out.stdout.strip().splitlines()
     assert refused.startswith("refused: --nice") and after_bad == "0"
     assert after_ok == "7"
+
+
+def test_warm_up_trains_a_throwaway_copy_and_leaves_the_run_as_it_was(tmp_path):
+    """`warm_up` (trainer/warm_up.py) runs a step and the gate's scoring before traffic: the head's
+    weights, its gradients, the optimizer's state and the step counter stay as they were, and the
+    first real step after it gives the same weights as a daemon that did not warm up."""
+    from trainer.warm_up import warm_up
+
+    target = tiny8()
+    recs, _ = greedy_records(target, num=4, new_tokens=24)
+
+    def daemon(sub):
+        return TrainerDaemon(DaemonConfig(run_dir=str(tmp_path / sub), eval_max_steps=3, batch_tokens=200), target,
+                             None, SubscriberConfig(endpoint=f"ipc://{tmp_path}/unused.sock"),
+                             ReplayConfig(root=str(tmp_path / sub / "replay")), DistillConfig(lr=1e-3),
+                             LossConfig(ttt_steps=2), GateConfig(), head=new_head(target, 256, seed=0).float())
+
+    warm, cold = daemon("warm"), daemon("cold")
+    before = [p.detach().clone() for p in warm.distiller.head.parameters()]
+    figures = warm_up(warm)
+    assert figures["rows"] == 2 * 96 and figures["step_s"] > 0
+    assert all(torch.equal(a, p) for a, p in zip(before, warm.distiller.head.parameters()))
+    assert all(p.grad is None for p in warm.distiller.head.parameters())
+    assert warm.distiller.step == 0 and not warm.distiller.optimizer.state_dict()["state"]
+    for d in (warm, cold):
+        d.distiller.train_step(collate(recs))
+    for a, b in zip(warm.distiller.head.parameters(), cold.distiller.head.parameters()):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(before[0], next(warm.distiller.head.parameters()))  # the real step did train

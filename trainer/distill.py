@@ -280,6 +280,29 @@ class Distiller:
                        step=self.step, tokens=self.tokens)
         return metrics
 
+    def warm_up(self, batch: TrainBatch) -> float:
+        """One forward, backward and AdamW step of a throwaway copy of the head on `batch`: the
+        first step's one-off costs (kernel loading, the allocator's growth, cuBLAS / oneDNN set-up)
+        paid now, before the daemon reports ready, rather than while it shares the device with a
+        serving server. The head, its optimizer state and the engine are untouched. -> seconds"""
+        import time
+
+        t0 = time.perf_counter()
+        live = self.head
+        head = EagleHead(live.cfg)
+        head.load_state_dict(live.state_dict())
+        head.set_vocab_map(live.d2t.cpu(), live.t2d.cpu())
+        head = head.float().to(self.device).train()
+        opt = torch.optim.AdamW(head.parameters(), lr=0.0)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss, _ = ttt_loss(head, batch.to(self.device), self.shared, self.loss_cfg, self.loss_cfg.ttt_steps)
+        loss.backward()
+        opt.step()
+        del head, opt, loss
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     @property
     def partitioned(self) -> bool:
         """ZeRO 1-2 over several ranks: each rank holds its own part of the optimizer state."""

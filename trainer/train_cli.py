@@ -37,6 +37,7 @@ from trainer.launch import command_line, launch, world_from_env
 from trainer.loss import LossConfig
 from trainer.ranks import RankConfig, RankLoop, RankZeroDaemon, follower_distiller, rank_device
 from trainer.seeds import SeedConfig
+from trainer.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     share_machine(args)
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
+    log.info("warmed up: %s", warm_up(daemon))  # the first step's one-off costs before traffic (trainer/warm_up.py)
     try:
         summary = daemon.run(max_steps=args.max_steps, max_seconds=args.max_seconds)
         log.info("stopped: %s", {k: summary[k] for k in ("step", "live_version", "swaps", "rollbacks")})
