@@ -15,6 +15,10 @@ With `--device cuda` the server runs on the GPU (CUDA graphs) and the trainer tr
 (`--device cuda` among its flags; a setting's own `--device cpu` moves it to the host's cores):
 the trainer's kernels time-slice with the server's, which `--max-duty` bounds.
 
+The traffic starts `--settle-s` seconds after the trainer reports ready (default 10: past its
+first steps; 0: its first steps, the ones whose one-off costs trainer/warm_up.py pays before
+ready, fall in the window).
+
 Settings run interleaved, `--repeats` times; reported: the server's tokens/s per setting (median
 over repeats, and each repeat), its ratio to `off` within each repeat (median), and the trainer's
 optimizer steps per second (how fast it still learns).
@@ -43,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 
 def start_trainer(src: Path, work: Path, flags: list[str], head: str,
-                  device: str = "cpu") -> tuple[subprocess.Popen, int, float]:
+                  device: str = "cpu", settle_s: float = 10.0) -> tuple[subprocess.Popen, int, float]:
     """A daemon resuming from a copy of `src`, started and past its first steps; returns (process,
     its optimizer step when it started, time.monotonic() when it was ready)."""
     from bench.demo import DEMO_TRAINER_ARGS
@@ -69,7 +73,7 @@ def start_trainer(src: Path, work: Path, flags: list[str], head: str,
             raise RuntimeError("trainer did not start; its log ends:\n" + "\n".join(tail))
         time.sleep(0.5)
     ready = time.monotonic()
-    time.sleep(10)  # past its first steps (a step is ~2 s on a 2-core CPU)
+    time.sleep(settle_s)  # 10 s: past its first steps (a step is ~2 s on a 2-core CPU); 0: they are measured
     return proc, step0, ready
 
 
@@ -96,6 +100,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settings", default="off;on;--nice 19;--max-duty 0.5",
                     help="';'-separated trainer flag sets; 'off' = no trainer, 'on' = no flags added")
+    ap.add_argument("--settle-s", type=float, default=10.0,
+                    help="seconds between the trainer's ready and the traffic (0: its first steps fall in the window)")
     ap.add_argument("--device", default="cpu", help="the server's and (unless a setting says) the trainer's device")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -121,7 +127,7 @@ def main() -> int:
                 proc = None
                 if s != "off":
                     proc, step0, ready = start_trainer(Path(args.trainer_dir), work, [] if s == "on" else s.split(),
-                                                       str(Path(head).resolve()), args.device)
+                                                       str(Path(head).resolve()), args.device, args.settle_s)
                 t0 = time.monotonic()
                 try:
                     figs = session_figures(run_session(target, SessionConfig(
