@@ -516,7 +516,8 @@ def test_nice_lowers_the_trainer_process_priority():
 def test_warm_up_trains_a_throwaway_copy_and_leaves_the_run_as_it_was(tmp_path):
     """`warm_up` (trainer/warm_up.py) runs a step and the gate's scoring before traffic: the head's
     weights, its gradients, the optimizer's state and the step counter stay as they were, and the
-    first real step after it gives the same weights as a daemon that did not warm up."""
+    first real step after it gives the same weights as a daemon that did not warm up; a warm-up
+    that fails is reported and changes nothing."""
     from trainer.warm_up import warm_up
 
     target = tiny8()
@@ -540,3 +541,11 @@ def test_warm_up_trains_a_throwaway_copy_and_leaves_the_run_as_it_was(tmp_path):
     for a, b in zip(warm.distiller.head.parameters(), cold.distiller.head.parameters()):
         torch.testing.assert_close(a, b)
     assert not torch.equal(before[0], next(warm.distiller.head.parameters()))  # the real step did train
+    # a warm-up that fails is logged and skipped: the daemon starts cold, nothing of the run changed
+    def broken(batch):
+        raise RuntimeError("out of memory")
+
+    warm.distiller.warm_up = broken
+    after = [p.detach().clone() for p in warm.distiller.head.parameters()]
+    assert warm_up(warm) == {"error": "RuntimeError: out of memory"}
+    assert all(torch.equal(a, p) for a, p in zip(after, warm.distiller.head.parameters()))

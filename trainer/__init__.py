@@ -9,6 +9,8 @@
 - `starvation_watch`  the daemon's starvation alerts: when it checks, what it reads, where they go
 - `server_head`  the daemon follows a head the server made live on its own (its head bank, a
                  rollback of a broken head), and learns which tags the bank holds a head for
+- `warm_up`      the daemon's first step's one-off costs, paid on a throwaway copy of the head
+                 before the CLIs report ready
 - `duty`         the daemon's duty cycle: its rests beside a serving server, lower while the gate
                  keeps refusing (futility)
 - `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, publishes; `rank_data`:

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,8 +286,6 @@ class Distiller:
         first step's one-off costs (kernel loading, the allocator's growth, cuBLAS / oneDNN set-up)
         paid now, before the daemon reports ready, rather than while it shares the device with a
         serving server. The head, its optimizer state and the engine are untouched. -> seconds"""
-        import time
-
         t0 = time.perf_counter()
         live = self.head
         head = EagleHead(live.cfg)

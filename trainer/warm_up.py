@@ -19,11 +19,14 @@ batches both ways) the first real step then took 1.4 / 1.0 s instead of 2.4 / 1.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from trainer.batch import collate
 from trainer.data import capture_tokens
 from trainer.evaluate import record_counts
+
+log = logging.getLogger(__name__)
 
 ROWS_A_SEQUENCE = 96
 
@@ -31,7 +34,16 @@ ROWS_A_SEQUENCE = 96
 def warm_up(daemon) -> dict:
     """The target's features over fixed token ids (sequences of `ROWS_A_SEQUENCE` rows, about the
     daemon's `batch_tokens` rows in all, at most 8), a throwaway step on them and the gate's
-    scoring of the live head on two of them -> rows and seconds of each part."""
+    scoring of the live head on two of them -> rows and seconds of each part. A warm-up that fails
+    is logged and skipped ({"error": ...}): the daemon starts cold, as it did without one."""
+    try:
+        return _warm_up(daemon)
+    except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a reason not to start
+        log.warning("warm-up failed (%s: %s); starting cold", type(e).__name__, e)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _warm_up(daemon) -> dict:
     target, cfg = daemon.target, daemon.cfg
     ids = [(7919 * i + 11) % target.info.vocab_size for i in range(ROWS_A_SEQUENCE + 1)]  # any fixed ids do
     n = max(1, min(8, cfg.batch_tokens // ROWS_A_SEQUENCE))
