@@ -320,9 +320,10 @@ def test_draft_chain_graph_drafts_what_the_step_by_step_loop_drafts(device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_plain_rounds_keep_the_draft_cache_caught_up_with_graphs(device):
-    """With the graph runner, rounds at K = 0 extend the draft cache by their committed rows, so a
-    round that drafts after a stretch of plain rounds has no long catch-up; output stays the
-    target's own."""
+    """With the graph runner and `catch_up_plain` on, rounds at K = 0 extend the draft cache by
+    their committed rows, so a round that drafts after a stretch of plain rounds has no long
+    catch-up; with it off (the default), or without graphs, the drafting round catches up the rows
+    served at K = 0. Output stays the target's own either way."""
     from bench.lossless import CyclingSteps
 
     target = tiny_target().to(device)
@@ -331,20 +332,22 @@ def test_plain_rounds_keep_the_draft_cache_caught_up_with_graphs(device):
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = Engine(target, None, EngineConfig(max_batch=4, max_len=128, num_steps=0)).generate(prompts, sp)
     ks = (0,) * 12 + (2,)  # long plain stretches (more rows than max_steps + 1), then one drafting round
-    for graphs in (False, True):
+    for graphs, catch_up in ((False, True), (True, True), (True, None)):
         eng = Engine(target, head, EngineConfig(max_batch=4, max_len=128, max_steps=3, cuda_graphs=graphs),
                      policy=CyclingSteps(ks))
         if graphs and device == "cpu":
             eng.graphs = CudaGraphs(target, 4, 128)
             eng.graphs.disabled = True
+        if catch_up is not None:
+            eng.catch_up_plain = catch_up
         rounds = []
         eng.on_round.append(lambda s, o: rounds.append(s))
         assert eng.generate(prompts, sp) == plain
         late = [s.catchup_s for s in rounds[1:] if s.num_steps > 0]
         assert late
-        if graphs:
+        if graphs and catch_up:
             assert all(c == 0 for c in late)
-        else:  # without graphs the rows served at K = 0 are caught up when drafting resumes
+        else:  # the rows served at K = 0 are caught up when drafting resumes
             assert any(c > 0 for c in late)
 
 
