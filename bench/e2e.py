@@ -78,6 +78,10 @@ live from each phase's first token and paid nothing to train would:
                       adaptive), tokens/s weighted alike; per phase in `best_per_phase` (target 0.8)
   ceiling_speedup_vs_plain_bs1        the best head's batch-1 tokens/s over plain's
 A head better than these (one trained on the very replies the trace repeats) is not bounded.
+`verify_speed` (where cost_policy runs: each repeat's in `repeats`): how fast the machine ran each
+configuration, read off the target's verify forward of the same (batch, K), which no head
+changes, against cost_policy's; its `spread` above ~1.1 says tokens/s differ by the machine's
+state as much as by the configurations (bench/e2e_figures.py).
 
     online-spec bench e2e --quick --json results/bench_e2e.json
     online-spec bench e2e --json results/bench_e2e.json --head runs/sharegpt-100k
@@ -95,7 +99,7 @@ from pathlib import Path
 from bench.common import SourceGuard, add_bench_args, quick_overrides, write_report
 from bench.demo import DEMO_TRAINER_ARGS
 from bench.e2e_figures import (ceiling_figures, met_return, overhead_split, pooled_figures, ratio as _ratio,
-                                return_figures)
+                               return_figures, verify_speed)
 from bench.heads import HEAD_CHOICES, resolve_head
 from bench.pulse import machine_pulse, pulse_figures
 from bench.report import session_figures, write_rounds
@@ -328,7 +332,8 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         res["repeats"] = [{**{k: h[k] for k in RATIOS}, "tokens_per_s": {n: c["overall"]["tokens_per_s"]
                                                                           for n, c in conf.items()},
                            "order": repeat_order(list(conf), i), "swaps_online_spec": h["swaps_online_spec"],
-                           "ceiling_capture": (h.get("ceiling") or {}).get("ceiling_capture")}
+                           "ceiling_capture": (h.get("ceiling") or {}).get("ceiling_capture"),
+                           "verify_speed": h["verify_speed"]}
                           for i, (h, (conf, _)) in enumerate(zip(heads, repeats))]
         res["pooled"] = pooled_figures([conf for conf, _ in repeats], [p for p, _ in runs])
     if cfg.day0:  # once, after the repeats: it answers "how soon", not "how fast"
@@ -452,6 +457,7 @@ def headline(trace: dict, configs: dict, bs1: dict) -> dict:
         out["returns"] = return_figures(configs)
     if any(name.startswith("ceiling_") for name in configs):
         out["ceiling"] = ceiling_figures(configs, bs1, phases)
+    out["verify_speed"] = verify_speed(configs)  # the machine's speed per configuration (a diagnostic)
     split = overhead_split(tps)
     if split is not None:
         out["overhead_split"] = split

@@ -1,7 +1,8 @@
 """The figures of `bench e2e` about adaptation's targets, from its configurations' results:
 the return to earlier traffic (`return_figures`, `--trace-shape return`) and the per-phase ceiling
 of `--ceiling-heads` with the share of its gain online-spec took (`ceiling_figures`,
-`ceiling_capture`). bench/e2e.py runs the configurations; its module doc defines both figures.
+`ceiling_capture`), and how fast the machine ran each configuration (`verify_speed`, a
+diagnostic). bench/e2e.py runs the configurations; its module doc defines the figures.
 """
 
 from __future__ import annotations
@@ -127,3 +128,41 @@ def pooled_figures(runs: list[dict], phases: list[str]) -> dict:
     if split is not None:
         out["overhead_split"] = split
     return out
+
+
+VERIFY_CELL_MIN_ROUNDS = 20  # a (batch, K) cell's rounds before its mean verify time is compared
+
+
+def verify_speed(configs: dict, ref: str = "cost_policy") -> dict | None:
+    """How fast the machine ran each configuration, read off the one forward no head changes: the
+    target's verify of a batch of B requests at K + 1 tokens. Per configuration, the geometric mean
+    over the (batch, K) cells it shares with `ref` (each with >= VERIFY_CELL_MIN_ROUNDS rounds in
+    both; weighted by the fewer of the two counts) of ref's mean verify time over its own: 1.3 =
+    this configuration's verifies ran 1.3x faster than ref's. `spread` (highest / lowest) above
+    ~1.1 says the configurations' tokens/s differ by the machine's state as much as by what they
+    do: a CPU that changes speed between configurations (on a 2-core EPYC the pulses spread up to
+    1.37 in one run). A diagnostic, not a correction: a trainer beside the server slows its
+    verifies for real. None without `ref`'s round costs."""
+    import math
+
+    cells = ((configs.get(ref) or {}).get("round_costs") or {}).get("by_batch_k") or {}
+    base = {c: v for c, v in cells.items() if v["rounds"] >= VERIFY_CELL_MIN_ROUNDS and not c.endswith(",0")}
+    if not base:
+        return None
+    speed, shared = {}, {}
+    for name, cfg in configs.items():
+        mine = (cfg.get("round_costs") or {}).get("by_batch_k") or {}
+        num = den = 0.0
+        n_cells = 0
+        for cell, b in base.items():
+            m = mine.get(cell)
+            if m is None or m["rounds"] < VERIFY_CELL_MIN_ROUNDS or not m["verify_ms_mean"]:
+                continue
+            w = min(m["rounds"], b["rounds"])
+            num += w * math.log(b["verify_ms_mean"] / m["verify_ms_mean"])
+            den += w
+            n_cells += 1
+        if den:
+            speed[name], shared[name] = round(math.exp(num / den), 4), n_cells
+    return {"ref": ref, "by_config": speed, "cells": shared,
+            "spread": round(max(speed.values()) / min(speed.values()), 4) if speed else None}

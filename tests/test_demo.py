@@ -264,6 +264,29 @@ def test_e2e_ceiling_takes_the_fastest_head_per_phase():
     assert ceiling_figures(configs, bs1, ["chat", "code"])["best_per_phase"]["code"]["ceiling_capture"] is None
 
 
+def test_e2e_verify_speed_reads_the_machine_off_the_same_verify_shapes():
+    """`verify_speed`: per configuration, cost_policy's mean verify time over its own on the
+    (batch, K) cells both ran >= 20 rounds of (K = 0 cells and thin cells left out), a
+    rounds-weighted geometric mean, and the spread of those; None without cost_policy's rounds."""
+    import math
+
+    from bench.e2e_figures import verify_speed
+
+    def costs(cells):
+        return {"round_costs": {"by_batch_k": {c: {"rounds": n, "verify_ms_mean": ms} for c, (n, ms) in cells.items()}}}
+
+    configs = {"cost_policy": costs({"4,2": (100, 60.0), "4,1": (50, 50.0), "4,0": (80, 40.0), "3,2": (5, 1.0)}),
+               "ceiling": costs({"4,2": (100, 45.0), "4,1": (200, 40.0), "3,2": (90, 90.0)}),
+               "plain": costs({"4,0": (900, 30.0)}),
+               "static": costs({"4,2": (10, 30.0)})}
+    vs = verify_speed(configs)
+    assert vs["ref"] == "cost_policy" and set(vs["by_config"]) == {"cost_policy", "ceiling"}  # no shared cell: out
+    w = math.exp((100 * math.log(60 / 45) + 50 * math.log(50 / 40)) / 150)
+    assert math.isclose(vs["by_config"]["ceiling"], round(w, 4)) and vs["cells"]["ceiling"] == 2
+    assert vs["by_config"]["cost_policy"] == 1.0 and math.isclose(vs["spread"], round(w, 4), rel_tol=1e-3)
+    assert verify_speed({"plain": configs["plain"]}) is None
+
+
 @pytest.mark.parametrize("heads", ["code,code", "runs/a/head,runs/b/head", "day0"])
 def test_e2e_ceiling_heads_must_be_distinct_real_heads(heads):
     from bench.e2e import E2EConfig
