@@ -31,7 +31,7 @@ KINDS = (STARVED, DROPPING)
 
 @dataclass
 class StarvationConfig:
-    window_s: float = doc("seconds over which the trainer's steps and dropped records are counted", 60.0)
+    window_s: float = doc("seconds over which steps and dropped records are counted", 60.0)
     min_steps_per_min: float = doc("fewer optimizer steps a minute than this, while traffic waits to be trained on, "
                                    "is starvation", 6.0)
     min_dropped: int = doc("capture records dropped within the window that raise capture_dropping", 1)

@@ -22,6 +22,9 @@ Commands (args):
                                                 `version`, only while that version is live (refused
                                                 once another head replaced it)
     set_adaptive  {"config": {SGLang adaptive JSON}}  a new EmaTierPolicy, between rounds
+    round_clock                                 the steady rounds run per shape and their seconds,
+                                                cumulative (`ServerMetrics.round_clock`; what a
+                                                colocated trainer's serving budget reads)
 
 Security: the run directory is made 0700 before anything is written into it; the token (64 hex
 chars) is generated at start into RUN_DIR/control.token (0600) and compared with
@@ -64,7 +67,7 @@ from serving.swap import HeadSwapper, SwapError, tensor_from_bytes
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 30
-COMMANDS = ("info", "swap", "rollback", "set_adaptive", "trainer_alert")
+COMMANDS = ("info", "swap", "rollback", "set_adaptive", "trainer_alert", "round_clock")
 
 
 @dataclass
@@ -202,6 +205,9 @@ class ControlServer:
     def _cmd_info(self, args: dict, frames: list) -> dict:
         return {**self.server.info(), "control": {**self.swapper.info(), "endpoint": self.endpoint,
                                                   "requests": self.requests, "refused_requests": self.refused}}
+
+    def _cmd_round_clock(self, args: dict, frames: list) -> dict:
+        return self.server.metrics.round_clock()
 
     def _cmd_swap(self, args: dict, frames: list) -> dict:
         if "dir" in args:

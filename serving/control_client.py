@@ -73,6 +73,11 @@ class ControlClient:
     def info(self) -> dict:
         return self.request("info")
 
+    def round_clock(self, timeout_s: float = 2.0) -> dict:
+        """The server's steady rounds per shape, cumulative (control `round_clock`); a read that
+        gets no answer within `timeout_s` raises ControlError, as does a server without it."""
+        return ControlClient(self.endpoint, self.token, min(self.timeout_s, timeout_s)).request("round_clock")
+
     def swap_dir(self, path: str | Path, version: int | None = None, digest: str | None = None) -> dict:
         args = {"dir": str(Path(path).resolve())}
         if version is not None:

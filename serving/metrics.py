@@ -4,8 +4,10 @@ In: every engine step's outputs (`on_step`, engine thread), every verify round's
 with its outputs and their traffic tags (`on_round`, engine thread), request outcomes and
 latencies (`on_request_*`, event loop), swaps. Drift alerts are counted on the same registry by
 `online_spec.alerts.PrometheusAlertSink` (serving/server_drift.py). Out: `/metrics` text
-(`render()`, a private registry per server so several can live in one process) and `summary()`
-for `/server_info`.
+(`render()`, a private registry per server so several can live in one process), `summary()`
+for `/server_info`, and `round_clock()`: per round shape, the rounds run and their seconds,
+cumulative (control `round_clock`: what a colocated trainer's serving budget reads,
+trainer/slack.py).
 
 Names (all prefixed `online_spec_`): see docs/server.md. Conventions: `accept_len` = drafts
 accepted per request per round, bonus excluded; SGLang's `avg_spec_accept_length` = committed
@@ -131,6 +133,9 @@ class ServerMetrics:
         self._last_round: RoundStats | None = None
         self._rounds = 0
         self._t_start = time.monotonic()
+        # (batch size, tokens verified per request, tree branching) -> [rounds, seconds]: steady
+        # rounds only (no prefill, graph capture or swap inside), so a shape's mean is its pace
+        self._clock: dict[tuple[int, int, int], list] = {}
 
     # -- engine thread ----------------------------------------------------------------------------
     def on_step(self, outs: list[RequestOutput], elapsed_s: float) -> None:
@@ -151,9 +156,17 @@ class ServerMetrics:
         self.head_version.set(stats.head_version)
         if stats.swapped:
             self.swaps.inc()
+        clocked = not (stats.admitted or stats.draft_captures or stats.verify_captures or stats.swapped
+                       or stats.swap_fill_rows)
         with self._lock:
             self._last_k[B] = K
             self._last_round = stats
+            if clocked:
+                cell = self._clock.get(key := (B, stats.num_draft_tokens or K + 1, stats.topk))
+                if cell is None:
+                    cell = self._clock[key] = [0, 0.0]
+                cell[0] += 1
+                cell[1] += stats.total_s - stats.catchup_s
             if K > 0:
                 self._window.append((sum(stats.accepted), len(stats.accepted)))
                 self._life_accepted += sum(stats.accepted)
@@ -190,6 +203,13 @@ class ServerMetrics:
 
     def rounds_run(self) -> int:
         return self._rounds
+
+    def round_clock(self) -> dict:
+        """The steady rounds run so far per shape, cumulative: {"cells": [[batch size, tokens
+        verified per request, tree branching, rounds, seconds], ...], "rounds": all rounds}."""
+        with self._lock:
+            cells = [[*key, n, round(s, 6)] for key, (n, s) in self._clock.items()]
+        return {"cells": cells, "rounds": self._rounds}
 
     # -- readers ----------------------------------------------------------------------------------------
     def tokens_per_second(self) -> float:

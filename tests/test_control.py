@@ -228,6 +228,32 @@ def test_good_swap_lands_between_rounds_and_rollback_is_exact(served, client, sm
     assert server.engine.head is old_head
 
 
+def test_round_clock_counts_the_steady_rounds_per_shape(served, client, plain_output):
+    """What a colocated trainer's serving budget reads (trainer/slack.py): every steady round (no
+    prefill, capture or swap inside) counted under its shape, with its seconds; cumulative."""
+    server, http, run_dir, rounds = served
+    ids, expected = plain_output
+    before = client.round_clock()
+    n_before = len(rounds)
+    assert Stream(http.url, ids).join() == expected
+    after = client.round_clock()
+    assert after["rounds"] - before["rounds"] == len(rounds) - n_before  # idle now: every round observed
+    steady: dict = {}
+    for r in rounds[n_before:]:
+        if not (r.admitted or r.draft_captures or r.verify_captures or r.swapped or r.swap_fill_rows):
+            cell = steady.setdefault((r.batch_size, r.num_draft_tokens or r.num_steps + 1, r.topk), [0, 0.0])
+            cell[0] += 1
+            cell[1] += r.total_s - r.catchup_s
+    was = {tuple(c[:3]): c[3:] for c in before["cells"]}
+    grown = {tuple(c[:3]): [c[3] - was.get(tuple(c[:3]), [0, 0.0])[0], c[4] - was.get(tuple(c[:3]), [0, 0.0])[1]]
+             for c in after["cells"]}
+    grown = {k: v for k, v in grown.items() if v[0]}
+    assert steady and grown.keys() == steady.keys()
+    for key, (n, secs) in steady.items():
+        assert grown[key][0] == n and grown[key][1] == pytest.approx(secs, abs=1e-5)
+    assert sum(n for n, _ in steady.values()) < len(rounds) - n_before  # the prefill round is left out
+
+
 def test_inline_tensor_swap_and_set_adaptive(served, client, smol_fp32):
     server = served[0]
     cfg, tensors = good_parts(smol_fp32, seed=8)

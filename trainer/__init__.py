@@ -12,7 +12,8 @@
 - `warm_up`      the daemon's first step's one-off costs, paid on a throwaway copy of the head
                  before the CLIs report ready
 - `duty`         the daemon's duty cycle: its rests beside a serving server, lower while the gate
-                 keeps refusing (futility)
+                 keeps refusing (futility); `slack`: the serving budget, the duty capped by the
+                 server's measured slowdown while the trainer steps
 - `ranks`        the daemon across N data-parallel ranks (rank 0 subscribes, publishes; `rank_data`:
                  its deal of the micro-batches, by name to ranks that read its buffer); `launch`:
                  `online-spec train --ranks N` starts and watches them

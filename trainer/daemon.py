@@ -50,6 +50,7 @@ from trainer.batch import collate
 from trainer.daemon_config import DaemonConfig
 from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.duty import DutyCycle
+from trainer.slack import SlackGovernor
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
@@ -115,7 +116,8 @@ class TrainerDaemon:
         self.starvation = self.starvation_watch.detector
         self.server_head = ServerHeadWatch()
         self.duty_cycle = DutyCycle(cfg.max_duty, cfg.idle_duty, self._stop, self.server_head, cfg.futile_evals,
-                                    cfg.futile_scale)
+                                    cfg.futile_scale, SlackGovernor(getattr(publisher, "round_clock", None),
+                                                                    cfg.budget_on(self.distiller.device.type)))
         self._rest_until, self._last_step = 0.0, (0.0, 0.0)  # rest until; the last step's (end, busy seconds)
 
     # -- inputs ---------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class TrainerDaemon:
                 t0 = time.monotonic()
                 if t0 < self._rest_until:  # resting in slices: the watchers below keep their cadence
                     self._stop.wait(min(self.cfg.idle_sleep_s, self._rest_until - t0))
-                elif not self.train_once():
+                elif not self.duty_cycle.spell(self.train_once):
                     self._stop.wait(self.cfg.idle_sleep_s)
                 else:
                     t1 = time.monotonic()
@@ -479,7 +481,8 @@ class TrainerDaemon:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
                 "rested_s": round(self.duty_cycle.rested_s, 3),
-                "futile": self.duty_cycle.summary(), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
+                "futile": self.duty_cycle.summary(), "serving_budget": self.duty_cycle.governor.summary(),
+                "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
                 "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from online_spec.config import check, doc
 
+GPU_SERVING_BUDGET = 0.03  # `--serving-budget`'s default on a GPU: the issue's "within a few percent"
+
 
 @dataclass
 class DaemonConfig:
@@ -38,6 +40,10 @@ class DaemonConfig:
                             "duty returns at the next publish, drift alert or head change; 0 = never", 3)
     futile_scale: float = doc("futile duty / --max-duty; the duty while training is futile, as a fraction of "
                               "--max-duty", 0.2)
+    serving_budget: float | None = doc("share of serving tokens/s training may cost; the trainer's "
+                                       "duty is capped by the server's measured slowdown while it "
+                                       "steps (control round_clock, trainer/slack.py); default 0.03 on a GPU, "
+                                       "where the two processes time-slice the device, off (0) on a CPU", None)
     drift_boost_s: float = doc("after a drift alert, evaluate every step for this long", 120.0)
     specialise: bool = doc("skip the gate's per-tag check on tags the server's head bank holds another head for, "
                            "so the live head may specialise on the traffic of now (the bank brings the other head "
@@ -54,4 +60,12 @@ class DaemonConfig:
         check(0.0 < self.max_duty <= 1.0, "max_duty", f"must be in (0, 1], got {self.max_duty!r}")
         check(0.0 < self.idle_duty <= 1.0, "idle_duty", f"must be in (0, 1], got {self.idle_duty!r}")
         check(self.futile_evals >= 0, "futile_evals", f"must be >= 0, got {self.futile_evals!r}")
+        check(self.serving_budget is None or 0.0 <= self.serving_budget < 1.0, "serving_budget",
+              f"must be in [0, 1), got {self.serving_budget!r}")
         check(0.0 < self.futile_scale <= 1.0, "futile_scale", f"must be in (0, 1], got {self.futile_scale!r}")
+
+    def budget_on(self, device_type: str) -> float:
+        """The serving budget on a trainer device of `device_type` ("cuda", "cpu", ...)."""
+        if self.serving_budget is not None:
+            return self.serving_budget
+        return GPU_SERVING_BUDGET if device_type == "cuda" else 0.0

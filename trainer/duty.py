@@ -11,13 +11,19 @@ traffic), the duty is `max_duty * futile_scale`: a trainer with nothing to win s
 server's core or GPU time. It trains at the full duty again at the gate's next publish, or on a
 wake (`wake`: a drift alert, a head the daemon adopted or rolled back, a seed). Steps taken at
 the futile duty are chosen rest, not starvation (`resting`).
+
+The serving budget (`trainer/slack.py`): while the server serves, the duty is at most what the
+server's measured slowdown during the trainer's busy spells allows (`SlackGovernor.cap`); `spell`
+runs a busy spell between the governor's two reads of the server's round clock.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol
+from typing import Callable, Protocol
+
+from trainer.slack import SlackGovernor
 
 log = logging.getLogger("trainer.daemon")  # the daemon's log: where an operator reads its rests
 
@@ -31,8 +37,9 @@ class ServerLoad(Protocol):
 
 class DutyCycle:
     def __init__(self, max_duty: float, idle_duty: float, stop: threading.Event, load: ServerLoad,
-                 futile_evals: int = 0, futile_scale: float = 1.0):
+                 futile_evals: int = 0, futile_scale: float = 1.0, governor: SlackGovernor | None = None):
         self.max_duty, self.idle_duty, self._stop, self.load = max_duty, idle_duty, stop, load
+        self.governor = governor or SlackGovernor(None, 0.0)
         self.futile_evals, self.futile_scale = futile_evals, futile_scale
         self.refused = 0  # gate evaluations in a row that refused the candidate (since a publish or a wake)
         self.rested_s = 0.0  # seconds rested so far
@@ -62,7 +69,19 @@ class DutyCycle:
     def duty(self) -> float:
         if self.load.idle:
             return self.idle_duty
-        return self.max_duty * self.futile_scale if self.resting() else self.max_duty
+        duty = self.max_duty * self.futile_scale if self.resting() else self.max_duty
+        cap = self.governor.cap()
+        return duty if cap is None else min(duty, cap)
+
+    def spell(self, work: Callable[[], bool]) -> bool:
+        """Run one busy spell (`work` -> whether it trained) between the serving budget's reads."""
+        self.governor.begin()
+        trained = False
+        try:
+            trained = work()
+        finally:
+            self.governor.end(trained)
+        return trained
 
     @staticmethod
     def rest_at(busy_s: float, duty: float) -> float:
