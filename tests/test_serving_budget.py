@@ -138,6 +138,26 @@ def test_an_old_server_turns_it_off_and_a_failed_read_drops_its_interval():
         SlackGovernor(clock, budget=1.0)
 
 
+def test_a_trainer_waiting_for_traffic_reads_the_clock_at_most_once_a_second():
+    clock = Clock(slow=1.0)
+    gov = SlackGovernor(clock, budget=0.03, idle_read_s=60.0)
+    for _ in range(50):  # nothing to train on: the daemon's loop asks every --idle-sleep-s
+        gov.begin()
+        gov.end(trained=False)
+    assert clock.reads == 2  # the first spell's two reads, then none within idle_read_s
+    gov.begin()  # not read: the spell turns out to train
+    clock.busy = True
+    gov.end(trained=True)  # read, but as a new baseline: its interval mixed rest and busy rounds
+    clock.busy = False
+    assert clock.reads == 3 and gov.estimate() is None and not gov._busy
+    for _ in range(2):
+        gov.begin()
+        clock.busy = True
+        gov.end(trained=True)
+        clock.busy = False
+    assert gov.estimate()[0] == pytest.approx(1.0)
+
+
 class Load:
     idle, busy = False, True
 

@@ -423,7 +423,8 @@ class TrainerDaemon:
     def write_state(self) -> None:
         """state.json alone: step, versions, monitor and buffer counters, rests (atomic rewrite)."""
         state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict(),
-                 "futile": self.duty_cycle.summary(), "rested_s": round(self.duty_cycle.rested_s, 3)}
+                 "futile": self.duty_cycle.summary(), "rested_s": round(self.duty_cycle.rested_s, 3),
+                 "serving_budget": self.duty_cycle.governor.summary()}
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "state.json")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -71,12 +72,14 @@ def slowdown(busy: dict[Cell, list], rest: dict[Cell, list], min_rounds: int) ->
 
 class SlackGovernor:
     def __init__(self, read_clock: Callable[[], dict] | None, budget: float, min_duty: float = 0.02,
-                 probe_duty: float = 0.5, window: int = 16, min_rounds: int = 8):
+                 probe_duty: float = 0.5, window: int = 16, min_rounds: int = 8, idle_read_s: float = 1.0):
         if not 0.0 <= budget < 1.0:
             raise ValueError(f"serving budget: must be in [0, 1), got {budget!r}")
         self.read_clock = read_clock if budget > 0 else None
         self.budget, self.min_duty, self.probe_duty = budget, min_duty, probe_duty
-        self.min_rounds = min_rounds
+        self.min_rounds, self.idle_read_s = min_rounds, idle_read_s
+        self._idle = self._skipped = False  # the last spell trained nothing; this spell's start was not read
+        self._read_t = 0.0  # time.monotonic() of the last read
         self._busy: deque[dict[Cell, tuple[int, float]]] = deque(maxlen=window)  # per interval: shape deltas
         self._rest: deque[dict[Cell, tuple[int, float]]] = deque(maxlen=window)
         self._last: dict[Cell, tuple[int, float]] | None = None  # the last reading
@@ -91,16 +94,29 @@ class SlackGovernor:
         return self.read_clock is not None and not self.off
 
     def begin(self) -> None:
-        """The trainer's busy spell begins: the interval since the last reading was rest."""
-        self._mark(busy_was=False)
+        """The trainer's busy spell begins: the interval since the last reading was rest. After a
+        spell that trained nothing (no traffic to train on), spells within `idle_read_s` of the
+        last reading read nothing (a trainer waiting for traffic would ask every --idle-sleep-s)."""
+        self._skipped = self._idle and time.monotonic() - self._read_t < self.idle_read_s
+        if not self._skipped:
+            self._mark(busy_was=False)
 
     def end(self, trained: bool) -> None:
-        """The busy spell ends; `trained`: it stepped (else the interval counts as rest)."""
+        """The busy spell ends; `trained`: it stepped (else the interval counts as rest). A spell
+        whose start was not read and that trained starts a new baseline (its interval mixes rest
+        and busy rounds, so it is dropped)."""
+        self._idle = not trained
+        if self._skipped:
+            if trained:
+                self._last = None
+                self._mark(busy_was=True)
+            return
         self._mark(busy_was=trained)
 
     def _mark(self, busy_was: bool) -> None:
         if not self.on:
             return
+        self._read_t = time.monotonic()
         try:
             now = clock_cells(self.read_clock())
         except Exception as e:  # noqa: BLE001 - the server's answer decides; serving goes on either way
