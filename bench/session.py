@@ -283,6 +283,8 @@ def _start_trainer(cfg: SessionConfig, run_dir: Path, sock_dir: Path, url: str):
             "--max-seconds", str(cfg.deadline_s + 120), "--control-run-dir", str(sock_dir)]
     if cfg.trainer_device or cfg.device != "cpu":
         args += ["--device", cfg.trainer_device or cfg.device]  # empty: colocated, on the server's device
+    if cfg.trainer_device and cfg.trainer_device != cfg.device:  # a device of its own: nothing of serving's to
+        args += ["--serving-budget", "0"]  # spare (trainer_args given after may still set one)
     if cfg.head and cfg.head != "none":
         args += ["--init-head", str(Path(cfg.head).resolve())]
     args += [str(a) for a in cfg.trainer_args]

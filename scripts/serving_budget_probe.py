@@ -3,7 +3,7 @@ its duty fixed against its duty capped by the budget (trainer/slack.py), and wit
 
 Each setting is one `bench.session` run over the same trace lines (the server embedded, the trainer
 daemon in its child process, the capture stream and the control endpoint real), interleaved
-`--repeats` times:
+`--repeats` times, each repeat's order rotated by one (a machine whose speed drifts favours no setting):
 
     no-trainer      no trainer (the server alone, capture off)
     FLAGS           the trainer with these `online-spec train` flags, e.g. "--max-duty 0.5" against
@@ -62,7 +62,7 @@ def main() -> int:
     rows: dict[str, list[dict]] = {s: [] for s in settings}
     try:
         for rep in range(args.repeats):
-            for s in settings:
+            for s in settings[rep % len(settings):] + settings[:rep % len(settings)]:  # each repeat's order rotated
                 online = s != "no-trainer"
                 result = run_session(target, SessionConfig(
                     name=s, run_dir=str(work / f"r{rep}"), head=head, num_steps=args.num_steps, device=args.device,

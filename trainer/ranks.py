@@ -178,7 +178,8 @@ class RankLoop:
                 if stop:
                     break
                 t0 = time.monotonic()
-                if not (ready and self.step_once()):
+                # rank 0's spells between its serving budget's reads of the server's clock
+                if not (ready and (self.step_once() if d is None else d.duty_cycle.spell(self.step_once))):
                     self._stop.wait(self.dcfg.idle_sleep_s)
                 elif d is not None:
                     d.rest_after(time.monotonic() - t0)

@@ -17,9 +17,12 @@ fewer than `min_rounds` rounds on either side are left out). A round in a busy s
 times its rest time, so a duty d costs the server about d * s / (1 + s) of its tokens/s, and the
 governor keeps that within `budget`: the duty cap is budget * (1 + s) / s, at least `min_duty`
 (the trainer is never shut out; the starvation alert says when that is too few steps) and at
-most the duty the daemon would use without it. Until it has an estimate it caps the duty at
-`probe_duty`, so that rests exist to compare with; a server that idles gives no rounds and no
-estimate (the daemon's idle duty applies then anyway).
+most `max_duty` (0.75) however little the trainer costs: rests must go on and be long enough
+that the round straddling a spell's end (counted in the rest after it) is a small part of them,
+or the comparison drifts to "no cost" and holds there (on 2 CPU cores a governor that had capped
+at 1.0 let the trainer cost the server 14 % unseen, its rests a round or two long, 2026-12-04). Until it has an estimate it caps the duty at `probe_duty`,
+so that rests exist to compare with; a server that idles gives no rounds and no estimate (the
+daemon's idle duty applies then anyway).
 
 A server without the command (an older one) turns the governor off, said once in the log; a read
 that fails drops the interval it would have closed.
@@ -72,11 +75,12 @@ def slowdown(busy: dict[Cell, list], rest: dict[Cell, list], min_rounds: int) ->
 
 class SlackGovernor:
     def __init__(self, read_clock: Callable[[], dict] | None, budget: float, min_duty: float = 0.02,
-                 probe_duty: float = 0.5, window: int = 16, min_rounds: int = 8, idle_read_s: float = 1.0):
+                 probe_duty: float = 0.5, max_duty: float = 0.75, window: int = 16, min_rounds: int = 8,
+                 idle_read_s: float = 1.0):
         if not 0.0 <= budget < 1.0:
             raise ValueError(f"serving budget: must be in [0, 1), got {budget!r}")
         self.read_clock = read_clock if budget > 0 else None
-        self.budget, self.min_duty, self.probe_duty = budget, min_duty, probe_duty
+        self.budget, self.min_duty, self.probe_duty, self.max_duty = budget, min_duty, probe_duty, max_duty
         self.min_rounds, self.idle_read_s = min_rounds, idle_read_s
         self._idle = self._skipped = False  # the last spell trained nothing; this spell's start was not read
         self._read_t = 0.0  # time.monotonic() of the last read
@@ -161,15 +165,16 @@ class SlackGovernor:
         return self._estimate
 
     def cap(self) -> float | None:
-        """The duty the budget allows now: budget * (1 + s) / s (at least min_duty), 1.0 where
-        the trainer costs nothing measurable, probe_duty before an estimate; None when off."""
+        """The duty the budget allows now: budget * (1 + s) / s (at least min_duty, at most
+        max_duty, where the trainer costs nothing measurable), probe_duty before an estimate;
+        None when off."""
         if not self.on:
             return None
         est = self.estimate()
         if est is None:
             return self.probe_duty
         s = est[0]
-        return 1.0 if s <= 0 else max(self.min_duty, min(1.0, self.budget * (1.0 + s) / s))
+        return self.max_duty if s <= 0 else max(self.min_duty, min(self.max_duty, self.budget * (1.0 + s) / s))
 
     def summary(self) -> dict:
         est = self.estimate() if self.on else None
