@@ -165,7 +165,7 @@ class Load:
 
 def test_the_duty_cycle_takes_the_lower_of_its_duty_and_the_cap():
     clock, load = Clock(slow=1.0), Load()
-    dc = DutyCycle(0.25, 1.0, threading.Event(), load, governor=SlackGovernor(clock, budget=0.03))
+    dc = DutyCycle(0.25, 1.0, threading.Event(), load, read_clock=clock, serving_budget=0.03)
     assert dc.duty() == 0.25  # before an estimate: min(0.25, the probe duty 0.5)
     for _ in range(3):  # each spell's begin closes a rest interval, its end a busy one
         assert dc.spell(lambda: (setattr(clock, "busy", True), True)[1])

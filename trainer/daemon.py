@@ -50,7 +50,6 @@ from trainer.batch import collate
 from trainer.daemon_config import DaemonConfig
 from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.duty import DutyCycle
-from trainer.slack import SlackGovernor
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
 from trainer.loss import LossConfig
@@ -116,8 +115,8 @@ class TrainerDaemon:
         self.starvation = self.starvation_watch.detector
         self.server_head = ServerHeadWatch()
         self.duty_cycle = DutyCycle(cfg.max_duty, cfg.idle_duty, self._stop, self.server_head, cfg.futile_evals,
-                                    cfg.futile_scale, SlackGovernor(getattr(publisher, "round_clock", None),
-                                                                    cfg.budget_on(self.distiller.device.type)))
+                                    cfg.futile_scale, getattr(publisher, "round_clock", None),
+                                    cfg.budget_on(self.distiller.device.type))
         self._rest_until, self._last_step = 0.0, (0.0, 0.0)  # rest until; the last step's (end, busy seconds)
 
     # -- inputs ---------------------------------------------------------------------------
@@ -423,8 +422,7 @@ class TrainerDaemon:
     def write_state(self) -> None:
         """state.json alone: step, versions, monitor and buffer counters, rests (atomic rewrite)."""
         state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict(),
-                 "futile": self.duty_cycle.summary(), "rested_s": round(self.duty_cycle.rested_s, 3),
-                 "serving_budget": self.duty_cycle.governor.summary()}
+                 **self.duty_cycle.report()}
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "state.json")
@@ -481,9 +479,7 @@ class TrainerDaemon:
     def summary(self) -> dict:
         return {"step": self.distiller.step, "tokens": self.distiller.tokens, "live_version": self.state["live_version"],
                 "swaps": self.state["swaps"], "rollbacks": len(self.state["rolled_back"]),
-                "rested_s": round(self.duty_cycle.rested_s, 3),
-                "futile": self.duty_cycle.summary(), "serving_budget": self.duty_cycle.governor.summary(),
-                "buffer": self.buffer.stats(), "stream": self._stream_stats(),
+                **self.duty_cycle.report(), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
                 "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,

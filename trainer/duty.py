@@ -37,9 +37,10 @@ class ServerLoad(Protocol):
 
 class DutyCycle:
     def __init__(self, max_duty: float, idle_duty: float, stop: threading.Event, load: ServerLoad,
-                 futile_evals: int = 0, futile_scale: float = 1.0, governor: SlackGovernor | None = None):
+                 futile_evals: int = 0, futile_scale: float = 1.0, read_clock: Callable[[], dict] | None = None,
+                 serving_budget: float = 0.0):
         self.max_duty, self.idle_duty, self._stop, self.load = max_duty, idle_duty, stop, load
-        self.governor = governor or SlackGovernor(None, 0.0)
+        self.governor = SlackGovernor(read_clock, serving_budget)  # the serving budget (trainer/slack.py)
         self.futile_evals, self.futile_scale = futile_evals, futile_scale
         self.refused = 0  # gate evaluations in a row that refused the candidate (since a publish or a wake)
         self.rested_s = 0.0  # seconds rested so far
@@ -101,6 +102,11 @@ class DutyCycle:
         """Rests at the futile duty: seconds, spells begun, refused verdicts in a row now."""
         return {"rested_s": round(self.futile_rested_s, 3), "spells": self.futile_spells,
                 "refused_in_a_row": self.refused}
+
+    def report(self) -> dict:
+        """What the daemon's summary and state.json say of its rests: all of them, the futile ones,
+        the serving budget."""
+        return {"rested_s": round(self.rested_s, 3), "futile": self.summary(), "serving_budget": self.governor.summary()}
 
     def rest_after(self, busy_s: float) -> float:
         """Rest after `busy_s` of training; returns the seconds rested (cut short by stop)."""
