@@ -38,9 +38,9 @@ def log_status(daemon, stop: threading.Event, every_s: float) -> None:
     counters the training thread updates; a line a step stale is fine)."""
     while not stop.wait(every_s):
         state = daemon.state
-        gov = daemon.duty_cycle.governor
-        budget = "" if not gov.on else ", serving budget: duty cap %.3g (slowdown %s)" % (
-            gov.cap(), "-" if gov.estimate() is None else "%.3f" % gov.estimate()[0])
+        gov = daemon.duty_cycle.governor.summary()
+        slowdown = "-" if gov["slowdown"] is None else f"{gov['slowdown']:.3f}"
+        budget = "" if gov["off"] else f", serving budget: duty cap {gov['duty_cap']:.3g} (slowdown {slowdown})"
         log.info("status: step %d, buffer %d rows, %d evaluations, %d swaps, live v%s%s", daemon.distiller.step,
                  daemon.buffer.num_tokens, state.get("evals", 0), state.get("swaps", 0), state.get("live_version"),
                  budget)

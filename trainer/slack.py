@@ -20,16 +20,16 @@ governor keeps that within `budget`: the duty cap is budget * (1 + s) / s, at le
 most `max_duty` (0.75) however little the trainer costs: rests must go on and be long enough
 that the round straddling a spell's end (counted in the rest after it) is a small part of them,
 or the comparison drifts to "no cost" and holds there (on 2 CPU cores a governor that had capped
-at 1.0 let the trainer cost the server 14 % unseen, its rests a round or two long, 2026-12-04). Until it has an estimate it caps the duty at `probe_duty`,
-so that rests exist to compare with; a server that idles gives no rounds and no estimate (the
-daemon's idle duty applies then anyway).
+at 1.0 let the trainer cost the server 14 % unseen, its rests a round or two long, 2026-12-04).
+Until it has an estimate it caps the duty at `probe_duty`, so that rests exist to compare with; a
+server that idles gives no rounds and no estimate (the daemon's idle duty applies then anyway).
 
 A server without the command (an older one) turns the governor off, said once in the log; a read
 that fails drops the interval it would have closed.
 
     gov = SlackGovernor(client.round_clock, budget=0.03)
     gov.begin(); ...a step...; gov.end(trained=True)
-    cap = gov.cap()        # None: no budget, or no estimate yet with rests to spare
+    cap = gov.cap()        # None: off (no budget, or no clock); probe_duty before an estimate
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class SlackGovernor:
 
     @property
     def on(self) -> bool:
-        return self.read_clock is not None and not self.off
+        return not self.off
 
     def begin(self) -> None:
         """The trainer's busy spell begins: the interval since the last reading was rest. After a
