@@ -49,6 +49,13 @@ and online-spec's ratio, `ceiling` (`ceiling_capture`) and `overhead_split` from
 the order reversed every other repeat, a machine whose speed drifts steadily through the run (on the 2-core VM
 configurations minutes apart moved 15-30 %, `machine_pulse`) slows every configuration's pooled
 figure alike. One ~25 s run per configuration moves ~10 % on a quiet 2-core machine.
+`--interleave N` serves the whole-trace configurations side by side instead (bench/interleave.py):
+every one is up at once, the trace goes in chunks of N requests, each chunk served by every
+configuration in turn (the order reversed every other chunk) while the others are paused, their
+trainers stopped; each configuration's times count only its own turns. A drift of the machine's
+speed then weighs on all alike within a chunk's turn, where one after another it lands on
+whichever configuration ran then. No machine pulses (the interleaving is the control); the
+deadline stops the chunks for all alike.
 `--baseline-threads T` gives the server of the trainer-free configurations (plain,
 static, adaptive, bs1 plain) T torch threads: a deployment without a trainer has the whole
 machine, where online-spec splits it between server and trainer.
@@ -91,16 +98,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import SourceGuard, add_bench_args, quick_overrides, write_report
 from bench.demo import DEMO_TRAINER_ARGS
-from bench.e2e_figures import (ceiling_figures, met_return, overhead_split, pooled_figures, ratio as _ratio,
-                               return_figures, verify_speed)
+from bench.e2e_figures import (RATIOS, TARGETS, ceiling_figures, median_headline, overhead_split, pooled_figures,
+                               ratio as _ratio, return_figures, verify_speed)
 from bench.heads import HEAD_CHOICES, resolve_head
+from bench.interleave import serve_interleaved
 from bench.pulse import machine_pulse, pulse_figures
 from bench.report import session_figures, write_rounds
 from bench.session import SessionConfig, run_session
@@ -167,6 +174,10 @@ class E2EConfig:
     clients_process: bool = doc("the streaming clients run in a process of their own, as a deployment's do "
                                 "(off: in the server's process, sharing its interpreter lock with the engine "
                                 "thread, as before 2026-11-27)", True)
+    interleave: int = doc("serve the whole-trace configurations side by side: the trace in chunks of this many "
+                          "requests, every configuration serving each chunk in turn while the others are paused "
+                          "(their trainers stopped), the order reversed every other chunk (bench/interleave.py); "
+                          "0 = one configuration after another", 0)
     ceiling_heads: str = doc("heads (comma-separated --head values) each serving the trace with the cost "
                              "controller and no trainer, for the per-phase ceiling (see the module doc); "
                              "empty = none", "")
@@ -180,6 +191,7 @@ class E2EConfig:
               f"must be comma-separated integers >= 1, got {self.calib_steps!r}")
         check(self.calib_requests >= 1 and self.bs1_requests >= 1, "calib_requests", "must be >= 1")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+        check(self.interleave >= 0, "interleave", f"must be >= 0 (0 = off), got {self.interleave}")
         check(self.baseline_threads >= 0, "baseline_threads", f"must be >= 0, got {self.baseline_threads}")
         check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
               f"must be one of {CAPTURE_SENDERS}, got {self.capture_sender!r}")
@@ -232,7 +244,7 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
     guard = SourceGuard()  # the configurations compared must all run the code the bench started with
     pulses: dict[str, float | None] = {}  # configuration -> the machine pulse before it
 
-    def session(name, items_, what: str = "", **kw):
+    def session_config(name, **kw) -> SessionConfig:
         base = dict(name=name, run_dir=str(out / name), head=head, concurrency=cfg.concurrency,
                     tree_candidates=cfg.policy_tree_list(),
                     max_tokens=cfg.max_tokens, deadline_s=deadline_s, server_threads=cfg.server_threads,
@@ -240,19 +252,47 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
                     trainer_device=cfg.trainer_device, cost_model_store=cost_store, plan_ahead=cfg.plan_ahead,
                     switch_interval_ms=cfg.switch_interval_ms, clients_process=cfg.clients_process,
                     capture_sender=cfg.capture_sender, reserve_cpu=cfg.reserve_cpu)
+        return SessionConfig(**{**base, **kw})
+
+    def figures(result, sc: SessionConfig, t0: float) -> dict:
+        write_rounds(result, Path(sc.run_dir) / "rounds.jsonl.gz")  # every round, shape and times
+        figs = session_figures(result)
+        figs["wall_s"] = time.time() - t0
+        return figs
+
+    def session(name, items_, what: str = "", **kw):
         guard.check(f"configuration {name!r}")
         t0 = time.time()
         print(f"== {name}" + (f": {what}" if what else ""), flush=True)
-        sc = SessionConfig(**{**base, **kw})
+        sc = session_config(name, **kw)
         pulses[name] = pulse = machine_pulse(target, sc.server_threads)  # the machine's speed now (bench/pulse.py)
         if pulse:
             print(f"   machine pulse: {pulse:.1f} tok/s (a fixed plain-decode workload on {sc.server_threads} "
                   f"thread{'s' if sc.server_threads > 1 else ''})", flush=True)
-        result = run_session(target, sc, items_)
-        write_rounds(result, Path(base["run_dir"]) / "rounds.jsonl.gz")  # every round, shape and times
-        figs = session_figures(result)
-        figs["wall_s"] = time.time() - t0
-        return figs
+        return figures(run_session(target, sc, items_), sc, t0)
+
+    def side_by_side(specs: dict, pre: str, rep: int) -> dict:
+        """Every configuration of `specs` serving the trace chunk by chunk in turn (bench/interleave.py)."""
+        order = repeat_order(list(specs), rep)
+        guard.check(f"configurations {', '.join(order)}")
+        print(f"== side by side, {cfg.interleave} requests a turn: {', '.join(order)} (reversed every other "
+              f"chunk; the others paused)", flush=True)
+        # each session's safety stop spans every configuration's turns; the chunks stop at deadline_s x N
+        scs = {n: session_config(f"{pre}{n}", progress_every_s=0, deadline_s=3 * cfg.deadline_s * len(specs),
+                                 **specs[n]) for n in specs}
+        t0 = time.time()
+        tally: dict[str, float] = {}
+
+        def on_chunk(i, of, name, _session, seconds):
+            tally[name] = seconds
+            if len(tally) == len(specs):
+                phase = items[min(len(items) - 1, i * cfg.interleave)].phase
+                print(f"   chunk {i + 1}/{of} ({phase}): " + "  ".join(f"{n} {s:.1f}s" for n, s in tally.items()),
+                      flush=True)
+                tally.clear()
+
+        results = serve_interleaved(scs, target, items, cfg.interleave, order, cfg.deadline_s * len(specs), on_chunk)
+        return {n: figures(results[n], scs[n], t0) for n in specs}
 
     res: dict = {"bench": "e2e", "config": config_to_dict(cfg), "model": target.name, "head": head or "day0 (random)",
                  "trace": {"requests": len(items), "phases": [[p, len(r)] for p, r in runs]}}
@@ -300,7 +340,11 @@ def run_bench(cfg: E2EConfig, target=None, trainer_args: list | None = None) -> 
         for name, path in ceiling.items():  # beside online-spec: the figures of ceiling_capture run close
             specs[f"ceiling_{name}"] = dict(head=path, policy="cost", num_steps=best_k)
         ran = {}
-        for name in repeat_order(list(specs), rep):
+        if cfg.interleave:
+            ran = side_by_side(specs, pre, rep)
+            if rep == 0:  # every configuration served the same chunks: the deadline cut all alike
+                items = same_work(items, ran["plain"], res)
+        for name in [] if cfg.interleave else repeat_order(list(specs), rep):
             ran[name] = session(f"{pre}{name}", items, **specs[name])
             if name == "plain" and rep == 0:  # the deadline shortens the trace for every configuration alike
                 items = same_work(items, ran["plain"], res)
@@ -370,44 +414,6 @@ def same_work(items: list, first: dict, res: dict) -> list:
 
 
 NEVER_TRAIN_TOKENS = 10**12  # a replay buffer never holds this many rows: the daemon ingests, never trains
-RATIOS = ("speedup_vs_static_sglang_adaptive", "speedup_vs_static", "speedup_vs_plain", "speedup_vs_plain_bs1_adapted",
-          "speedup_vs_sglang_default_tree", "tree_vs_static")
-TARGETS = {"speedup_vs_static_sglang_adaptive": 1.3, "speedup_vs_plain_bs1_adapted": 2.5}
-
-
-def _median_tree(trees: list):
-    """Element-wise median of same-shaped nested dicts of numbers (None where any is missing);
-    anything else is taken from the first."""
-    first = trees[0]
-    if isinstance(first, dict):
-        return {k: _median_tree([t.get(k) if isinstance(t, dict) else None for t in trees]) for k in first}
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        vals = [t for t in trees if isinstance(t, (int, float)) and not isinstance(t, bool)]
-        return statistics.median(vals) if len(vals) == len(trees) else None
-    return first
-
-
-def median_headline(heads: list[dict]) -> dict:
-    """One headline from several repeats: ratios, per-phase and overall figures by median;
-    adaptation, swaps and alerts of the first repeat (each repeat's are in `repeats`)."""
-    out = dict(heads[0])
-    for k in RATIOS:
-        vals = [h[k] for h in heads if h[k] is not None]
-        out[k] = statistics.median(vals) if len(vals) == len(heads) else None
-    out["per_phase"] = _median_tree([h["per_phase"] for h in heads])
-    out["per_phase_ratios"] = _median_tree([h["per_phase_ratios"] for h in heads])
-    if "overhead_split" in out:
-        out["overhead_split"] = _median_tree([h["overhead_split"] for h in heads])
-    if "ceiling" in out:
-        out["ceiling"] = _median_tree([h["ceiling"] for h in heads])
-    if "returns" in out:
-        out["returns"] = _median_tree([h["returns"] for h in heads])
-        out["returns"]["met"] = met_return(out["returns"]["ratio_online_spec"])
-    out["overall"] = _median_tree([h["overall"] for h in heads])
-    out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
-    return out
-
-
 def tokens_to_beat(day0: dict, plain_tps: float | None) -> int | None:
     """Tokens committed until the end of the first timeline window faster than plain decoding."""
     tl = day0["timeline"]

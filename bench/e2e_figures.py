@@ -2,10 +2,13 @@
 the return to earlier traffic (`return_figures`, `--trace-shape return`) and the per-phase ceiling
 of `--ceiling-heads` with the share of its gain online-spec took (`ceiling_figures`,
 `ceiling_capture`), and how fast the machine ran each configuration (`verify_speed`, a
-diagnostic). bench/e2e.py runs the configurations; its module doc defines the figures.
+diagnostic), and one headline from several repeats (`median_headline`). bench/e2e.py runs the
+configurations; its module doc defines the figures.
 """
 
 from __future__ import annotations
+
+import statistics
 
 
 def ratio(a, b):
@@ -166,3 +169,41 @@ def verify_speed(configs: dict, ref: str = "cost_policy") -> dict | None:
             speed[name], shared[name] = round(math.exp(num / den), 4), n_cells
     return {"ref": ref, "by_config": speed, "cells": shared,
             "spread": round(max(speed.values()) / min(speed.values()), 4) if speed else None}
+
+
+RATIOS = ("speedup_vs_static_sglang_adaptive", "speedup_vs_static", "speedup_vs_plain", "speedup_vs_plain_bs1_adapted",
+          "speedup_vs_sglang_default_tree", "tree_vs_static")
+TARGETS = {"speedup_vs_static_sglang_adaptive": 1.3, "speedup_vs_plain_bs1_adapted": 2.5}
+
+
+def _median_tree(trees: list):
+    """Element-wise median of same-shaped nested dicts of numbers (None where any is missing);
+    anything else is taken from the first."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {k: _median_tree([t.get(k) if isinstance(t, dict) else None for t in trees]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        vals = [t for t in trees if isinstance(t, (int, float)) and not isinstance(t, bool)]
+        return statistics.median(vals) if len(vals) == len(trees) else None
+    return first
+
+
+def median_headline(heads: list[dict]) -> dict:
+    """One headline from several repeats: ratios, per-phase and overall figures by median;
+    adaptation, swaps and alerts of the first repeat (each repeat's are in `repeats`)."""
+    out = dict(heads[0])
+    for k in RATIOS:
+        vals = [h[k] for h in heads if h[k] is not None]
+        out[k] = statistics.median(vals) if len(vals) == len(heads) else None
+    out["per_phase"] = _median_tree([h["per_phase"] for h in heads])
+    out["per_phase_ratios"] = _median_tree([h["per_phase_ratios"] for h in heads])
+    if "overhead_split" in out:
+        out["overhead_split"] = _median_tree([h["overhead_split"] for h in heads])
+    if "ceiling" in out:
+        out["ceiling"] = _median_tree([h["ceiling"] for h in heads])
+    if "returns" in out:
+        out["returns"] = _median_tree([h["returns"] for h in heads])
+        out["returns"]["met"] = met_return(out["returns"]["ratio_online_spec"])
+    out["overall"] = _median_tree([h["overall"] for h in heads])
+    out["met"] = {k: (out[k] is not None and out[k] >= v) for k, v in TARGETS.items()}
+    return out

@@ -175,25 +175,52 @@ def build_policy(cfg: SessionConfig, target, head, engine_cfg, run_dir: Path):
 
 def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionResult:
     """Serve `items` with the configured head/policy (and trainer); always cleans up."""
-    # transformers comes with these: the benches that import this module keep their --help fast
-    from online_spec.checkpoint import load_head
-    from online_spec.head import new_head
-    from serving.engine import EngineConfig
-    from serving.control import ControlConfig
-    from serving.head_bank import BankConfig
-    from serving.server import ServerConfig, SpecServer
-    from serving.server_app import HttpThread
-    from trainer.distill import init_from_target
-
-    caller_threads = torch.get_num_threads()  # given back at the end: the caller's own work keeps its threads
-    torch.set_num_threads(cfg.server_threads)
-    run_dir = Path(cfg.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    sock_dir = Path(tempfile.mkdtemp(prefix="osd-"))  # short path: ipc socket names are limited to ~100 chars
-    result = SessionResult(cfg.name, time.time(), trace_lines=len(items))
-    server = http = trainer = watch = None
-    stop_progress = threading.Event()
+    session = Session(target, cfg, len(items))
     try:
+        session.start()
+        session.serve(items)
+    finally:
+        session.close()
+    return session.result
+
+
+class Session:
+    """One configuration's server (and trainer) kept up across several `serve` calls.
+
+    `run_session` is start, serve, close. `bench e2e --interleave` keeps every configuration's
+    session up at once and serves the trace in chunks, one configuration at a time: `pause`
+    stops the trainer child (SIGSTOP, its children too) and marks the end of an active period,
+    `resume` continues it and sets the session's torch threads again (a process-wide setting).
+    `active` lists the (start, end) wall times the session served in, for bench/interleave.py's
+    clock that leaves out the other configurations' turns."""
+
+    def __init__(self, target, cfg: SessionConfig, trace_lines: int):
+        self.target, self.cfg = target, cfg
+        self.result = SessionResult(cfg.name, time.time(), trace_lines=trace_lines)
+        self.server = self.http = self.trainer = self.watch = self.progress = None
+        self.stop_progress = threading.Event()
+        self.caller_threads = torch.get_num_threads()  # given back at close: the caller's own work keeps its threads
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.sock_dir: Path | None = None
+        self.active: list[list[float]] = []  # [start, end] of each period served (end 0.0: still serving)
+
+    def start(self) -> "Session":
+        """Load the head, build and start the server (and the trainer, waiting for it to subscribe)."""
+        # transformers comes with these: the benches that import this module keep their --help fast
+        from online_spec.checkpoint import load_head
+        from online_spec.head import new_head
+        from serving.engine import EngineConfig
+        from serving.control import ControlConfig
+        from serving.head_bank import BankConfig
+        from serving.server import ServerConfig, SpecServer
+        from serving.server_app import HttpThread
+        from trainer.distill import init_from_target
+
+        cfg, target, result = self.cfg, self.target, self.result
+        torch.set_num_threads(cfg.server_threads)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # short path: ipc socket names are limited to ~100 chars
+        sock_dir = self.sock_dir = Path(tempfile.mkdtemp(prefix="osd-"))
         version, plain = 0, cfg.head == "none" or cfg.num_steps == 0 and cfg.policy == "static"
         if cfg.head and cfg.head != "none":
             head, meta = load_head(cfg.head, target.info, dtype=target.dtype)
@@ -213,59 +240,125 @@ def run_session(target, cfg: SessionConfig, items: list[TraceItem]) -> SessionRe
             publisher = open_publisher(PublisherConfig(endpoint=f"ipc://{sock_dir}/capture.sock"), cfg.capture_sender)
         # the server's own control endpoint, in the private socket directory: the trainer swaps
         # through it, and the head bank through its swapper (one swapper knows the live head)
-        control_cfg = ControlConfig(run_dir=str(sock_dir), allowed_roots=str(run_dir),
+        control_cfg = ControlConfig(run_dir=str(sock_dir), allowed_roots=str(self.run_dir),
                                     control_endpoint="" if cfg.online else "off")
         scfg = ServerConfig(engine=engine_cfg, capture=cfg.online, log_level="warning", control=control_cfg,
                             bank=BankConfig(enabled=cfg.bank), switch_interval_ms=cfg.switch_interval_ms)
-        server = SpecServer(scfg, target, None if plain else head, head_version=version,
-                            policy=None if plain else build_policy(cfg, target, head, engine_cfg, run_dir),
-                            publisher=publisher)
+        server = self.server = SpecServer(scfg, target, None if plain else head, head_version=version,
+                                          policy=None if plain else build_policy(cfg, target, head, engine_cfg,
+                                                                                 self.run_dir),
+                                          publisher=publisher)
         server.round_observers.append(RoundLog(result, server.bank))
         if server.drift is not None:
             server.drift.sinks.append(CallbackAlertSink(
                 lambda a: result.alerts.append({"t": time.time(), **_alert_dict(a)})))
         server.start()
-        http = HttpThread(server).start()
+        self.http = HttpThread(server).start()
         if cfg.online:
-            trainer = _start_trainer(cfg, run_dir, sock_dir, http.url)
+            self.trainer = _start_trainer(cfg, self.run_dir, sock_dir, self.http.url)
             if cfg.progress_every_s > 0:
-                print(f"trainer: starting (log: {run_dir / 'trainer.log'})", flush=True)
-            watch = TrainerWatch(run_dir / "trainer.log", echo=cfg.progress_every_s > 0).start()
-            _wait_ready(trainer, run_dir / "trainer", cfg.wait_trainer_s)
+                print(f"trainer: starting (log: {self.run_dir / 'trainer.log'})", flush=True)
+            self.watch = TrainerWatch(self.run_dir / "trainer.log", echo=cfg.progress_every_s > 0).start()
+            _wait_ready(self.trainer, self.run_dir / "trainer", cfg.wait_trainer_s)
         result.t_serve = time.time()
-        progress = threading.Thread(target=_progress, args=(server, result, len(items), cfg, stop_progress, watch),
-                                    daemon=True, name="progress")
-        progress.start()
+        self.active.append([result.t_serve, 0.0])
+        self.progress = threading.Thread(target=_progress, daemon=True, name="progress",
+                                         args=(server, result, result.trace_lines, cfg, self.stop_progress, self.watch))
+        self.progress.start()
+        return self
+
+    def serve(self, items: list[TraceItem]) -> list[RequestResult]:
+        """Replay `items` through the streaming clients; their results (indexed by trace line) join
+        the session's."""
+        cfg, result = self.cfg, self.result
+
         def on_done(res: RequestResult) -> None:
             result.done += 1
             result.phase = res.phase
 
         clients = replay_in_child if cfg.clients_process else (lambda *a, **kw: asyncio.run(replay(*a, **kw)))
-        result.requests = clients(http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s, on_done=on_done,
-                                  phase_budget_s=cfg.phase_budget_s or None)
-        result.server_info = server.info()
-    finally:
-        stop_progress.set()
+        done = clients(self.http.url, items, cfg.concurrency, cfg.max_tokens, cfg.deadline_s, on_done=on_done,
+                       phase_budget_s=cfg.phase_budget_s or None)
+        result.requests.extend(done)
+        result.server_info = self.server.info()
+        return done
+
+    def pause(self) -> None:
+        """Between chunks: the trainer (and its children) stopped, the active period closed. The
+        server's threads are idle without requests (the engine thread sleeps on its event)."""
+        if self.active and not self.active[-1][1]:
+            self.active[-1][1] = time.time()
+        _signal_tree(self.trainer, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """The trainer continued, this session's torch threads set, a new active period opened."""
+        _signal_tree(self.trainer, signal.SIGCONT)
+        torch.set_num_threads(self.cfg.server_threads)
+        if not self.active or self.active[-1][1]:
+            self.active.append([time.time(), 0.0])
+
+    def close(self) -> None:
+        """Stop everything started here (the trainer gets SIGTERM, then SIGKILL after a grace period)."""
+        result = self.result
+        _signal_tree(self.trainer, signal.SIGCONT)  # a stopped trainer would never see its SIGTERM
+        self.stop_progress.set()
         result.t1 = time.time()
-        torch.set_num_threads(caller_threads)
-        if trainer is not None:
-            result.trainer = _stop_trainer(trainer, run_dir)
-        if watch is not None:
-            watch.stop()
-            result.trainer["watch"] = watch.figures(result.serve_t0)
-        for closer in (http, server):
+        if self.active and not self.active[-1][1]:
+            self.active[-1][1] = result.t1
+        torch.set_num_threads(self.caller_threads)
+        if self.trainer is not None:
+            result.trainer = _stop_trainer(self.trainer, self.run_dir)
+            self.trainer = None
+        if self.watch is not None:
+            self.watch.stop()
+            result.trainer["watch"] = self.watch.figures(result.serve_t0)
+            self.watch = None
+        for closer in (self.http, self.server):
             if closer is not None:
                 try:
                     closer.close() if hasattr(closer, "close") else closer.stop()
                 except Exception:  # noqa: BLE001 - keep cleaning up the rest
                     log.exception("closing %r failed", closer)
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        if self.sock_dir is not None:
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
         # the engine's KV caches (GBs at a long max_len) sit in reference cycles (hooks, policy,
         # threads' closures): collected now, so a bench running session after session holds one
         # session's caches, not all of them (an e2e --quick run grew to ~19 GB and was OOM-killed)
-        http = server = None
+        self.http = self.server = None
         gc.collect()
-    return result
+
+
+def _signal_tree(proc, sig, settle_s: float = 2.0) -> None:
+    """`sig` to a child process and its own children (/proc); a process gone meanwhile is skipped.
+    After SIGSTOP, wait (up to `settle_s`) until each has stopped: a signal lands asynchronously,
+    and the next configuration's turn must not begin beside a trainer still running."""
+    if proc is None or proc.poll() is not None:
+        return
+    pids, i = [proc.pid], 0
+    while i < len(pids):
+        try:
+            with open(f"/proc/{pids[i]}/task/{pids[i]}/children") as f:
+                pids.extend(int(p) for p in f.read().split())
+        except OSError:
+            pass
+        i += 1
+    for pid in reversed(pids):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + settle_s
+    while sig == signal.SIGSTOP and time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.001)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process exists and is not stopped (/proc/PID/stat's state: T or t when stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _alert_dict(alert) -> dict:
