@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("starting: target model, replay buffer, then the distiller (DeepSpeed op and process group)")
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
+    daemon.starvation_watch.follow_stops()
     log.info("warmed up: %s", warm_up(daemon))  # the first step's one-off costs before traffic (trainer/warm_up.py)
     (Path(daemon.cfg.run_dir) / READY_FILE).write_text("ready")  # the session waits for this before traffic
     log.info("ready in %.0f s: subscribed to the capture stream; training starts at %d buffered rows",

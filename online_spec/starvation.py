@@ -92,6 +92,11 @@ class StarvationDetector:
                                   title=title, text=text))
         return out
 
+    def restart(self) -> None:
+        """A new window from the next check (the process was stopped: no steps could be made);
+        the conditions raised stay until a whole window says otherwise."""
+        self._checks.clear()
+
     @property
     def active(self) -> list[str]:
         """The conditions that hold now (raised, not yet ended)."""

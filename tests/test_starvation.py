@@ -45,6 +45,41 @@ def test_repeats_while_it_lasts_and_ends_when_steps_resume():
     assert det.active == [] and all(g == [] for g in got)
 
 
+def test_a_restart_after_a_stop_starts_a_new_window():
+    """A trainer stopped by a signal for 50 s (e.g. `bench e2e --interleave` pausing it): restarted
+    on its continuation, the stopped time is no window of missed steps."""
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=6))
+    assert run(det, [(t, t, True, 0) for t in range(0, 30, 10)]) == [[]] * 3  # 6 a minute and more
+    det.restart()  # continued at t = 70 after 50 s stopped
+    assert run(det, [(t, 20 + (t - 70), True, 0) for t in range(70, 130, 10)]) == [[]] * 6  # no verdict yet
+    assert run(det, [(130, 80, True, 0)]) == [[]]  # a window of its own: 60 steps in 60 s
+    # without the restart the same checks read the stop as starvation
+    det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=6))
+    got = run(det, [(0, 0, True, 0), (10, 10, True, 0), (20, 20, True, 0), (70, 20, True, 0), (80, 21, True, 0)])
+    assert got[-1] == [STARVED]
+
+
+def test_the_watch_restarts_its_window_on_sigcont():
+    import os
+    import signal
+
+    from trainer.starvation_watch import StarvationWatch
+
+    watch = StarvationWatch(StarvationConfig(window_s=60, min_steps_per_min=6))
+    old = signal.getsignal(signal.SIGCONT)
+    try:
+        assert watch.follow_stops()
+        assert watch.check(0.0, 0, True, None, None, 0) == []
+        assert watch.check(10.0, 10, True, None, None, 0) == []
+        os.kill(os.getpid(), signal.SIGCONT)  # as after a SIGSTOP: the handler counts it
+        assert watch.continued == 1
+        # 70 s after the first check with 10 steps: starved if the stop counted; a new window instead
+        assert watch.check(70.0, 10, True, None, None, 0) == [] and watch.detector.active == []
+        assert watch.check(131.0, 10, True, None, None, 0)[0].kind == STARVED  # a whole window of its own
+    finally:
+        signal.signal(signal.SIGCONT, old)
+
+
 def test_dropped_records_raise_their_own_kind_with_the_figures():
     det = StarvationDetector(StarvationConfig(window_s=60, min_steps_per_min=0, min_dropped=10))
     run(det, [(t, t, True, 0) for t in range(0, 60, 10)])

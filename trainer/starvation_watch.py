@@ -5,11 +5,18 @@
 capture records dropped on the way (the server publisher's drops via control `info`; without a
 server, the gaps the subscriber saw). Each alert goes to the log (with what to do), the trainer's
 W&B run and the server (control `trainer_alert`: its /server_info, Prometheus and W&B).
+
+A trainer stopped by a signal (job control's SIGSTOP, `bench e2e --interleave` pausing it while
+other configurations serve) is not starved: once `follow_stops` has installed its SIGCONT
+handler, the first check after the process is continued starts a new window (the detector's
+`restart`), so the stopped time counts neither as steps missed nor as a verdict.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 
 from online_spec.alerts import LogAlertSink, WandbAlertSink, fan_out
@@ -25,6 +32,8 @@ class StarvationWatch:
         self.detector = StarvationDetector(cfg or StarvationConfig())
         self.alerts = 0
         self._checked = 0.0
+        self.continued = 0  # SIGCONTs seen (`follow_stops`); each restarts the detector's window
+        self._restarted = 0
         self._sinks: list = [LogAlertSink(log)] + ([WandbAlertSink(wandb_run)] if wandb_run is not None else [])
 
     def check(self, now: float, steps: int, trainable: bool, publisher, subscriber, head_version: int) -> list:
@@ -33,6 +42,9 @@ class StarvationWatch:
         if now - self._checked < STARVATION_CHECK_S:
             return []
         self._checked = now
+        if self._restarted != self.continued:
+            self._restarted = self.continued
+            self.detector.restart()
         alerts = self.detector.update(now, steps, trainable, self.dropped(publisher, subscriber), head_version, time.time())
         for alert in alerts:
             self.alerts += 1
@@ -44,6 +56,17 @@ class StarvationWatch:
                 except Exception as e:  # noqa: BLE001 - the server may be busy or older; the log has it
                     log.warning("could not report the %s alert to the server: %s", alert.kind, e)
         return alerts
+
+    def follow_stops(self) -> bool:
+        """Install the SIGCONT handler (the main thread only, where Python runs signal handlers);
+        False elsewhere."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        signal.signal(signal.SIGCONT, self.on_continued)
+        return True
+
+    def on_continued(self, signum=None, frame=None) -> None:
+        self.continued += 1  # read by the next `check` (a handler does no more than count)
 
     def dropped(self, publisher, subscriber) -> int:
         """Capture records lost before the trainer stored them: the server publisher's drops

@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     share_machine(args)
     daemon = build_daemon(args)
     install_signal_handlers(daemon)
+    daemon.starvation_watch.follow_stops()
     log.info("warmed up: %s", warm_up(daemon))  # the first step's one-off costs before traffic (trainer/warm_up.py)
     try:
         summary = daemon.run(max_steps=args.max_steps, max_seconds=args.max_seconds)
@@ -154,6 +155,8 @@ def run_rank(args: argparse.Namespace, ranks: RankConfig, rank: int, world: int)
                                            config_from_args(LossConfig, args, prefix="loss_"))
         loop = RankLoop(ranks, distiller, daemon, daemon_cfg)
         install_signal_handlers(loop)
+        if daemon is not None:
+            daemon.starvation_watch.follow_stops()
         summary = loop.run(max_steps=args.max_steps, max_seconds=args.max_seconds)
         log.info("stopped: %s", {k: summary[k] for k in ("step", "dropped_steps", "live_version", "swaps")
                                  if k in summary})
