@@ -153,3 +153,36 @@ def test_the_loop_rests_in_slices_and_a_wake_cuts_a_futile_rest(tmp_path, monkey
     # at the full duty (0.5) a step of ~0.02 s rests ~0.02 s: several times the futile rate
     assert len(after) >= 3 * max(before, 1), (before, len(after))
     assert out["futile"]["spells"] == 1 and out["futile"]["rested_s"] > 0
+
+
+def test_the_starvation_watch_checks_on_time_through_a_long_step(tmp_path, monkeypatch):
+    """A starved trainer's step can take minutes (beside a busy process at niceness 19: 4 minutes
+    for one step); the watch runs on a thread of its own, so its checks keep their cadence through
+    the step and stop with the loop."""
+    import trainer.starvation_watch as sw
+
+    monkeypatch.setattr(sw, "STARVATION_CHECK_S", 0.05)
+    d = daemon(tmp_path)
+    checks, in_step = [], threading.Event()
+
+    def step():
+        in_step.set()
+        time.sleep(0.6)  # one slow step
+        return True
+
+    monkeypatch.setattr(d, "train_once", step)
+    monkeypatch.setattr(d, "watch_starvation", lambda now=None: checks.append((time.monotonic(), in_step.is_set())))
+    d.run(max_steps=None, max_seconds=0.5)  # the loop ends after the step that began inside 0.5 s
+    during = [t for t, busy in checks if busy]
+    assert len(during) >= 6, checks  # ~12 checks in the 0.6 s step, every 0.05 s
+    n = len(checks)
+    time.sleep(0.2)
+    assert len(checks) == n  # the watch stopped with the loop
+
+    def failing(now=None):
+        checks.append((time.monotonic(), False))
+        raise RuntimeError("the server is gone")
+    stop = d.starvation_watch.beside(failing)
+    time.sleep(0.2)
+    stop.set()
+    assert len(checks) >= n + 2  # a failed check is logged and the next one goes on

@@ -157,6 +157,7 @@ class TrainerDaemon:
     # -- the loop ----------------------------------------------------------------------------
     def run(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict:
         self.subscriber = CaptureSubscriber(self.subscriber_cfg, on_span=self.on_span).start()
+        stop_watch = self.starvation_watch.beside(self.watch_starvation)  # on time however slow a step is
         t_end = None if max_seconds is None else time.monotonic() + max_seconds
         try:
             while not self._stop.is_set():
@@ -176,9 +177,9 @@ class TrainerDaemon:
                 self.watch_server_head()  # first: the rollback below judges the head the server has live
                 self.watch_rollback()
                 self.watch_seeds()
-                self.watch_starvation()
                 self.buffer.flush_if_due()  # what a kill may lose stays bounded when traffic stops
         finally:
+            stop_watch.set()
             self.save_state()
             self.subscriber.close(flush=True)
             self.buffer.flush()

@@ -6,6 +6,10 @@ capture records dropped on the way (the server publisher's drops via control `in
 server, the gaps the subscriber saw). Each alert goes to the log (with what to do), the trainer's
 W&B run and the server (control `trainer_alert`: its /server_info, Prometheus and W&B).
 
+`beside(check)` runs the checks on a thread of their own, every `STARVATION_CHECK_S`: a
+starved trainer's own loop may take minutes for one step (beside a busy process at niceness 19 it
+took 4 minutes, 2026-12-07), and a check between steps would come as late as the steps do.
+
 A trainer stopped by a signal (job control's SIGSTOP, `bench e2e --interleave` pausing it while
 other configurations serve) is not starved: once `follow_stops` has installed its SIGCONT
 handler, the first check after the process is continued starts a new window (the detector's
@@ -56,6 +60,20 @@ class StarvationWatch:
                 except Exception as e:  # noqa: BLE001 - the server may be busy or older; the log has it
                     log.warning("could not report the %s alert to the server: %s", alert.kind, e)
         return alerts
+
+    def beside(self, check) -> threading.Event:
+        """Start a thread calling `check()` every STARVATION_CHECK_S until the returned event is
+        set (a failed check is logged; the next one goes on)."""
+        stop = threading.Event()
+
+        def run():
+            while not stop.wait(STARVATION_CHECK_S):
+                try:
+                    check()
+                except Exception:  # noqa: BLE001 - a failed check must not end the watch
+                    log.exception("starvation check failed")
+        threading.Thread(target=run, daemon=True, name="starvation-watch").start()
+        return stop
 
     def follow_stops(self) -> bool:
         """Install the SIGCONT handler (the main thread only, where Python runs signal handlers);
