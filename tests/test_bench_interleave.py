@@ -106,3 +106,22 @@ def test_e2e_interleave_is_checked():
     with pytest.raises(ConfigError, match="interleave"):
         E2EConfig(interleave=-1)
     assert E2EConfig(interleave=16).interleave == 16 and E2EConfig().interleave == 0
+
+
+def test_bench_e2e_interleaved_serves_the_same_chunks_in_turn(tmp_path, smol):
+    """`bench e2e --interleave 2` on a 3-line trace: every configuration serves every line in
+    chunks, no machine pulse is taken, the figures and ratios come out as one after another."""
+    from bench.e2e import E2EConfig, run_bench
+
+    trace = write_trace(tmp_path / "t.jsonl", [TINY[0], TINY[2], TINY[4]])
+    cfg = E2EConfig(trace=str(trace), head="shipped", max_tokens=3, calib_steps="2", bs1_requests=1, day0=False,
+                    tree="", policy_trees="", interleave=2, out=str(tmp_path / "runs"), deadline_s=300.0)
+    rep = run_bench(cfg, target=smol)
+    assert set(rep["overall"]) == {"plain", "static", "sglang_adaptive", "online_spec"}
+    assert rep["same_work"] == {"requests": 3, "of": 3, "set_by": "plain", "all_served": True, "short": []}
+    for name, c in rep["configs"].items():
+        assert c["overall"]["requests"] == 3 and c["overall"]["failed"] == 0, name
+        assert c["serving_s"] < c["wall_s"], name  # its own turns only, within the side-by-side wall time
+    # the whole-trace configurations took no pulse (the batch-1 sessions, one after another, did)
+    assert not set(rep["machine_pulse"]["tokens_per_s"]) & set(rep["overall"])
+    assert rep["speedup_vs_static_sglang_adaptive"] > 0 and rep["configs"]["online_spec"]["trainer"]["returncode"] == 0
