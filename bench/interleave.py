@@ -1,8 +1,8 @@
 """Configurations served side by side: the trace in chunks, every configuration serving each chunk in turn.
 
 On a shared 2-core VM the machine's speed drifts 15-40 % over the minutes one configuration after
-another takes (`bench e2e` machine pulses, 2026-11-23 .. 2026-12-03), so a ratio between two
-configurations measured minutes apart holds the machine's state as much as theirs. Here every
+another takes (`bench e2e`'s machine pulses), so a ratio between two configurations measured
+minutes apart holds the machine's state as much as theirs. Here every
 configuration's session (server, and trainer where it has one) is up at once; the trace is cut into
 chunks of `chunk` requests; each chunk is served by every configuration in turn, the order
 reversed every other chunk, while the others are paused (their trainer children stopped with

@@ -7,8 +7,8 @@ server, the gaps the subscriber saw). Each alert goes to the log (with what to d
 W&B run and the server (control `trainer_alert`: its /server_info, Prometheus and W&B).
 
 `beside(check)` runs the checks on a thread of their own, every `STARVATION_CHECK_S`: a
-starved trainer's own loop may take minutes for one step (beside a busy process at niceness 19 it
-took 4 minutes, 2026-12-07), and a check between steps would come as late as the steps do.
+starved trainer's own loop may take minutes for one step (at niceness 19 beside a busy process),
+and a check between steps would come as late as the steps do.
 
 A trainer stopped by a signal (job control's SIGSTOP, `bench e2e --interleave` pausing it while
 other configurations serve) is not starved: once `follow_stops` has installed its SIGCONT
