@@ -109,9 +109,23 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
             action = group.add_argument(_flag(prefix, f.name), dest=dest, type=base, default=argparse.SUPPRESS,
                                         metavar=METAVARS[base], help=shown)
         else:
-            action = group.add_argument(_flag(prefix, f.name), dest=dest, type=json.loads, default=argparse.SUPPRESS,
-                                        metavar="JSON", help=shown)
+            kind = typing.get_origin(base) or base
+            action = group.add_argument(_flag(prefix, f.name), dest=dest, default=argparse.SUPPRESS, metavar="JSON",
+                                        type=_json_of(kind if kind in (list, dict) else None), help=shown)
         action.full_help, action.doc_default = full, default
+
+
+def _json_of(kind: type | None):
+    """The flag type of a JSON-valued field: parses the text and, for a list or dict field, refuses
+    any other JSON value with an error that shows the form (`--batch-sizes 16` for `[16]`)."""
+    def parse(text: str):
+        value = json.loads(text)  # a ValueError: argparse says "invalid JSON value"
+        if kind is not None and not isinstance(value, kind):
+            example = "[1, 4]" if kind is list else '{"key": 1}'
+            raise argparse.ArgumentTypeError(f"must be a JSON {kind.__name__} such as {example}, got {text!r}")
+        return value
+    parse.__name__ = "JSON"
+    return parse
 
 
 def flags_markdown(parser: argparse.ArgumentParser) -> str:
