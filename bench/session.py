@@ -45,6 +45,7 @@ from online_spec.advice import warn
 from online_spec.alerts import CallbackAlertSink
 from online_spec.config import check, doc
 from online_spec.controller import EmaTierPolicy, adaptive_config_path, load_adaptive_config
+from online_spec.cpu_reserve import descendants
 
 log = logging.getLogger(__name__)
 
@@ -329,20 +330,13 @@ class Session:
 
 
 def _signal_tree(proc, sig, settle_s: float = 2.0) -> None:
-    """`sig` to a child process and its own children (/proc); a process gone meanwhile is skipped.
+    """`sig` to a child process and every process below it; a process gone meanwhile is skipped.
     After SIGSTOP, wait (up to `settle_s`) until each has stopped: a signal lands asynchronously,
     and the next configuration's turn must not begin beside a trainer still running."""
     if proc is None or proc.poll() is not None:
         return
-    pids, i = [proc.pid], 0
-    while i < len(pids):
-        try:
-            with open(f"/proc/{pids[i]}/task/{pids[i]}/children") as f:
-                pids.extend(int(p) for p in f.read().split())
-        except OSError:
-            pass
-        i += 1
-    for pid in reversed(pids):
+    pids = [proc.pid] + descendants(proc.pid)
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:

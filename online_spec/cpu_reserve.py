@@ -50,7 +50,7 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Pids of every process below `pid` (through /proc/PID/task/TID/children)."""
     out, todo = [], [pid]
     while todo:
@@ -73,7 +73,7 @@ def _descendants(pid: int) -> list[int]:
 def _threads() -> list[int]:
     """Thread ids of this process and of every process below it."""
     me, out = os.getpid(), []
-    for pid in [me] + _descendants(me):
+    for pid in [me] + descendants(me):
         try:
             out.extend(map(int, os.listdir(f"/proc/{pid}/task")))
         except OSError:
