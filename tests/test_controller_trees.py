@@ -161,6 +161,51 @@ def test_tree_rounds_never_reach_the_chain_estimates():
     assert q.info()["slots"]["1"]["trees"] == p.info()["slots"]["1"]["trees"]
 
 
+def test_the_reference_plain_round_is_the_calibrations_line_and_stays_put():
+    points = [(b, k, 300, 0.001 * k * b, 0.002 + 0.0005 * b * (k + 1)) for b in (1, 4, 8) for k in (0, 1, 3)]
+    model = CostModel().fit(points)
+    ref = model.reference_round_s(4, 300)
+    assert ref == pytest.approx(model.predict_round_s(4, 0, 300, factors=False), rel=1e-6)
+    assert ref == pytest.approx(0.002 + 0.0005 * 4, rel=0.02)
+    for _ in range(64):  # slow rounds refit the live line; the reference keeps the calibration's
+        model.observe(4, 0, 300, None, 0.009)
+    assert model.predict_round_s(4, 0, 300, factors=False) > 1.5 * ref
+    assert model.reference_round_s(4, 300) == ref
+    again = CostModel()
+    again.load_state_dict(model.state_dict())
+    assert again.reference_round_s(4, 300) == ref
+    old = {k: v for k, v in model.state_dict().items() if k != "reference_coef"}  # written before it
+    again.load_state_dict(old)
+    assert again.reference_round_s(4, 300) == pytest.approx(model.predict_round_s(4, 0, 300, factors=False))
+    # a negative context slope is not followed, and a line at or below zero gives the prior's seconds
+    assert CostModel.with_coefficients([0.001] * 5, [0.003, 0, 0, -0.01, 0]).reference_round_s(4, 2000) == 0.003
+    assert CostModel.with_coefficients([0.001] * 5, [-0.01, 0, 0, 0, 0]).reference_round_s(4) == \
+        CostModel().config.prior_verify_s
+
+
+def test_tree_choice_compares_rounds_measured_apart_while_the_live_line_drifts():
+    """A tree measured first, then the chain while slower rounds refit the live line (a trainer
+    beside the server, the H100 run of 2026-12-07): the tree's rounds take 8.8 ms for 2.95 tokens a
+    request, the chain's 6.6 ms for 1.87, so the tree serves more (335 against 283 tokens/s a
+    request); against the drifting live prediction the chain read the better."""
+    tree = TreeShape(6, 8, 64)
+    adaptive = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0, 3], "tree_candidates": [[6, 8, 64]]}})
+    points = [(b, k, 300, 0.0003 * k * b, 0.002 + 0.0001 * b * (k + 1)) for b in (1, 4, 8) for k in (0, 1, 3, 7)]
+    p = CostModelPolicy(adaptive, cost_model=CostModel().fit(points))
+    for _ in range(40):
+        p.update(4, [2, 2, 2, 1.8], num_steps=[6] * 4, ctx_len=300, draft_s=0.0028, verify_s=0.006, tree=tree)
+    for i in range(400):
+        p.steps_for(4, 300)
+        if i % 4 == 0:  # plain rounds slowed by the trainer's spells
+            p.update(4, [0] * 4, num_steps=0, ctx_len=300, draft_s=0.0, verify_s=0.006)
+        else:
+            p.update(4, [1, 1, 1, 0.48], num_steps=3, ctx_len=300, draft_s=0.0016, verify_s=0.005)
+    assert p.cost.predict_round_s(4, 0, 300) > 1.3 * p.cost.reference_round_s(4, 300)  # the line drifted
+    trees = p.info()["slots"]["1"]["trees"]["4"]
+    assert trees["chain"]["rounds"] >= 300 and trees["6,8,64"]["rounds"] == 40
+    assert p.tree_for(4, 300) == tree
+
+
 def test_engine_runs_the_trees_the_cost_policy_picks_and_stays_lossless():
     t = tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3).float()
     head = new_head(t, draft_vocab_size=48, seed=1)

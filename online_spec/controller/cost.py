@@ -116,7 +116,7 @@ class CostModelPolicy(StepPolicyBase):
         def chain() -> float:  # the chain's predicted value, worked out only in the rounds that read it
             return self.expected_tokens(batch_size, k) / self.cost.predict_round_s(batch_size, k, ctx_len)
 
-        return self._trees.choose(i, chain, self.cost.predict_round_s(batch_size, 0, ctx_len), batch_size)
+        return self._trees.choose(i, chain, self.cost.reference_round_s(batch_size, ctx_len), batch_size)
 
     def tree_shapes(self) -> list[TreeShape]:
         """Every slot's tree candidates, each once, in the order the slots list them."""
@@ -303,7 +303,7 @@ class CostModelPolicy(StepPolicyBase):
         i = self._slot(batch_size)
         if tree is not None or self._any_trees:
             round_s = None if draft_s is None or verify_s is None else draft_s + verify_s
-            plain_s = self.cost.predict_round_s(batch_size, 0, ctx_len)
+            plain_s = self.cost.reference_round_s(batch_size, ctx_len)
             if tree is not None:
                 self._trees.observe(i, tree, accepted, round_s, plain_s, batch_size)
                 return self.choose_steps(batch_size, ctx_len)

@@ -204,6 +204,7 @@ class CostModel:
         self._factors: dict[int, list[float]] = {}  # bucket -> factor per K under the current coefficients
         self.draft_coef = list(self._draft.prior)
         self.verify_coef = list(self._verify.prior)
+        self._reference = list(self._verify.prior)  # `reference_round_s`'s coefficients
         self._pending = 0
 
     @property
@@ -234,6 +235,7 @@ class CostModel:
         check(len(verify_coef) == 5, "verify_coef",
               f"needs 5 values (1, b, b*n, b*ctx, b*[n>1]), got {len(verify_coef)}")
         model.draft_coef, model.verify_coef = [float(c) for c in draft_coef], [float(c) for c in verify_coef]
+        model._reference = model.verify_coef[:]
         return model
 
     def observe(self, batch_size: int, num_steps: int, ctx_len: float, draft_s: float | None,
@@ -264,6 +266,7 @@ class CostModel:
             self._verify.add_anchor(verify_features(b, k + 1, ctx), v, w)
             self._tally_round(b, k, ctx, k + 1, d + v, w)
         self.refit()
+        self._reference = self.verify_coef[:]
         return self
 
     def _tally_round(self, batch_size: float, num_steps: int, ctx_len: float, tokens_per_request: float,
@@ -384,6 +387,19 @@ class CostModel:
         self._memo = (batch_size, ctx_len, terms)
         return terms
 
+    def reference_round_s(self, batch_size: float, ctx_len: float = 0) -> float:
+        """Seconds of a plain round at this batch and context by the line as the calibration left
+        it (`fit`, `with_coefficients`; the prior's before either), never refitted: a yardstick
+        that scales with batch and context and stays put in time, so rounds measured minutes apart
+        compare (the tree choice's time multiples). The live prediction drifts as the rounds
+        refit it: in an H100 e2e run with a trainer beside the server it rose 86 % at batch 4 in
+        15 s, and the chain's rounds, measured after, read 0.59x the trees' time (measured before)
+        against it where they took 0.75x. A negative context slope (a misfit)
+        is not followed; a line at or below zero gives the prior's verify seconds."""
+        c0, c1, c2, c3, _ = self._reference
+        s = c0 + (c1 + c2) * batch_size + max(0.0, c3) * batch_size * ctx_len / CTX_SCALE
+        return s if s > 0 else self.config.prior_verify_s
+
     def verify_token_s(self) -> float:
         """Extra verify seconds for one more token in the batch."""
         return max(0.0, self.verify_coef[2])
@@ -409,6 +425,7 @@ class CostModel:
     def state_dict(self) -> dict:
         return {"draft": self._draft.state_dict(), "verify": self._verify.state_dict(),
                 "draft_coef": self.draft_coef[:], "verify_coef": self.verify_coef[:], "pending": self._pending,
+                "reference_coef": self._reference[:],
                 "tally": {f"{b}:{k}": t[:] for b, per_k in self._tally.items() for k, t in per_k.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -416,6 +433,9 @@ class CostModel:
         self._verify.load_state_dict(state["verify"])
         self.draft_coef = [float(c) for c in state["draft_coef"]]
         self.verify_coef = [float(c) for c in state["verify_coef"]]
+        # a state written before the reference: the loaded line, from now on
+        self._reference = [float(c) for c in state.get("reference_coef", self.verify_coef)]
+        check(len(self._reference) == 5, "state.reference_coef", f"needs 5 values, got {len(self._reference)}")
         self._pending = int(state["pending"])
         self._tally = {}
         for key, sums in state.get("tally", {}).items():  # states written before the time factors have none

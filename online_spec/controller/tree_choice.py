@@ -2,14 +2,16 @@
 batch-size slot and batch-size bucket. Pure arithmetic: no torch, no I/O.
 
 In: per round, the slot, the batch size, the shape (`TreeShape`, or the chain), accepted drafts
-per request, the round's seconds and what the round-time model predicts for a plain round at
-that batch and context. Out, per decision: a tree, or None (the chain stays).
+per request, the round's seconds and the round-time model's reference plain round at that batch
+and context (`CostModel.reference_round_s`). Out, per decision: a tree, or None (the chain stays).
 
 Both sides are measured, not modelled: an option's committed tokens per request-round
-(accepted + 1) and its round time as a multiple of the predicted plain round (so a bucket's
+(accepted + 1) and its round time as a multiple of the reference plain round (so a bucket's
 batch sizes and contexts compare), each an exponentially weighted mean over its rounds in the
-bucket (1 | 2-3 | 4-7 | ..., `round_time.batch_bucket`). Value = tokens / (multiple x predicted
-plain round). The chain's value is its measured one once it has `min_trials` rounds in the
+bucket (1 | 2-3 | 4-7 | ..., `round_time.batch_bucket`). Value = tokens / (multiple x reference
+plain round). The reference is the calibration's line, which the rounds never refit: against
+the live prediction, which they do, an option measured minutes before another read a different
+yardstick (H100, a trainer beside the server: the chain chosen over trees 17 % faster). The chain's value is its measured one once it has `min_trials` rounds in the
 bucket, the policy's prediction (`chain_tokens_per_s`) until then. Against that prediction, a
 CPU e2e run's chooser ran the tree 3,4,10 in most batch-4 rounds at 60 tokens a second of round
 time where the chain's own rounds served 64-87 (2026-11-28, docs/controller.md): the chain's
