@@ -74,7 +74,7 @@ class StarvationDetector:
                  f"the trainer made {steps - base[1]} optimizer steps in the last {span:.0f} s ({rate:.1f} a minute, "
                  f"fewer than {self.cfg.min_steps_per_min:g}) while traffic waited to be trained on: heads adapt "
                  f"late or not at all. Give it a CPU core or GPU time of its own (train --threads, --device, "
-                 f"--max-duty; serve --threads), or let it run at a lower niceness"),
+                 f"--max-duty; serve --threads), or let it run at a lower niceness (train --nice, --nice-starved)"),
                 (DROPPING, dropped_now >= self.cfg.min_dropped, float(self.cfg.min_dropped), float(dropped_now),
                  "online-spec: capture records are dropped",
                  f"{dropped_now} capture records were dropped in the last {span:.0f} s before the trainer read "

@@ -96,3 +96,63 @@ def test_config_errors_name_the_field():
                       ({"min_dropped": 0}, "min_dropped"), ({"repeat_s": 0}, "repeat_s")):
         with pytest.raises(ConfigError, match=field):
             StarvationConfig(**kw)
+
+
+def _thread_niceness(pid: int) -> set[int]:
+    """The niceness of every thread of `pid` (field 19 of /proc/PID/task/TID/stat)."""
+    import os
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        out.add(int(stat[stat.rindex(")") + 2:].split()[16]))
+    return out
+
+
+def _may_lower_niceness() -> bool:
+    import os
+    import resource
+    return os.geteuid() == 0 or 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] <= 5
+
+
+def test_a_starved_trainer_runs_at_the_lower_niceness_until_the_hold_after_it_ends():
+    """A real process with threads (started at niceness 19, as the demo's trainer): while the watch
+    says trainer_starved, every thread runs at --nice-starved; `hold_s` after the condition ended,
+    back at --nice. Where this user may not lower a niceness, the share says so and changes nothing."""
+    import subprocess
+    import sys
+
+    from trainer.starvation_watch import StarvationWatch
+    from trainer.starved_share import StarvedShare
+
+    child = subprocess.Popen([sys.executable, "-c", "import os, threading, time\nos.nice(19)\n"
+                              "[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]\n"
+                              "print('up', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert _thread_niceness(child.pid) == {19}
+        watch = StarvationWatch(StarvationConfig(window_s=60, min_steps_per_min=6))
+        watch.share = share = StarvedShare(base=19, starved=5, hold_s=100.0, pid=child.pid)
+        assert watch.check(10.0, 0, True, None, None, 0) == []
+        assert watch.check(40.0, 1, True, None, None, 0) == [] and _thread_niceness(child.pid) == {19}
+        assert watch.check(71.0, 1, True, None, None, 0)[0].kind == STARVED
+        if not _may_lower_niceness():
+            assert share.refused and not share.lowered and _thread_niceness(child.pid) == {19}
+            return
+        assert share.lowered and _thread_niceness(child.pid) == {5} and share.info()["niceness"] == 5
+        assert watch.check(140.0, 40, True, None, None, 0) == [] and watch.detector.active == []  # steps again
+        assert watch.check(210.0, 60, True, None, None, 0) == [] and _thread_niceness(child.pid) == {5}  # held
+        watch.check(241.0, 70, True, None, None, 0)  # 101 s after the condition ended: back at 19
+        assert not share.lowered and _thread_niceness(child.pid) == {19}
+        assert watch.report()["starved_share"] == {"niceness": 19, "lowered": False, "times_lowered": 1,
+                                                    "refused": None}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_starved_share_refuses_bad_niceness():
+    from trainer.starved_share import StarvedShare
+    with pytest.raises(ValueError, match="niceness"):
+        StarvedShare(base=19, starved=20)
+    with pytest.raises(ValueError, match="hold_s"):
+        StarvedShare(base=19, starved=5, hold_s=-1)

@@ -483,7 +483,7 @@ class TrainerDaemon:
                 **self.duty_cycle.report(), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
-                "starvation_alerts": self.starvation_watch.alerts, "starved": self.starvation.active,
+                **self.starvation_watch.report(),
                 "adopted_server_heads": self.server_head.adopted,
                 "seeds": {"checks": self.seeds.checks, "seconds": round(self.seeds.seconds, 3),
                           "last": self.seeds.last, "adopted": self.state["seeds_adopted"]}}

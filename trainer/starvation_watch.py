@@ -10,6 +10,9 @@ W&B run and the server (control `trainer_alert`: its /server_info, Prometheus an
 starved trainer's own loop may take minutes for one step (at niceness 19 beside a busy process),
 and a check between steps would come as late as the steps do.
 
+While it is starved, a `StarvedShare` (`train --nice-starved`, trainer/starved_share.py) given as
+`share` lowers the trainer's niceness, and restores it some minutes after.
+
 A trainer stopped by a signal (job control's SIGSTOP, `bench e2e --interleave` pausing it while
 other configurations serve) is not starved: once `follow_stops` has installed its SIGCONT
 handler, the first check after the process is continued starts a new window (the detector's
@@ -24,7 +27,7 @@ import threading
 import time
 
 from online_spec.alerts import LogAlertSink, WandbAlertSink, fan_out
-from online_spec.starvation import StarvationConfig, StarvationDetector
+from online_spec.starvation import STARVED, StarvationConfig, StarvationDetector
 
 log = logging.getLogger("trainer.daemon")
 
@@ -39,6 +42,7 @@ class StarvationWatch:
         self.continued = 0  # SIGCONTs seen (`follow_stops`); each restarts the detector's window
         self._restarted = 0
         self._sinks: list = [LogAlertSink(log)] + ([WandbAlertSink(wandb_run)] if wandb_run is not None else [])
+        self.share = None  # a `StarvedShare` (train --nice-starved): the niceness it runs at while starved
 
     def check(self, now: float, steps: int, trainable: bool, publisher, subscriber, head_version: int) -> list:
         """The alerts raised by this check ([] between checks); `publisher`: the daemon's control
@@ -50,6 +54,8 @@ class StarvationWatch:
             self._restarted = self.continued
             self.detector.restart()
         alerts = self.detector.update(now, steps, trainable, self.dropped(publisher, subscriber), head_version, time.time())
+        if self.share is not None:
+            self.share.update(now, STARVED in self.detector.active)
         for alert in alerts:
             self.alerts += 1
             fan_out(alert, self._sinks)
@@ -60,6 +66,11 @@ class StarvationWatch:
                 except Exception as e:  # noqa: BLE001 - the server may be busy or older; the log has it
                     log.warning("could not report the %s alert to the server: %s", alert.kind, e)
         return alerts
+
+    def report(self) -> dict:
+        """The trainer summary's part: alerts raised, the conditions that hold, the starved share's state."""
+        return {"starvation_alerts": self.alerts, "starved": self.detector.active,
+                "starved_share": self.share.info() if self.share is not None else None}
 
     def beside(self, check) -> threading.Event:
         """Start a thread calling `check()` every STARVATION_CHECK_S until the returned event is

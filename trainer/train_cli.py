@@ -37,6 +37,7 @@ from trainer.launch import command_line, launch, world_from_env
 from trainer.loss import LossConfig
 from trainer.ranks import RankConfig, RankLoop, RankZeroDaemon, follower_distiller, rank_device
 from trainer.seeds import SeedConfig
+from trainer.starved_share import StarvedShare
 from trainer.warm_up import warm_up
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     proc.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads of the trainer")
     proc.add_argument("--nice", type=int, default=0, metavar="N",
                       help="raise the trainer's niceness by N (0-19): the server gets a contended core first")
+    proc.add_argument("--nice-starved", type=int, default=-1, metavar="N",
+                      help="while the trainer is starved (trainer_starved), run it N above its starting niceness "
+                           "instead of --nice, until --nice-starved-hold-s after (0-19; -1: never; trainer/"
+                           "starved_share.py)")
+    proc.add_argument("--nice-starved-hold-s", type=float, default=300.0, metavar="S",
+                      help="seconds the lower niceness of --nice-starved holds after the starvation ended")
     proc.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N optimizer steps")
     proc.add_argument("--max-seconds", type=float, default=None, metavar="S", help="stop after S seconds")
     proc.add_argument("--wandb-mode", default="offline", metavar="MODE", help="offline (default), online or disabled")
@@ -87,11 +94,14 @@ def build_daemon(args: argparse.Namespace, daemon_cls: type[TrainerDaemon] = Tra
     subscriber = config_from_args(SubscriberConfig, args, prefix="capture_", **sub_default)
     target = target if target is not None else load_target(getattr(args, "target", "") or None,
                                                            device=getattr(args, "device", "cpu"))
-    return daemon_cls(cfg, target, publisher, subscriber, replay, distill_config(args),
-                      config_from_args(LossConfig, args, prefix="loss_"),
-                      config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run,
-                      starvation_cfg=config_from_args(StarvationConfig, args, prefix="starvation_"),
-                      seed_cfg=config_from_args(SeedConfig, args, prefix="seed_"))
+    daemon = daemon_cls(cfg, target, publisher, subscriber, replay, distill_config(args),
+                        config_from_args(LossConfig, args, prefix="loss_"),
+                        config_from_args(GateConfig, args, prefix="gate_"), wandb_run=run,
+                        starvation_cfg=config_from_args(StarvationConfig, args, prefix="starvation_"),
+                        seed_cfg=config_from_args(SeedConfig, args, prefix="seed_"))
+    if getattr(args, "nice_starved", -1) >= 0:
+        daemon.starvation_watch.share = StarvedShare(args.nice, args.nice_starved, args.nice_starved_hold_s)
+    return daemon
 
 
 def distill_config(args: argparse.Namespace) -> DistillConfig:
@@ -104,6 +114,9 @@ def share_machine(args: argparse.Namespace) -> None:
     """The trainer process's share of the machine: its torch threads and its niceness."""
     if not 0 <= args.nice <= 19:
         raise SystemExit(f"--nice: must be in 0..19, got {args.nice}")
+    if not -1 <= getattr(args, "nice_starved", -1) <= 19 or getattr(args, "nice_starved_hold_s", 0) < 0:
+        raise SystemExit(f"--nice-starved: must be in -1..19 (got {args.nice_starved}), "
+                         f"--nice-starved-hold-s >= 0 (got {args.nice_starved_hold_s})")
     torch.set_num_threads(args.threads)
     if args.nice:
         log.info("niceness %d", os.nice(args.nice))
