@@ -1,10 +1,9 @@
 """The embedded speculative engine: continuous batching over draft -> verify -> accept rounds.
 
-In: requests (`Request`: prompt token ids, `SamplingParams`, tag; serving/requests.py). Out, per
-`step()`: for each running request the tokens committed that round (`RequestOutput`), and per
-round a `RoundStats` (K, batch size, accepted drafts, timings, head version) plus the capture
-records (contract 1) of the requests the publisher samples — built from the verify forward
-itself, no extra target forward.
+In: requests (`Request`: prompt ids, `SamplingParams`, tag; serving/requests.py). Out, per `step()`:
+each running request's tokens committed that round (`RequestOutput`), a `RoundStats` (K, batch,
+accepted drafts, timings, head version) and the capture records (contract 1) of the requests the
+publisher samples, built from the verify forward itself (no extra target forward).
 
 State per request lives in a slot: committed tokens (`tok_buf`), the EAGLE-3 features of every
 committed position (`feat_buf`, kept so a new head can rebuild its KV cache after a swap), the
@@ -66,7 +65,8 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         self.tok_buf = torch.zeros(S, L + 1, dtype=torch.long)
         self.feat_buf = torch.zeros(S, L, 3 * info.hidden_size, dtype=target.dtype, device=target.device)
         self.graphs = CudaGraphs.for_engine(target, S, L, c.cuda_graphs)  # None on CPU
-        self.cuts = c.cuts_on(target.device)  # ask the policy's in-round early stop / verify cut
+        self.cuts_max = c.cuts_up_to(target.device)  # rounds of up to this batch ask the policy's in-round cuts
+        self.cuts = self.cuts_max > 0  # whether this round asks them (set per round in `step`)
         # around the blocking read-backs: the publisher and a planned policy run there (online_spec/host_window.py)
         self.window = HostWindow() if c.windows_on(target.device) else None
         self.cpus = c.cpu_reserve(target.device, owner=self)  # the engine thread's core, from its first round
@@ -213,6 +213,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         tl.start()
         reqs = self.running
         B = len(reqs)
+        self.cuts = B <= self.cuts_max
         tlen = [self.tcache.lengths[b] for b in range(B)]
         ctx = sum(tlen) // B
         room = self.cfg.max_len - max(tlen) - 2
@@ -233,8 +234,7 @@ class Engine(ChainRounds, TreeRounds, HeadSwapping):
         captures = [self._captures()]
         self._catchup_s = 0.0
         if shape is not None:
-            # 1) draft a tree, 2) verify it in one target forward, 3) accept a path, 4) commit,
-            # 5) capture: serving/tree_round.py
+            # 1) draft a tree, 2) verify it in one forward, 3) accept a path, 4) commit, 5) capture (tree_round.py)
             K = shape.num_steps
             tree = self._draft_tree(reqs, tlen, shape)
             t2 = time.perf_counter()

@@ -41,11 +41,15 @@ class EngineConfig:
     swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
                               "(0 = switch at once and rebuild every row on the next draft)", 48)
     in_round_cuts: str = doc("the policy's in-round early stop and verify-length cut (where it has them): on, "
-                             "off, or auto = on except on a CUDA device. Each early-stop check reads the step's "
-                             "draft back to the host; without them a greedy batch drafts its K steps on the "
-                             "device, read back once a round (with CUDA graphs: one graph). On an H100 a verify "
-                             "of 2-6 tokens costs about one of 1, so the cuts save little there: the cost policy "
-                             "served 303 tok/s at batch 1 with them off, 251 with them on", "auto")
+                             "off, or auto = on a CPU in rounds of up to cuts_max_batch requests, off on a CUDA "
+                             "device. Each early-stop check reads the step's draft back to the host; without them a "
+                             "greedy batch drafts its K steps on the device, read back once a round (with CUDA "
+                             "graphs: one graph). On an H100 a verify of 2-6 tokens costs about one of 1, so the "
+                             "cuts save little there: the cost policy served 303 tok/s at batch 1 with them off, "
+                             "251 with them on", "auto")
+    cuts_max_batch: int = doc("under in_round_cuts auto on a CPU, the largest batch whose rounds ask the cuts. On "
+                              "three CPUs (`bench cuts`) they paid at batch 1 or 4 in some runs and never at 16 "
+                              "(on / off 0.89-1.02), where they cost the engine's thread ~65 us a round", 4)
     host_windows: str = doc("place the capture sender's and the cost policy planner's Python in the moments the "
                             "engine's thread waits on the device (online_spec/host_window.py): on, off, or auto = "
                             "on a CUDA device only (a CPU engine's read-backs do not wait)", "auto")
@@ -73,6 +77,8 @@ class EngineConfig:
         check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
         check(self.in_round_cuts in ("auto", "on", "off"), "in_round_cuts",
               f"must be auto, on or off, got {self.in_round_cuts!r}")
+        check(isinstance(self.cuts_max_batch, int) and self.cuts_max_batch >= 0, "cuts_max_batch",
+              f"must be an int >= 0, got {self.cuts_max_batch!r}")
         check(self.host_windows in ("auto", "on", "off"), "host_windows",
               f"must be auto, on or off, got {self.host_windows!r}")
         check(self.capture_sender in CAPTURE_SENDERS, "capture_sender",
@@ -110,9 +116,12 @@ class EngineConfig:
         """Whether an engine on `device` opens host windows (`host_windows`)."""
         return self.host_windows == "on" or (self.host_windows == "auto" and device.type == "cuda")
 
-    def cuts_on(self, device: torch.device) -> bool:
-        """Whether rounds on `device` ask the policy's in-round cuts (`in_round_cuts`)."""
-        return self.in_round_cuts == "on" or (self.in_round_cuts == "auto" and device.type != "cuda")
+    def cuts_up_to(self, device: torch.device) -> int:
+        """The largest batch whose rounds on `device` ask the policy's in-round cuts (`in_round_cuts`,
+        `cuts_max_batch`): 0 for none."""
+        if self.in_round_cuts == "auto":
+            return 0 if device.type == "cuda" else self.cuts_max_batch
+        return self.max_batch if self.in_round_cuts == "on" else 0
 
     def cpu_reserve(self, device: torch.device, owner: object = None) -> CpuReserve | None:
         """The engine thread's `CpuReserve` on `device` (`reserve_cpu`), or None; closed when `owner`

@@ -200,7 +200,27 @@ def test_in_round_cuts_switch_keeps_output(smol_fp32, prompts, plain_greedy_fp32
 def test_in_round_cuts_default_by_device():
     cfg = EngineConfig()
     assert cfg.in_round_cuts == "auto"
-    assert cfg.cuts_on(torch.device("cpu")) and not cfg.cuts_on(torch.device("cuda"))
-    assert EngineConfig(in_round_cuts="on").cuts_on(torch.device("cuda"))
+    assert cfg.cuts_up_to(torch.device("cpu")) == cfg.cuts_max_batch == 4
+    assert cfg.cuts_up_to(torch.device("cuda")) == 0
+    assert EngineConfig(in_round_cuts="on").cuts_up_to(torch.device("cuda")) == cfg.max_batch
+    assert EngineConfig(in_round_cuts="off", cuts_max_batch=8).cuts_up_to(torch.device("cpu")) == 0
     with pytest.raises(Exception, match="in_round_cuts"):
         EngineConfig(in_round_cuts="sometimes")
+    with pytest.raises(Exception, match="cuts_max_batch"):
+        EngineConfig(cuts_max_batch=-1)
+
+
+def test_in_round_cuts_auto_only_up_to_cuts_max_batch(smol_fp32, prompts, plain_greedy_fp32):
+    """auto on a CPU: rounds of more than `cuts_max_batch` requests never ask the policy inside the
+    round, rounds of up to it do; the output equals plain decoding either way."""
+    cfg = EngineConfig(max_batch=4, max_len=512, max_steps=5, cuts_max_batch=2)
+    wide = counting_cost_policy()
+    eng = Engine(smol_fp32, new_head(smol_fp32, seed=21), cfg, policy=wide)
+    batches = []
+    eng.on_round.append(lambda stats, outs: batches.append(stats.batch_size))
+    assert eng.generate(prompts[40:44], GREEDY_FULL) == plain_greedy_fp32[1][40:44]
+    assert wide.asked == 0 and set(batches) == {4}
+    narrow = counting_cost_policy()
+    eng = Engine(smol_fp32, new_head(smol_fp32, seed=21), cfg, policy=narrow)
+    assert eng.generate(prompts[40:42], GREEDY_FULL) == plain_greedy_fp32[1][40:42]
+    assert narrow.asked > 0
