@@ -156,3 +156,40 @@ def test_the_starved_share_refuses_bad_niceness():
         StarvedShare(base=19, starved=20)
     with pytest.raises(ValueError, match="hold_s"):
         StarvedShare(base=19, starved=5, hold_s=-1)
+
+
+def test_the_watch_thread_sees_its_process_stopped_without_the_signal_handler():
+    """A real child process whose watch runs beside a main thread held in one long call (as a torch
+    step holds it: Python's SIGCONT handler cannot run there), stopped with SIGSTOP for 1 s and
+    continued: the watch thread, woken late, counts the stop itself, before its next check."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = """
+import time
+import trainer.starvation_watch as sw
+sw.STARVATION_CHECK_S = 0.05
+watch = sw.StarvationWatch(None)
+seen = []
+stop = watch.beside(lambda: seen.append(watch.continued))
+print('up', flush=True)
+time.sleep(3.0)  # one long call in the main thread: no Python signal handler runs meanwhile
+stop.set()
+print(watch.continued, max(seen), flush=True)
+"""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert child.stdout.readline().strip() == "up"
+        time.sleep(0.5)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        os.kill(child.pid, signal.SIGCONT)
+        continued, seen = (int(x) for x in child.stdout.readline().split())
+        assert continued == 1 and seen == 1  # counted once, and before a check read it
+    finally:
+        child.kill()
+        child.wait()

@@ -14,9 +14,14 @@ While it is starved, a `StarvedShare` (`train --nice-starved`, trainer/starved_s
 `share` lowers the trainer's niceness, and restores it some minutes after.
 
 A trainer stopped by a signal (job control's SIGSTOP, `bench e2e --interleave` pausing it while
-other configurations serve) is not starved: once `follow_stops` has installed its SIGCONT
-handler, the first check after the process is continued starts a new window (the detector's
-`restart`), so the stopped time counts neither as steps missed nor as a verdict.
+other configurations serve) is not starved: the first check after the process is continued starts
+a new window (the detector's `restart`), so the stopped time counts neither as steps missed nor as
+a verdict. Two signs of a stop, either enough: the SIGCONT handler `follow_stops` installs (Python
+runs it in the main thread, which a long torch step holds for seconds to minutes: in an
+interleaved e2e run the check came first and raised `trainer_starved` over a 169 s window that
+spanned a pause), and the watch thread waking `STOPPED_GAP_CHECKS` periods late (no thread of a
+stopped process runs; beside a busy process at niceness 19 the trainer's threads still woke on
+time).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from online_spec.starvation import STARVED, StarvationConfig, StarvationDetector
 log = logging.getLogger("trainer.daemon")
 
 STARVATION_CHECK_S = 5.0  # how often the daemon asks whether it is starved (a control `info` call)
+STOPPED_GAP_CHECKS = 4  # a watch thread woken this many periods late was stopped with its process
 
 
 class StarvationWatch:
@@ -78,11 +84,15 @@ class StarvationWatch:
         stop = threading.Event()
 
         def run():
+            last = time.monotonic()
             while not stop.wait(STARVATION_CHECK_S):
+                if time.monotonic() - last > STOPPED_GAP_CHECKS * STARVATION_CHECK_S:
+                    self.continued += 1  # its process was stopped meanwhile: as a SIGCONT
                 try:
                     check()
                 except Exception:  # noqa: BLE001 - a failed check must not end the watch
                     log.exception("starvation check failed")
+                last = time.monotonic()
         threading.Thread(target=run, daemon=True, name="starvation-watch").start()
         return stop
 
