@@ -58,7 +58,9 @@ log = logging.getLogger(__name__)
 # Niceness 19: the server process (engine, HTTP, the replaying clients) sometimes wants both cores;
 # at equal priority the trainer takes them and costs the server ~10 % of its tokens/s, at nice 19
 # ~2 % with the same optimizer steps per second (scripts/colocate_probe.py, docs/results.md).
-DEMO_TRAINER_ARGS = ["--nice", "19", "--min-buffer-tokens", "128", "--batch-tokens", "400", "--replay-whole-spans",
+# Beside other busy work nice 19 starves it (2 steps in 10 minutes next to one busy process): while
+# starved it runs at nice 5 (--nice-starved, trainer/starved_share.py).
+DEMO_TRAINER_ARGS = ["--nice", "19", "--nice-starved", "5", "--min-buffer-tokens", "128", "--batch-tokens", "400", "--replay-whole-spans",
                      "--eval-every-steps", "5",
                      "--eval-every-s", "20", "--eval-tokens", "1024", "--save-every-steps", "20",
                      "--gate-min-anchors", "64", "--gate-rollback-min-rounds", "30",
