@@ -7,9 +7,9 @@ the starvation watch holds `trainer_starved` (trainer/starvation_watch.py), `Sta
 every thread of the trainer process and of its children at `starved` (a niceness, above the one
 the process started with, as `--nice` is) instead: a share the kernel's scheduler keeps for it
 against niceness-0 work (CFS weights: 1024 at 0, 335 at 5, 110 at 10, 15 at 19). The share holds
-until `hold_s` after the condition ended, then the trainer goes back to `base`: a trainer that
-steps again at the lower niceness is no longer starved, and returning at once would starve it
-again a window later.
+until `hold_s` (`HOLD_S`, 300 s for `train --nice-starved`) after the condition ended, then the
+trainer goes back to `base`: a trainer that steps again at the lower niceness is no longer
+starved, and returning at once would starve it again a window later.
 
 Lowering a niceness needs CAP_SYS_NICE or a high enough RLIMIT_NICE (`ulimit -e`): without it the
 share says so once in the log and in `info()`, and the alert stands alone.
@@ -26,6 +26,8 @@ import os
 from online_spec.cpu_reserve import descendants
 
 log = logging.getLogger("trainer.daemon")
+
+HOLD_S = 300.0  # seconds the lower niceness holds after the starvation ended
 
 
 def set_niceness(pid: int, value: int) -> int:
@@ -49,7 +51,7 @@ def set_niceness(pid: int, value: int) -> int:
 class StarvedShare:
     """See the module docstring. `base`, `starved`: niceness above the process's own at start."""
 
-    def __init__(self, base: int, starved: int, hold_s: float = 300.0, pid: int | None = None):
+    def __init__(self, base: int, starved: int, hold_s: float = HOLD_S, pid: int | None = None):
         if not (0 <= starved <= 19 and 0 <= base <= 19):
             raise ValueError(f"niceness must be in 0..19, got base {base}, starved {starved}")
         if hold_s < 0:

@@ -61,13 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the target: a Hugging Face model directory; empty = the packaged SmolLM2")
     proc.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads of the trainer")
     proc.add_argument("--nice", type=int, default=0, metavar="N",
-                      help="raise the trainer's niceness by N (0-19): the server gets a contended core first")
+                      help="raise its niceness by N (0-19): the server gets a contended core first")
     proc.add_argument("--nice-starved", type=int, default=-1, metavar="N",
-                      help="while the trainer is starved (trainer_starved), run it N above its starting niceness "
-                           "instead of --nice, until --nice-starved-hold-s after (0-19; -1: never; trainer/"
-                           "starved_share.py)")
-    proc.add_argument("--nice-starved-hold-s", type=float, default=300.0, metavar="S",
-                      help="seconds the lower niceness of --nice-starved holds after the starvation ended")
+                      help="while starved: +N niceness, not --nice (-1: never)")
     proc.add_argument("--max-steps", type=int, default=None, metavar="N", help="stop after N optimizer steps")
     proc.add_argument("--max-seconds", type=float, default=None, metavar="S", help="stop after S seconds")
     proc.add_argument("--wandb-mode", default="offline", metavar="MODE", help="offline (default), online or disabled")
@@ -100,7 +96,7 @@ def build_daemon(args: argparse.Namespace, daemon_cls: type[TrainerDaemon] = Tra
                         starvation_cfg=config_from_args(StarvationConfig, args, prefix="starvation_"),
                         seed_cfg=config_from_args(SeedConfig, args, prefix="seed_"))
     if getattr(args, "nice_starved", -1) >= 0:
-        daemon.starvation_watch.share = StarvedShare(args.nice, args.nice_starved, args.nice_starved_hold_s)
+        daemon.starvation_watch.share = StarvedShare(args.nice, args.nice_starved)
     return daemon
 
 
@@ -114,9 +110,8 @@ def share_machine(args: argparse.Namespace) -> None:
     """The trainer process's share of the machine: its torch threads and its niceness."""
     if not 0 <= args.nice <= 19:
         raise SystemExit(f"--nice: must be in 0..19, got {args.nice}")
-    if not -1 <= getattr(args, "nice_starved", -1) <= 19 or getattr(args, "nice_starved_hold_s", 0) < 0:
-        raise SystemExit(f"--nice-starved: must be in -1..19 (got {args.nice_starved}), "
-                         f"--nice-starved-hold-s >= 0 (got {args.nice_starved_hold_s})")
+    if not -1 <= getattr(args, "nice_starved", -1) <= 19:
+        raise SystemExit(f"--nice-starved: must be in -1..19, got {args.nice_starved}")
     torch.set_num_threads(args.threads)
     if args.nice:
         log.info("niceness %d", os.nice(args.nice))
