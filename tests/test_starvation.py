@@ -124,9 +124,10 @@ def test_a_starved_trainer_runs_at_the_lower_niceness_until_the_hold_after_it_en
     from trainer.starvation_watch import StarvationWatch
     from trainer.starved_share import StarvedShare
 
-    child = subprocess.Popen([sys.executable, "-c", "import os, threading, time\nos.nice(19)\n"
-                              "[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]\n"
-                              "print('up', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    code = ("import os, threading, time\nos.nice(19)\n"
+            "[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]\n"
+            "print('up', flush=True)\ntime.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "up"
         assert _thread_niceness(child.pid) == {19}

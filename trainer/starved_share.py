@@ -2,7 +2,7 @@
 
 At niceness 19 the trainer takes what the server leaves, which on an idle core is everything and
 beside other busy work almost nothing: next to one niceness-0 busy process on 2 cores, the demo's
-trainer made 2 optimizer steps in 10 minutes and swapped nothing (2026-12-07, docs/journal). While
+trainer made 2 optimizer steps in 10 minutes and swapped nothing (docs/trainer.md, "Starvation"). While
 the starvation watch holds `trainer_starved` (trainer/starvation_watch.py), `StarvedShare` runs
 every thread of the trainer process and of its children at `starved` (a niceness, above the one
 the process started with, as `--nice` is) instead: a share the kernel's scheduler keeps for it
