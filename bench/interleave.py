@@ -15,8 +15,8 @@ a clock that leaves the other configurations' turns out (`ActiveClock`: wall tim
 inside the session's own active periods), so tokens/s, time to the first swap and the timeline read
 as if it had run alone. What differs from a session alone: the clients drain at the end of each
 chunk (every configuration alike), and the trainer's own wall clock jumps over its pauses (its
-rests and duty cycle see a long idle spell; its starvation watch starts a new window on each
-SIGCONT, trainer/starvation_watch.py).
+rests and duty cycle see a long idle spell; its starvation watch starts a new window after each
+pause, trainer/starvation_watch.py).
 
     results = serve_interleaved({name: SessionConfig(...)}, target, items, chunk=16, order=[...])
 """

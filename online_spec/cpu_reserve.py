@@ -70,9 +70,9 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _threads() -> list[int]:
-    """Thread ids of this process and of every process below it."""
-    me, out = os.getpid(), []
+def threads(pid: int | None = None) -> list[int]:
+    """Thread ids of process `pid` (this one by default) and of every process below it."""
+    me, out = os.getpid() if pid is None else pid, []
     for pid in [me] + descendants(me):
         try:
             out.extend(map(int, os.listdir(f"/proc/{pid}/task")))
@@ -129,7 +129,7 @@ class CpuReserve:
     def sweep(self) -> int:
         """Move every thread but the engine's, and the descendants' threads, to `others`; -> threads moved."""
         moved = 0
-        for t in _threads():
+        for t in threads():
             if t != self.tid:
                 moved += self._set(t, self.others)
         self.sweeps += 1
@@ -159,7 +159,7 @@ class CpuReserve:
             self._stop.set()
         if self._sweeper is not None:
             self._sweeper.join(5)
-        for t in _threads():
+        for t in threads():
             self._set(t, self.allowed)
 
     def stats(self) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 
-from online_spec.cpu_reserve import descendants
+from online_spec.cpu_reserve import threads
 
 log = logging.getLogger("trainer.daemon")
 
@@ -31,20 +31,16 @@ HOLD_S = 300.0  # seconds the lower niceness holds after the starvation ended
 
 
 def set_niceness(pid: int, value: int) -> int:
-    """Every thread of `pid` and of the processes below it at niceness `value`; the threads set.
-    PermissionError where lowering is not allowed (the first thread refused stops it)."""
+    """Every thread of `pid` and of the processes below it (`cpu_reserve.threads`) at niceness
+    `value`; the threads set. PermissionError where lowering is not allowed (the first thread
+    refused stops it)."""
     done = 0
-    for p in [pid, *descendants(pid)]:
+    for tid in threads(pid):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
-        except OSError:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        except ProcessLookupError:
             continue  # gone meanwhile
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, value)
-            except ProcessLookupError:
-                continue
-            done += 1
+        done += 1
     return done
 
 
@@ -69,17 +65,20 @@ class StarvedShare:
         if starved:
             self._ended = None
             if not self.lowered and self.refused is None and self.starved < self.base:
-                self._set(self.starved, now)
+                self._set(self.starved)
         elif self.lowered:
             if self._ended is None:
                 self._ended = now
             elif now - self._ended >= self.hold_s:
-                self._set(self.base, now)
+                self._set(self.base)
 
-    def _set(self, nice: int, now: float) -> None:
-        value = min(19, self.origin + nice)
+    def _niceness(self, nice: int) -> int:
+        return min(19, self.origin + nice)
+
+    def _set(self, nice: int) -> None:
+        value = self._niceness(nice)
         try:
-            threads = set_niceness(self.pid, value)
+            done = set_niceness(self.pid, value)
         except PermissionError as e:
             self.refused = f"{e.strerror or e} (lowering niceness needs CAP_SYS_NICE or RLIMIT_NICE, `ulimit -e`)"
             log.warning("starved, but the trainer could not lower its niceness to %d: %s", value, self.refused)
@@ -89,11 +88,11 @@ class StarvedShare:
         if self.lowered:
             self.times_lowered += 1
             log.warning("starved: the trainer runs at niceness %d (%d threads) until %.0f s after it is not",
-                        value, threads, self.hold_s)
+                        value, done, self.hold_s)
         else:
             log.info("no longer starved for %.0f s: the trainer is back at niceness %d (%d threads)",
-                     self.hold_s, value, threads)
+                     self.hold_s, value, done)
 
     def info(self) -> dict:
-        return {"niceness": min(19, self.origin + (self.starved if self.lowered else self.base)),
+        return {"niceness": self._niceness(self.starved if self.lowered else self.base),
                 "lowered": self.lowered, "times_lowered": self.times_lowered, "refused": self.refused}
