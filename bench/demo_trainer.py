@@ -34,16 +34,18 @@ READY_FILE = "ready"
 
 
 def log_status(daemon, stop: threading.Event, every_s: float) -> None:
-    """One line every `every_s` seconds: steps, buffered rows, evaluations, swaps (plain reads of
-    counters the training thread updates; a line a step stale is fine)."""
+    """One line every `every_s` seconds: steps, buffered rows, evaluations, swaps, the CPU its work
+    took (plain reads of counters the training thread updates; a line a step stale is fine)."""
     while not stop.wait(every_s):
         state = daemon.state
         gov = daemon.duty_cycle.governor.summary()
         slowdown = "-" if gov["slowdown"] is None else f"{gov['slowdown']:.3f}"
         budget = "" if gov["off"] else f", serving budget: duty cap {gov['duty_cap']:.3g} (slowdown {slowdown})"
-        log.info("status: step %d, buffer %d rows, %d evaluations, %d swaps, live v%s%s", daemon.distiller.step,
+        cpu = daemon.cpu.report()
+        log.info("status: step %d, buffer %d rows, %d evaluations, %d swaps, live v%s%s; cpu %.2f of a core "
+                 "(steps %.0f s, evals %.0f s, seeds %.0f s, other %.0f s)", daemon.distiller.step,
                  daemon.buffer.num_tokens, state.get("evals", 0), state.get("swaps", 0), state.get("live_version"),
-                 budget)
+                 budget, cpu["share"], cpu["steps_s"], cpu["evals_s"], cpu["seeds_s"], cpu["other_s"])
 
 
 def poll_alerts(url: str, on_alert, stop: threading.Event, every_s: float) -> None:

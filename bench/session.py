@@ -430,7 +430,7 @@ def _stop_trainer(proc, run_dir: Path, grace_s: float = 60.0) -> dict:
         s = json.loads(state.read_text())
         out.update({k: s.get(k) for k in ("step", "live_version", "swaps", "refused_swaps", "evals", "published",
                                           "rolled_back", "seeds_adopted", "seed_checks", "seed_seconds",
-                                          "rested_s", "futile", "serving_budget")})
+                                          "rested_s", "futile", "serving_budget", "cpu")})
     return out
 
 

@@ -35,7 +35,7 @@ class StarvationConfig:
     min_steps_per_min: float = doc("fewer optimizer steps a minute than this, while traffic waits to be trained on, "
                                    "is starvation", 6.0)
     min_dropped: int = doc("capture records dropped within the window that raise capture_dropping", 1)
-    repeat_s: float = doc("while a condition lasts, its alert again after this many seconds", 600.0)
+    repeat_s: float = doc("seconds between the alerts of a condition that lasts", 600.0)
 
     def __post_init__(self):
         check(self.window_s > 0, "window_s", f"must be > 0, got {self.window_s}")

@@ -406,10 +406,9 @@ def test_a_rollback_of_a_head_the_server_already_replaced_reinstalls_nothing(tmp
     assert d.watch_server_head(now=1e9) == 0 and d.state["live_version"] == 0
     # a rollback the server takes: the seed checks wait a dwell (the rolled-back seed is not re-adopted at once)
     assert d.publish() == 2
-    before = time.monotonic()
     d.watch_rollback()
     assert server.version == 0 and d.state["rolled_back"] == [2]
-    assert d.seeds._next >= before + d.seeds.cfg.min_dwell_s
+    assert d.seeds._dwell_until == d.seeds._rows + d.seeds.cfg.dwell_rows
 
 
 def test_anchor_is_kept_for_a_starting_head_and_dropped_for_a_random_one(tmp_path):

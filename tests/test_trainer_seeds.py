@@ -82,7 +82,7 @@ def test_the_daemon_adopts_the_seed_that_drafts_todays_traffic_and_trains_on_fro
     for r in code:
         d.on_span(served(r))
     version = d.watch_seeds()
-    assert not d.seeds.due(time.monotonic() + 30, boosted=True)  # min_dwell_s after the adoption
+    assert not d.seeds.due(time.monotonic() + 30, boosted=True)  # dwell_rows of traffic after the adoption
     assert version == 1 and server.history == [0, 1] and d.state["live_version"] == 1
     adopted = d.state["seeds_adopted"]
     assert adopted[0]["seed"] == "code-seed" and adopted[0]["score"] > 1.1 * adopted[0]["live"]
@@ -167,8 +167,36 @@ def test_due_every_check_s_and_sooner_after_a_drift_alert():
     assert w.due(100.0, boosted=False) and not w.due(110.0, boosted=False) and w.due(120.0, boosted=True)
     assert not w.due(124.0, boosted=True) and w.due(125.0, boosted=True)
     assert not watch_with({}).due(100.0, boosted=True)  # no seeds: never due
-    w.head_changed(130.0)  # a head went live: no check for min_dwell_s (60), boosted or not
-    assert not w.due(131.0, boosted=True) and not w.due(189.0, boosted=False) and w.due(190.0, boosted=True)
+
+def test_after_a_head_went_live_no_check_before_the_dwell_of_traffic_however_long_it_takes():
+    w = watch_with({"s": [0.5] * 3}, check_s=5.0, boost_check_s=5.0, dwell_rows=100)
+    w.observe(Span("before", 30), now=1.0)
+    w.head_changed()  # a head went live: no check before 100 more generated rows, boosted or not
+    assert not w.due(1e6, boosted=True)  # time alone (a paused trainer, a slow server) does not end it
+    for i in range(3):
+        w.observe(Span(f"r{i}", 30), now=2.0 + i)
+    assert not w.due(1e6 + 10, boosted=True)  # 90 rows (prompt rows do not count)
+    w.observe(Span("r3", 30), now=6.0)
+    assert w.due(1e6 + 20, boosted=False)
+
+
+def test_the_window_after_a_drift_alert_holds_the_traffic_after_it_alone(world, tmp_path):
+    """Chat traffic, a drift alert, then code: the check scores the code rows alone, so the code
+    seed wins at once where a window of chat and code rows together might not."""
+    _, chat, code, _, code_head = world
+    seed_dir = tmp_path / "code-seed"
+    save_head(code_head, seed_dir, version=0)
+    d = daemon_for(world, tmp_path, "alert", seed_dir, FakeServer(0))
+    for r in chat + chat:
+        d.on_span(served(r))
+    d.on_drift({"kind": "acceptance_drop", "title": "acceptance dropped"})
+    time.sleep(0.01)
+    for r in code[:2]:
+        d.on_span(served(r))
+    seen = []
+    d.seeds.check = lambda since, live: seen.append([t for t, _ in d.seeds._recent if t >= since]) or None
+    d.watch_seeds()
+    assert len(seen) == 1 and len(seen[0]) == 2  # the two code spans, none of the chat ones before the alert
 
 
 def test_a_seed_that_does_not_exist_or_is_day0_is_refused_by_name(world, tmp_path):

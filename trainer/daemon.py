@@ -47,6 +47,7 @@ from online_spec.head import EagleHead, new_head
 from online_spec.starvation import KINDS as STARVATION_KINDS
 from online_spec.starvation import StarvationConfig
 from trainer.batch import collate
+from trainer.cpu_ledger import CpuLedger
 from trainer.daemon_config import DaemonConfig
 from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.duty import DutyCycle
@@ -67,6 +68,7 @@ class TrainerDaemon:
                  starvation_cfg: StarvationConfig | None = None, seed_cfg: SeedConfig | None = None):
         self.cfg, self.target, self.publisher, self.wandb = cfg, target, publisher, wandb_run
         self.seeds = SeedWatch(seed_cfg or SeedConfig(), target)  # trainer/seeds.py
+        self.cpu = CpuLedger()  # the CPU seconds of its own work (trainer/cpu_ledger.py)
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
         self.gate_cfg = gate_cfg or GateConfig()
@@ -104,16 +106,13 @@ class TrainerDaemon:
         self.subscriber_cfg = subscriber_cfg
         self.subscriber: CaptureSubscriber | None = None
         self._stop = threading.Event()
-        self._last_eval_t = time.monotonic()
-        self._last_eval_step = self.distiller.step
-        self._drift_until = 0.0
+        self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
+        self._drift_until = self._drift_at = 0.0  # a drift alert's boost ends; when the last alert came
         self.refused_spans = {"stream": 0, "stored": 0}  # spans that do not fit the target, by where met
-        self.last_refused = ""
-        self.failed_steps = self.failed_evals = 0
+        self.last_refused, self.failed_steps, self.failed_evals = "", 0, 0
         self._last_warn: dict[str, float] = {}
-        self.starvation_watch = StarvationWatch(starvation_cfg, wandb_run)
+        self.starvation_watch, self.server_head = StarvationWatch(starvation_cfg, wandb_run), ServerHeadWatch()
         self.starvation = self.starvation_watch.detector
-        self.server_head = ServerHeadWatch()
         self.duty_cycle = DutyCycle(cfg.max_duty, cfg.idle_duty, self._stop, self.server_head, cfg.futile_evals,
                                     cfg.futile_scale, getattr(publisher, "round_clock", None),
                                     cfg.budget_on(self.distiller.device.type))
@@ -142,7 +141,8 @@ class TrainerDaemon:
         if alert.get("kind") in STARVATION_KINDS:
             return
         log.warning("drift alert: %s", alert.get("title", alert))
-        self._drift_until = time.monotonic() + self.cfg.drift_boost_s
+        self._drift_at = time.monotonic()
+        self._drift_until = self._drift_at + self.cfg.drift_boost_s
         self.wake()
 
     def wake(self) -> None:
@@ -188,7 +188,7 @@ class TrainerDaemon:
     def duty(self) -> float:  # trainer/duty.py: idle_duty while the server was last seen idle, less when futile
         return self.duty_cycle.duty()
 
-    def rest_after(self, busy_s: float) -> float:
+    def rest_after(self, busy_s: float) -> float:  # the rest due after busy_s of work, rested
         return self.duty_cycle.rest_after(busy_s)
 
     def train_once(self) -> bool:
@@ -199,7 +199,8 @@ class TrainerDaemon:
         if not spans:
             return False
         try:
-            metrics = self.distiller.train_step(collate(spans))
+            with self.cpu.spend("steps"):
+                metrics = self.distiller.train_step(collate(spans))
         except Exception as e:  # noqa: BLE001 - one bad batch must not stop the trainer
             self.failed_steps += 1
             self._warn("step", f"training step failed ({type(e).__name__}: {e}); dropped the batch of "
@@ -218,7 +219,8 @@ class TrainerDaemon:
         if (boosted or self.distiller.step - self._last_eval_step >= self.cfg.eval_every_steps
                 or time.monotonic() - self._last_eval_t >= self.cfg.eval_every_s):
             try:
-                self.evaluate_and_publish()
+                with self.cpu.spend("evals"):
+                    self.evaluate_and_publish()
             except Exception as e:  # noqa: BLE001 - the next evaluation may succeed
                 self.failed_evals += 1
                 self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
@@ -233,14 +235,11 @@ class TrainerDaemon:
 
     def _usable(self, spans: list) -> list:
         """`spans` without those that do not fit the target (stored before they were checked)."""
-        out = []
-        for span in spans:
-            problem = self.span_error(span)
-            if problem is None:
-                out.append(span)
-            else:
+        problems = [(span, self.span_error(span)) for span in spans]
+        for span, problem in problems:
+            if problem is not None:
                 self._refuse("stored", span, problem)
-        return out
+        return [span for span, problem in problems if problem is None]
 
     def _refuse(self, where: str, span: CaptureSpan, problem: str) -> None:
         self.refused_spans[where] += 1
@@ -346,7 +345,8 @@ class TrainerDaemon:
         now = time.monotonic() if now is None else now
         if not self.seeds.due(now, now < self._drift_until) or self.distiller.world_size > 1:
             return None
-        pick = self.seeds.check(self._live_since, self.live_head)
+        with self.cpu.spend("seeds"):
+            pick = self.seeds.check(max(self._live_since, self._drift_at), self.live_head)  # after a shift: its rows
         self.state.update(seed_checks=self.seeds.checks, seed_seconds=round(self.seeds.seconds, 3))
         self._log({f"seeds/{k}": v for k, v in self.seeds.last.items()})
         if pick is None:
@@ -355,7 +355,7 @@ class TrainerDaemon:
                  "training goes on from it", pick.seed.label, self.state["live_version"], pick.score, pick.live,
                  pick.anchors)
         self.distiller.set_weights(pick.seed.master, re_anchor=True)
-        self.seeds.head_changed(now)
+        self.seeds.head_changed()
         version = self.publish()
         self.state["seeds_adopted"].append({"seed": pick.seed.label, "version": version, "step": self.distiller.step,
                                             "score": round(pick.score, 4), "live": round(pick.live, 4),
@@ -378,7 +378,7 @@ class TrainerDaemon:
         self.state["rolled_back"].append(bad)
         self.state.update(live_version=prev, previous_version=None)
         self.wake()
-        self.seeds.head_changed(time.monotonic())  # the seed just rolled back is not re-adopted at once
+        self.seeds.head_changed()  # the seed just rolled back is not re-adopted at once
         self.live_head = eval_copy(self._load_version(prev), self.target)
         self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
         self.save_state()
@@ -404,7 +404,7 @@ class TrainerDaemon:
         self.live_head = eval_copy(head, self.target)
         self.wake()
         self.server_head.adopted += 1
-        self.seeds.head_changed(now)  # the bank's choice stands a dwell before a seed may answer it
+        self.seeds.head_changed()  # the bank's choice stands a dwell before a seed may answer it
         self._log({"swap/adopted_server_head": v})
         log.info("the server made v%d live (it was v%d): training continues from it", v, prev)
         self.save_state()
@@ -423,7 +423,7 @@ class TrainerDaemon:
     def write_state(self) -> None:
         """state.json alone: step, versions, monitor and buffer counters, rests (atomic rewrite)."""
         state = {**self.state, "rollback_monitor": self.rollbacks.state_dict(), "buffer": self.buffer.state_dict(),
-                 **self.duty_cycle.report()}
+                 **self.duty_cycle.report(), "cpu": self.cpu.report()}  # cpu: this process's, since it began
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "state.json")
@@ -483,7 +483,7 @@ class TrainerDaemon:
                 **self.duty_cycle.report(), "buffer": self.buffer.stats(), "stream": self._stream_stats(),
                 "live": self.live.summary(), "refused_spans": dict(self.refused_spans),
                 "last_refused": self.last_refused, "failed_steps": self.failed_steps, "failed_evals": self.failed_evals,
-                **self.starvation_watch.report(),
+                **self.starvation_watch.report(), "cpu": self.cpu.report(),
                 "adopted_server_heads": self.server_head.adopted,
                 "seeds": {"checks": self.seeds.checks, "seconds": round(self.seeds.seconds, 3),
                           "last": self.seeds.last, "adopted": self.state["seeds_adopted"]}}

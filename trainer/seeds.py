@@ -5,7 +5,8 @@ swap after chat -> code came 1,400-4,200 tokens in, and the gain stayed far belo
 for code). A deployment often has such heads already: the packaged code head, a head per
 product. With `--seed-heads code,/path/to/head` the daemon keeps them beside its own line and,
 every `--seed-check-s` (every `--seed-boost-check-s` after a drift alert), scores each of them
-and the live head on the traffic that arrived since the live head went live: the newest
+and the live head on the traffic that arrived since the live head went live, or since the last
+drift alert when that came later (the traffic of after the shift alone): the newest
 `--seed-rows` generated rows of every captured span (held-out or not: no seed and not the live
 head has trained on them; spans from before the live head's publication are left out, since a
 published candidate may have trained on those). A seed whose simulated accept length at
@@ -13,9 +14,12 @@ K = `--seed-steps` beats the live head's by `--seed-margin` (relative) on at lea
 drafted positions is adopted: the distiller takes its weights and vocabulary map (training goes
 on from it, the anchor re-aimed at it), and it is published through the usual path (a new
 version, swapped in over the control endpoint, watched by the rollback monitor); the next check
-comes `--seed-min-dwell-s` later (on mixed traffic the newest rows lean one way, then the other),
-as it does after any other change of the live head (the server's head bank swapping on its own, a
-rollback): a seed check never answers the bank's swap at once.
+comes after `--seed-dwell-rows` more generated rows of traffic (on mixed traffic the newest
+rows lean one way, then the other), as it does after any other change of the live head (the
+server's head bank swapping on its own, a rollback): a seed check never answers the bank's swap at
+once. The window and the dwell are counted in traffic, not seconds: they mean the same on a CPU
+serving 25 tokens a second and a GPU serving 1,000, and through a trainer paused beside its
+server (bench e2e's interleaved turns).
 
 Only the traffic of now decides, not the gate's per-tag check on stored traffic: a seed is a
 specialist, and earlier traffic gets its own head back when it returns (from the server's head
@@ -28,7 +32,8 @@ same cores.
     seeds = SeedWatch(SeedConfig(heads="code"), target)
     seeds.observe(span, now)                          # subscriber thread, every stored span
     if seeds.due(now, boosted):
-        pick = seeds.check(live_since, live_head)     # -> SeedPick or None
+        pick = seeds.check(since, live_head)          # since: the live head's start or the last drift alert
+                                                      # -> SeedPick or None
 """
 
 from __future__ import annotations
@@ -58,14 +63,18 @@ class SeedConfig:
                      "empty = none", "")
     check_s: float = doc("seconds between checks of the seed heads against the live head", 5.0)
     boost_check_s: float = doc("... while a drift alert's boost lasts (--drift-boost-s)", 5.0)
-    rows: int = doc("newest generated rows (of spans since the live head went live) a check scores", 256)
+    rows: int = doc("newest generated rows (of spans since the live head went live, or since the last drift "
+                    "alert when later) a check scores: long enough that mixed traffic gives the verdict of the "
+                    "mix, not of its last few requests", 1024)
     steps: int = doc("draft steps simulated: a head's score is its simulated accept length at K = steps", 3)
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
-    min_dwell_s: float = doc("seconds after a head went live (a seed's adoption, the server's own swap, a "
-                             "rollback) before the next check: on mixed traffic the newest rows lean one way, "
-                             "then the other, each change restarts the controller's acceptance estimates, and "
-                             "the server's head bank would swap back", 60.0)
+    dwell_rows: int = doc("generated rows served after a head went live before the next check (a seed's "
+                              "adoption, the server's own swap, a rollback): on mixed "
+                              "traffic the newest rows lean one way, then the other, each change restarts the "
+                              "controller's acceptance estimates, and the server's head bank would swap back; "
+                              "counted in traffic, not seconds, so it means the same on a CPU and a GPU and "
+                              "through a paused trainer", 1024)
 
     def __post_init__(self):
         check(self.check_s > 0, "check_s", "must be > 0")
@@ -74,7 +83,7 @@ class SeedConfig:
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
         check(self.margin >= 0, "margin", "must be >= 0")
-        check(self.min_dwell_s >= 0, "min_dwell_s", "must be >= 0")
+        check(self.dwell_rows >= 0, "dwell_rows", "must be >= 0")
 
     @property
     def names(self) -> list[str]:
@@ -138,6 +147,8 @@ class SeedWatch:
         self._recent: deque = deque(maxlen=RECENT_SPANS)  # (arrival time, span), oldest first
         self._lock = threading.Lock()
         self._next = 0.0
+        self._rows = 0  # generated rows observed so far
+        self._dwell_until = 0  # ... before which no check (a head went live)
         self.checks = 0
         self.seconds = 0.0  # spent scoring, all checks
         self.last: dict = {}  # the last check's scores (summary, W&B)
@@ -149,17 +160,19 @@ class SeedWatch:
         if self.seeds:
             with self._lock:
                 self._recent.append((now, span))
+                self._rows += int((~span.is_prefill).sum())
 
     def due(self, now: float, boosted: bool) -> bool:
-        if not self.seeds or now < self._next:
+        if not self.seeds or now < self._next or self._rows < self._dwell_until:
             return False
         self._next = now + (self.cfg.boost_check_s if boosted else self.cfg.check_s)
         return True
 
-    def head_changed(self, now: float) -> None:
+    def head_changed(self) -> None:
         """A head went live (a seed adopted, the server's own swap, a rollback): the next check
-        comes `min_dwell_s` later at the earliest."""
-        self._next = max(self._next, now + self.cfg.min_dwell_s)
+        comes after `dwell_rows` more generated rows at the earliest."""
+        with self._lock:
+            self._dwell_until = self._rows + self.cfg.dwell_rows
 
     def window(self, since: float) -> list:
         """The newest spans that arrived at or after `since`, newest first, up to `cfg.rows`
