@@ -17,7 +17,7 @@ and swaps it back in when that tag's traffic returns.
   `min_rounds` request-rounds of it (the trainer's newest head may draft it as well), then swaps
   the banked head in through the swapper, as a control swap would be, if its first-draft
   acceptance there beats the live one's by more than `margin`; at most one such swap every
-  `min_dwell_s`. Only a change of traffic moves the head: the trainer's later versions for the
+  `min_dwell_s` and every `dwell_requests` admitted requests. Only a change of traffic moves the head: the trainer's later versions for the
   same traffic are the gate's business, never undone here. Mixed traffic moves it only where a
   window of it shows a dominant tag and the banked head is measurably better on that tag, once
   per `min_dwell_s` at most.
@@ -59,6 +59,9 @@ class BankConfig:
                        "min_rounds, then keeps it; 0 = the margin alone (48 request-rounds, what one client drafts "
                        "in under a second on a GPU, measure a rate to +-7 %)", 2.0)
     min_dwell_s: float = doc("seconds between two swaps the bank makes", 30.0)
+    dwell_requests: int = doc("requests admitted between two swaps the bank makes, as well: mixed traffic moves "
+                              "the head at most once per so many of its requests, on a CPU or a GPU and through "
+                              "idle spells (which min_dwell_s alone counts as dwelt)", 32)
     max_heads: int = doc("head modules the bank holds in memory at most (one per tag it remembers)", 4)
     poll_s: float = doc("seconds between the bank's looks at the admitted tags", 0.1)
 
@@ -69,6 +72,7 @@ class BankConfig:
         check(0.0 <= self.margin < 1.0, "margin", f"must be in [0, 1), got {self.margin}")
         check(self.min_z >= 0.0, "min_z", f"must be >= 0, got {self.min_z}")
         check(self.min_dwell_s >= 0.0, "min_dwell_s", f"must be >= 0, got {self.min_dwell_s}")
+        check(self.dwell_requests >= 0, "dwell_requests", f"must be >= 0, got {self.dwell_requests}")
         check(self.max_heads >= 1, "max_heads", f"must be >= 1, got {self.max_heads}")
         check(self.poll_s > 0.0, "poll_s", f"must be > 0, got {self.poll_s}")
 
@@ -91,6 +95,7 @@ class HeadBank:
         self._admitted: deque[str] = deque(maxlen=cfg.window)
         self._serving: str | None = None  # the last dominant tag the bank has acted on
         self._last_swap_t = -float("inf")
+        self._admissions, self._last_swap_n = 0, None  # requests admitted; ... when the bank last swapped
         self.swaps: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,6 +104,7 @@ class HeadBank:
     def admitted(self, tag: str) -> None:
         """A request of traffic `tag` was admitted (event-loop thread)."""
         self._admitted.append(tag)
+        self._admissions += 1
 
     def observe(self, stats, outs, tags: list[str]) -> None:
         """One round (engine thread, `SpecServer.round_observers`)."""
@@ -171,7 +177,8 @@ class HeadBank:
         live = self.swapper.live
         self._remember(live)
         tag = self.dominant()
-        if tag is None or tag == self._serving or now - self._last_swap_t < self.cfg.min_dwell_s:
+        if tag is None or tag == self._serving or now - self._last_swap_t < self.cfg.min_dwell_s or \
+                (self._last_swap_n is not None and self._admissions - self._last_swap_n < self.cfg.dwell_requests):
             return None  # no change of traffic (or too soon after the last swap: decided later)
         if self._serving is None:
             self._serving = tag  # the traffic the server started with: nothing moved the head away from it
@@ -200,7 +207,7 @@ class HeadBank:
         except Exception:
             self.swaps.remove(record)
             raise
-        self._last_swap_t = now
+        self._last_swap_t, self._last_swap_n = now, self._admissions
         log.info("head bank: %s traffic is back: v%d (first-draft acceptance %.3f there) replaces v%d (%s)", tag,
                  best, best_rate, live.version, "never measured there" if live_rate is None else f"{live_rate:.3f}")
         return {**record, **out}

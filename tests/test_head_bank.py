@@ -44,7 +44,8 @@ def admit(bank, tags):
 
 def bank_with(**kw):
     sw = FakeSwapper()
-    return HeadBank(BankConfig(**{"window": 4, "dominance": 0.75, "min_rounds": 10, "min_dwell_s": 0, **kw}), sw), sw
+    return HeadBank(BankConfig(**{"window": 4, "dominance": 0.75, "min_rounds": 10, "min_dwell_s": 0,
+                                 "dwell_requests": 0, **kw}), sw), sw
 
 
 def test_a_returning_tag_gets_back_the_head_that_drafted_best_on_it():
@@ -126,6 +127,25 @@ def test_no_swap_when_the_live_head_is_as_good_there_or_too_soon():
     rounds(dwell, 1, "chat", 20, 2)  # v1 drafts chat badly
     assert dwell.step(5.0) is None and sw2.asked == []
     assert dwell.step(11.5)["to"] == 0 and sw2.asked == [0]  # the change waited, it was not forgotten
+
+
+def test_the_bank_swaps_at_most_once_per_dwell_of_admitted_requests_however_long_they_take():
+    bank, sw = bank_with(dwell_requests=8)
+    admit(bank, ["chat"] * 4)
+    rounds(bank, 0, "chat", 20, 16)  # v0 drafts chat well
+    bank.step(0.0)
+    admit(bank, ["code"] * 4)
+    sw.publish(1)
+    rounds(bank, 1, "code", 20, 18)
+    bank.step(1.0)
+    admit(bank, ["chat"] * 4)
+    rounds(bank, 1, "chat", 20, 2)
+    assert bank.step(2.0)["to"] == 0 and sw.asked == [0]  # chat is back: v0
+    rounds(bank, 0, "code", 20, 2)  # v0 drafts code badly
+    admit(bank, ["code"] * 4)  # 4 requests since the swap
+    assert bank.step(1e6) is None and sw.asked == [0]  # hours of wall time are not a dwell of traffic
+    admit(bank, ["code"] * 4)  # 8
+    assert bank.step(1e6 + 1)["to"] == 1 and sw.asked == [0, 1]
 
 
 def test_a_difference_within_the_noise_waits_for_more_rounds():
@@ -274,7 +294,7 @@ def test_the_daemon_adopts_the_servers_head_and_trains_on_from_it(tmp_path):
     server.version = 1
     assert daemon.watch_server_head(now=10.0) == 1
     # the bank's swap stands a dwell before a seed check
-    assert daemon.seeds._next >= 10.0 + daemon.seeds.cfg.min_dwell_s
+    assert daemon.seeds._dwell_until == daemon.seeds._rows + daemon.seeds.cfg.dwell_rows
     assert (daemon.state["live_version"], daemon.state["previous_version"]) == (1, 2)
     now = daemon.distiller.head.state_dict()
     for name, p in daemon.distiller.head.named_parameters():  # v1 as published (bf16 on disk)
