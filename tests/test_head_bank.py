@@ -294,6 +294,7 @@ def test_the_daemon_adopts_the_servers_head_and_trains_on_from_it(tmp_path):
     server.version = 1
     assert daemon.watch_server_head(now=10.0) == 1
     # the bank's swap stands a dwell before a seed check
+    assert daemon.seeds._next >= 10.0 + daemon.seeds.cfg.min_dwell_s
     assert daemon.seeds._dwell_until == daemon.seeds._rows + daemon.seeds.cfg.dwell_rows
     assert (daemon.state["live_version"], daemon.state["previous_version"]) == (1, 2)
     now = daemon.distiller.head.state_dict()

@@ -288,6 +288,11 @@ def test_gate_scores_generated_rows_and_counts_the_live_head_once_per_version(tm
     d.live_head = eval_copy(d.distiller.head, target)  # a swap: the new live head is counted afresh
     d._gate_scores(d._gate_sample(), {3: 1})
     assert counted[-1] == (True, 5)
+    # the server drafts K = 2 (K = 3 in under 1 % of its rounds): the candidate is simulated 2 steps deep
+    depths = []
+    monkeypatch.setattr(daemon_mod, "record_counts", lambda h, t, sp, n, **k: depths.append(n) or real(h, t, sp, n, **k))
+    c2, _, _ = d._gate_scores(sample, {2: 200, 3: 1})
+    assert depths == [2] and c2 == pytest.approx(fresh["cand"]["accept_length"]["2"])
 
 
 def test_gate_refuses_a_head_that_learned_the_new_tag_and_forgot_the_old(tmp_path):
@@ -406,8 +411,10 @@ def test_a_rollback_of_a_head_the_server_already_replaced_reinstalls_nothing(tmp
     assert d.watch_server_head(now=1e9) == 0 and d.state["live_version"] == 0
     # a rollback the server takes: the seed checks wait a dwell (the rolled-back seed is not re-adopted at once)
     assert d.publish() == 2
+    before = time.monotonic()
     d.watch_rollback()
     assert server.version == 0 and d.state["rolled_back"] == [2]
+    assert d.seeds._next >= before + d.seeds.cfg.min_dwell_s
     assert d.seeds._dwell_until == d.seeds._rows + d.seeds.cfg.dwell_rows
 
 

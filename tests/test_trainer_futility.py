@@ -186,3 +186,29 @@ def test_the_starvation_watch_checks_on_time_through_a_long_step(tmp_path, monke
     time.sleep(0.2)
     stop.set()
     assert len(checks) >= n + 2  # a failed check is logged and the next one goes on
+
+
+def test_a_resting_trainer_evaluates_every_n_steps_only_not_on_the_clock(tmp_path, monkeypatch):
+    """--eval-every-s fires on the clock; while training is futile a candidate a step or two past
+    the last refusal is no news, so only --eval-every-steps does (an evaluation costs more CPU than
+    a step on a CPU: 2-4 s against ~2 s, trainer/cpu_ledger.py)."""
+    d = daemon(tmp_path, eval_every_steps=3, eval_every_s=1.0, drift_boost_s=0.0)
+    evals = []
+    monkeypatch.setattr(d, "evaluate_and_publish", lambda: evals.append(d.distiller.step) or
+                        setattr(d, "_last_eval_step", d.distiller.step))
+
+    def step(n):  # a step taken with the clock's trigger long due
+        d.distiller.step, d._last_eval_t = n, time.monotonic() - 60.0
+        d.after_step({})
+
+    step(1)
+    assert evals == [1]  # not resting: the clock's trigger
+    for _ in range(3):
+        d.duty_cycle.gate(False)
+    assert d.duty_cycle.resting()
+    for n in (2, 3, 4, 5):
+        step(n)
+    assert evals == [1, 4]  # resting: every 3 steps
+    d.on_drift({"kind": "acceptance_drop", "title": "drift"})  # a wake: the clock's trigger again
+    step(6)
+    assert evals == [1, 4, 6]

@@ -5,7 +5,7 @@ import pytest
 
 from online_spec.config import ConfigError
 from trainer.gate import (GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, expected_accept_length,
-                          k_mix_score)
+                          k_mix_depth, k_mix_score)
 
 def per_round(live: LiveAcceptance, accepted, steps, versions, batches, tag) -> None:
     """Feed rows as one span per verify round: rounds of different requests (independent)."""
@@ -43,6 +43,13 @@ def test_live_acceptance_counts_rounds_by_their_closing_row():
     assert live.summary()["tag"]["1/chat"] == pytest.approx(2.5)
     assert dict(live.k_counts) == {3: 2}
     assert live.accept_length(2) == (0.0, 0)
+
+
+def test_the_gate_scores_as_deep_as_the_server_drafts():
+    assert k_mix_depth({}, 7) == 7 and k_mix_depth({0: 50}, 7) == 7  # nothing drafted yet: every step
+    assert k_mix_depth({0: 10, 3: 90, 5: 10}, 7) == 5
+    assert k_mix_depth({3: 1000, 6: 5}, 7) == 3  # K = 6 in 0.5 % of the rounds: not worth its steps
+    assert k_mix_depth({9: 4}, 7) == 7  # never deeper than the gate's most
 
 
 def test_k_mix_score_weights_by_live_rounds():

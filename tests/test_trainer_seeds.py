@@ -82,7 +82,7 @@ def test_the_daemon_adopts_the_seed_that_drafts_todays_traffic_and_trains_on_fro
     for r in code:
         d.on_span(served(r))
     version = d.watch_seeds()
-    assert not d.seeds.due(time.monotonic() + 30, boosted=True)  # dwell_rows of traffic after the adoption
+    assert not d.seeds.due(time.monotonic() + 30, boosted=True)  # a dwell after the adoption
     assert version == 1 and server.history == [0, 1] and d.state["live_version"] == 1
     adopted = d.state["seeds_adopted"]
     assert adopted[0]["seed"] == "code-seed" and adopted[0]["score"] > 1.1 * adopted[0]["live"]
@@ -169,15 +169,19 @@ def test_due_every_check_s_and_sooner_after_a_drift_alert():
     assert not watch_with({}).due(100.0, boosted=True)  # no seeds: never due
 
 def test_after_a_head_went_live_no_check_before_the_dwell_of_traffic_however_long_it_takes():
-    w = watch_with({"s": [0.5] * 3}, check_s=5.0, boost_check_s=5.0, dwell_rows=100)
+    w = watch_with({"s": [0.5] * 3}, check_s=5.0, boost_check_s=5.0, dwell_rows=100, min_dwell_s=60.0)
     w.observe(Span("before", 30), now=1.0)
-    w.head_changed()  # a head went live: no check before 100 more generated rows, boosted or not
+    w.head_changed(1.0)  # a head went live: no check before 100 more generated rows and 60 s, boosted or not
     assert not w.due(1e6, boosted=True)  # time alone (a paused trainer, a slow server) does not end it
     for i in range(3):
         w.observe(Span(f"r{i}", 30), now=2.0 + i)
     assert not w.due(1e6 + 10, boosted=True)  # 90 rows (prompt rows do not count)
     w.observe(Span("r3", 30), now=6.0)
     assert w.due(1e6 + 20, boosted=False)
+    w.head_changed(2e6)
+    for i in range(4):
+        w.observe(Span(f"s{i}", 30), now=2e6 + i)
+    assert not w.due(2e6 + 59, boosted=True) and w.due(2e6 + 60, boosted=True)  # the rows came at once: 60 s
 
 
 def test_the_window_after_a_drift_alert_holds_the_traffic_after_it_alone(world, tmp_path):

@@ -52,7 +52,7 @@ from trainer.daemon_config import DaemonConfig
 from trainer.distill import DistillConfig, Distiller, init_from_target
 from trainer.duty import DutyCycle
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
-from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_score
+from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_depth, k_mix_score
 from trainer.loss import LossConfig
 from trainer.seeds import SeedConfig, SeedWatch, eval_copy
 from trainer.server_head import HeadPublisher, ServerHeadWatch, server_live_version
@@ -215,9 +215,9 @@ class TrainerDaemon:
         self._log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         if self.distiller.step % self.cfg.save_every_steps == 0:
             self.save_state()
-        boosted = time.monotonic() < self._drift_until
-        if (boosted or self.distiller.step - self._last_eval_step >= self.cfg.eval_every_steps
-                or time.monotonic() - self._last_eval_t >= self.cfg.eval_every_s):
+        boosted = time.monotonic() < self._drift_until  # resting (futile): a few steps' candidate is no news
+        if (boosted or self.distiller.step - self._last_eval_step >= self.cfg.eval_every_steps or
+                not self.duty_cycle.resting() and time.monotonic() - self._last_eval_t >= self.cfg.eval_every_s):
             try:
                 with self.cpu.spend("evals"):
                     self.evaluate_and_publish()
@@ -293,12 +293,12 @@ class TrainerDaemon:
         """(candidate, live, anchors): simulated accept lengths over the generated rows of
         `heldout` at the live K mix. The live head's counts of a span are computed once per live
         version (`LiveCounts`), so an evaluation mostly costs the candidate's."""
-        ks = list(range(1, self.cfg.eval_max_steps + 1))
-        hits, eligible = record_counts(self.distiller.head, self.target, heldout, self.cfg.eval_max_steps,
-                                       generated_only=True)
+        steps = k_mix_depth(k_counts, self.cfg.eval_max_steps)  # no deeper than the server drafts
+        ks = list(range(1, steps + 1))
+        hits, eligible = record_counts(self.distiller.head, self.target, heldout, steps, generated_only=True)
         cand = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
-        hits, eligible = self._live.counts(heldout)
-        live = acceptance_from_counts(hits.sum(0), eligible.sum(0), ks)
+        hits, eligible = self._live.counts(heldout)  # counted at eval_max_steps, once a span
+        live = acceptance_from_counts(hits.sum(0)[:steps], eligible.sum(0)[:steps], ks)
         return (k_mix_score(cand["accept_length"], k_counts), k_mix_score(live["accept_length"], k_counts),
                 cand["anchors"])
 
@@ -355,7 +355,7 @@ class TrainerDaemon:
                  "training goes on from it", pick.seed.label, self.state["live_version"], pick.score, pick.live,
                  pick.anchors)
         self.distiller.set_weights(pick.seed.master, re_anchor=True)
-        self.seeds.head_changed()
+        self.seeds.head_changed(now)
         version = self.publish()
         self.state["seeds_adopted"].append({"seed": pick.seed.label, "version": version, "step": self.distiller.step,
                                             "score": round(pick.score, 4), "live": round(pick.live, 4),
@@ -378,7 +378,7 @@ class TrainerDaemon:
         self.state["rolled_back"].append(bad)
         self.state.update(live_version=prev, previous_version=None)
         self.wake()
-        self.seeds.head_changed()  # the seed just rolled back is not re-adopted at once
+        self.seeds.head_changed(time.monotonic())  # the seed just rolled back is not re-adopted at once
         self.live_head = eval_copy(self._load_version(prev), self.target)
         self._log({"swap/rollback_of": bad, "swap/rollbacks": len(self.state["rolled_back"])})
         self.save_state()
@@ -404,7 +404,7 @@ class TrainerDaemon:
         self.live_head = eval_copy(head, self.target)
         self.wake()
         self.server_head.adopted += 1
-        self.seeds.head_changed()  # the bank's choice stands a dwell before a seed may answer it
+        self.seeds.head_changed(now)  # the bank's choice stands a dwell before a seed may answer it
         self._log({"swap/adopted_server_head": v})
         log.info("the server made v%d live (it was v%d): training continues from it", v, prev)
         self.save_state()

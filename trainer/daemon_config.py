@@ -18,14 +18,16 @@ class DaemonConfig:
     batch_tokens: int = doc("rows of traffic per training step", 512)
     min_buffer_tokens: int = doc("rows the buffer must hold before training starts", 256)
     eval_every_steps: int = doc("evaluate the candidate every N optimizer steps", 20)
-    eval_every_s: float = doc("... or every T seconds, whichever comes first", 60.0)
+    eval_every_s: float = doc("... or every T seconds, whichever comes first (not while training is futile: "
+                              "then every N steps alone)", 60.0)
     eval_tokens: int = doc("held-out rows the gate evaluates on: the newest held-out requests serving drafted on, "
                            "each with its prompt (the head's context) and at most --eval-generated-rows "
                            "generated rows, whose drafts alone are scored (what serving drafts on; prompt rows "
                            "would count user text the engine never drafts)", 1024)
     eval_generated_rows: int = doc("most generated rows one held-out request gives the gate sample, so that a "
                                    "long generation does not fill it alone", 128)
-    eval_max_steps: int = doc("draft steps simulated by the gate", 7)
+    eval_max_steps: int = doc("most draft steps simulated by the gate (it scores only as deep as the server's K mix "
+                              "drafts, trainer/gate.k_mix_depth)", 7)
     save_every_steps: int = doc("save the resumable state every N steps", 10)
     idle_sleep_s: float = doc("sleep when there is nothing to train on", 0.2)
     max_duty: float = doc("share of wall time spent training and evaluating (1 = back to back): "

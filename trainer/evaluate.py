@@ -24,7 +24,7 @@ import torch
 
 from online_spec.sampling import SamplingParams
 from trainer.batch import collate
-from trainer.loss import SharedTarget, ttt_unroll
+from trainer.loss import SharedTarget, ttt_hidden
 
 
 @torch.no_grad()
@@ -63,25 +63,32 @@ def record_counts(head, target, records: Sequence, max_steps: int = 7, batch_siz
         part = [records[j] for j in idx]
         batch = collate(part).to(head.fc.weight.device)
         B, T = batch.row_mask.shape
-        greedy = (batch.final_hidden.to(lm_head.dtype) @ lm_head.T).argmax(-1)  # [B,T]: g[r]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            steps = ttt_unroll(head, batch, shared, max_steps)
         alive = batch.row_mask.clone()  # anchor p still eligible
         if generated_only:
             decode = torch.zeros_like(alive)
             for b, r in enumerate(part):
                 decode[b, :r.num_rows - 1] = ~r.is_prefill[1:]
             alive &= decode
-        for k, logits in enumerate(steps):
+        bf16 = dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            steps = ttt_hidden(head, batch, shared, max_steps)
+        for k, h in enumerate(steps):
             n = T - k - 1
             if n <= 0:
                 break
             alive = alive[:, :n] & batch.row_mask[:, k + 1:k + 1 + n]
-            g = greedy[:, k + 1:k + 1 + n]
-            hit = (d2t[logits[:, :n].argmax(-1)] == g) & alive
+            # the vocabulary projections only where an anchor is still eligible: the target's
+            # greedy token g[p + k + 1] and the head's draft at p (most rows of a span are its
+            # prompt, and most anchors stop within a few steps)
+            bi, pi = alive.nonzero(as_tuple=True)
+            g = (batch.final_hidden[bi, pi + k + 1].to(lm_head.dtype) @ lm_head.T).argmax(-1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                draft = head.logits(h[bi, pi]).argmax(-1)
+            hit = d2t[draft] == g
             eligible[idx, k] = alive.sum(1).float().cpu()
-            hits[idx, k] = hit.sum(1).float().cpu()
-            alive = hit & (batch.tokens[:, k + 2:k + 2 + n] == g)
+            hits[idx, k] = torch.zeros(B).index_add_(0, bi.cpu(), hit.float().cpu())
+            alive = torch.zeros_like(alive)
+            alive[bi, pi] = hit & (batch.tokens[bi, pi + k + 2] == g)
     return hits, eligible
 
 

@@ -101,6 +101,18 @@ class SwapGate:
                             candidate, live)
 
 
+def k_mix_depth(k_counts: dict[int, int], max_steps: int, floor: float = 0.01) -> int:
+    """Draft steps the gate needs to score the live K mix: the deepest K holding at least `floor`
+    of the drafted rounds, at most `max_steps` (all of them before any round is drafted). A
+    simulated step costs a head forward and a vocabulary projection per row, so scoring K = 3
+    traffic at 7 steps spent more than half of an evaluation on steps the server never drafts."""
+    drafted = {k: n for k, n in k_counts.items() if k > 0 and n > 0}
+    total = sum(drafted.values())
+    if not total:
+        return max_steps
+    return max(1, min(max_steps, max(k for k, n in drafted.items() if n >= floor * total)))
+
+
 def k_mix_score(accept_length: dict[str, float], k_counts: dict[int, int]) -> float:
     """Expected accept length at the live mix of K (rounds per K); K=0 rounds do not count.
     With no drafted rounds yet, the mean over the measured K."""

@@ -72,7 +72,7 @@ class RankConfig:
                                 "difference; 0 = never", 50)
     rank_journal: bool = doc("each rank appends a line per step to RUN_DIR/ranks/rankR.jsonl: the spans it "
                              "trained on, the weights' digest at each check", False)
-    rank_stop_grace_s: float = doc("seconds the launcher gives ranks to stop on SIGTERM before SIGKILL", 10.0)
+    rank_stop_grace_s: float = doc("seconds ranks get to stop on SIGTERM before SIGKILL", 10.0)
 
     def __post_init__(self):
         check(self.ranks >= 1, "ranks", f"must be >= 1, got {self.ranks}")

@@ -14,12 +14,13 @@ K = `--seed-steps` beats the live head's by `--seed-margin` (relative) on at lea
 drafted positions is adopted: the distiller takes its weights and vocabulary map (training goes
 on from it, the anchor re-aimed at it), and it is published through the usual path (a new
 version, swapped in over the control endpoint, watched by the rollback monitor); the next check
-comes after `--seed-dwell-rows` more generated rows of traffic (on mixed traffic the newest
-rows lean one way, then the other), as it does after any other change of the live head (the
-server's head bank swapping on its own, a rollback): a seed check never answers the bank's swap at
-once. The window and the dwell are counted in traffic, not seconds: they mean the same on a CPU
-serving 25 tokens a second and a GPU serving 1,000, and through a trainer paused beside its
-server (bench e2e's interleaved turns).
+comes after `--seed-dwell-rows` more generated rows of traffic and `--seed-min-dwell-s` seconds
+(on mixed traffic the newest rows lean one way, then the other), as it does after any other
+change of the live head (the server's head bank swapping on its own, a rollback): a seed check
+never answers the bank's swap at once. The window and the rows' dwell are counted in traffic:
+they mean the same on a CPU serving 25 tokens a second and a GPU serving 1,000, and through a
+trainer paused beside its server (bench e2e's interleaved turns), where seconds alone pass
+without traffic; the seconds' dwell keeps a fast GPU from changing heads every few seconds.
 
 Only the traffic of now decides, not the gate's per-tag check on stored traffic: a seed is a
 specialist, and earlier traffic gets its own head back when it returns (from the server's head
@@ -70,11 +71,11 @@ class SeedConfig:
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
     dwell_rows: int = doc("generated rows served after a head went live before the next check (a seed's "
-                              "adoption, the server's own swap, a rollback): on mixed "
-                              "traffic the newest rows lean one way, then the other, each change restarts the "
-                              "controller's acceptance estimates, and the server's head bank would swap back; "
-                              "counted in traffic, not seconds, so it means the same on a CPU and a GPU and "
-                              "through a paused trainer", 1024)
+                          "adoption, the server's own swap, a rollback): on mixed traffic the newest rows lean "
+                          "one way, then the other, each change restarts the controller's acceptance estimates, "
+                          "and the server's head bank would swap back; counted in traffic, so it means the same "
+                          "on a CPU and a GPU and through a paused trainer", 1024)
+    min_dwell_s: float = doc("... and seconds after it (both must pass)", 60.0)
 
     def __post_init__(self):
         check(self.check_s > 0, "check_s", "must be > 0")
@@ -84,6 +85,7 @@ class SeedConfig:
         check(self.min_anchors >= 1, "min_anchors", "must be >= 1")
         check(self.margin >= 0, "margin", "must be >= 0")
         check(self.dwell_rows >= 0, "dwell_rows", "must be >= 0")
+        check(self.min_dwell_s >= 0, "min_dwell_s", "must be >= 0")
 
     @property
     def names(self) -> list[str]:
@@ -168,9 +170,10 @@ class SeedWatch:
         self._next = now + (self.cfg.boost_check_s if boosted else self.cfg.check_s)
         return True
 
-    def head_changed(self) -> None:
+    def head_changed(self, now: float) -> None:
         """A head went live (a seed adopted, the server's own swap, a rollback): the next check
-        comes after `dwell_rows` more generated rows at the earliest."""
+        comes after `dwell_rows` more generated rows and `min_dwell_s` seconds at the earliest."""
+        self._next = max(self._next, now + self.cfg.min_dwell_s)
         with self._lock:
             self._dwell_until = self._rows + self.cfg.dwell_rows
 
