@@ -27,3 +27,18 @@ def greedy_records(target, num: int = 6, prompt_len: int = 8, new_tokens: int = 
             ids.append(int(logits.argmax()))
         seqs.append(ids)
     return capture_tokens(target, seqs, [f"greedy-{i}" for i in range(num)]), seqs
+
+
+def trained_head(target, records, steps: int = 40, seed: int = 0):
+    """A fresh head (draft vocabulary 256) trained `steps` steps on `records` at a high rate: it
+    drafts them well enough that drafts are accepted at several steps."""
+    from online_spec.head import new_head
+    from trainer.batch import collate
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.loss import LossConfig
+
+    dist = Distiller(target, new_head(target, 256, seed=seed).float(),
+                     DistillConfig(lr=3e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=3))
+    for _ in range(steps):
+        dist.train_step(collate(records))
+    return dist.head

@@ -38,14 +38,12 @@ def test_work_counts_under_its_kind_and_sleep_counts_nowhere():
 
 def test_work_that_fails_is_counted_and_an_unknown_kind_is_refused():
     ledger = CpuLedger()
-    with pytest.raises(RuntimeError):
-        with ledger.spend("evals"):
-            spin(0.05)
-            raise RuntimeError("a failed evaluation still took the CPU")
+    with pytest.raises(RuntimeError), ledger.spend("evals"):
+        spin(0.05)
+        raise RuntimeError("a failed evaluation still took the CPU")
     assert ledger.report()["evals_s"] >= 0.04
-    with pytest.raises(ValueError, match="unknown kind of trainer work 'sleep'"):
-        with ledger.spend("sleep"):
-            pass
+    with pytest.raises(ValueError, match="unknown kind of trainer work 'sleep'"), ledger.spend("sleep"):
+        pass
 
 
 def test_the_daemon_counts_its_step_and_its_evaluation_and_reports_them(tmp_path):

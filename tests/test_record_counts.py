@@ -7,14 +7,12 @@ little so that drafts are accepted at several steps."""
 
 import torch
 
-from online_spec.head import new_head
-from tests.distill_helpers import greedy_records, tiny8
+from tests.distill_helpers import greedy_records, tiny8, trained_head
 from tests.test_trainer_daemon import served
 from trainer.batch import collate
 from trainer.data import capture_tokens
-from trainer.distill import DistillConfig, Distiller
 from trainer.evaluate import record_counts
-from trainer.loss import LossConfig, SharedTarget, ttt_unroll
+from trainer.loss import SharedTarget, ttt_unroll
 
 
 @torch.no_grad()
@@ -46,17 +44,14 @@ def whole_projection_counts(head, target, records, max_steps, generated_only):
 def test_counts_projected_at_eligible_anchors_equal_the_whole_projection():
     target = tiny8()
     recs, _ = greedy_records(target, num=5, new_tokens=30)
-    dist = Distiller(target, new_head(target, 256, seed=0).float(),
-                     DistillConfig(lr=3e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=3))
-    for _ in range(25):
-        dist.train_step(collate(recs))
+    head = trained_head(target, recs, steps=25)
     g = torch.Generator().manual_seed(3)
     text = capture_tokens(target, [torch.randint(0, target.info.vocab_size - 1, (n,), generator=g).tolist()
                                    for n in (20, 33, 41)], ["text-0", "text-1", "text-2"])
     spans = [served(r, prompt_rows=p) for r, p in zip(recs + text, (8, 12, 5, 8, 20, 6, 9, 15))]
     for generated_only in (True, False):
-        want = whole_projection_counts(dist.head, target, spans, 5, generated_only)
+        want = whole_projection_counts(head, target, spans, 5, generated_only)
         assert want[0][:, 1].sum() > 0 and (want[0] < want[1]).any()  # drafts accepted past the first, and missed
         for batch_size in (1, 4):
-            got = record_counts(dist.head, target, spans, 5, batch_size=batch_size, generated_only=generated_only)
+            got = record_counts(head, target, spans, 5, batch_size=batch_size, generated_only=generated_only)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (generated_only, batch_size)

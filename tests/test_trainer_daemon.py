@@ -34,7 +34,7 @@ from bench.lossless import wrong_head
 from serving.server import ServerConfig, SpecServer
 from serving.server_app import HttpThread
 from collector.publisher import CapturePublisher, PublisherConfig
-from tests.distill_helpers import greedy_records, tiny8
+from tests.distill_helpers import greedy_records, tiny8, trained_head
 from trainer.batch import collate
 from trainer.daemon import DaemonConfig, TrainerDaemon
 from trainer.distill import DistillConfig, Distiller
@@ -218,11 +218,7 @@ def test_kill_9_under_load_then_resume(smol, prompts, tmp_path):
 def test_gate_refuses_a_worse_candidate_and_publishes_a_better_one(tmp_path):
     target = tiny8()
     recs, _ = greedy_records(target, num=6, new_tokens=40)
-    trained = Distiller(target, new_head(target, 256, seed=0).float(),
-                        DistillConfig(lr=3e-3, warmup_steps=0, schedule="constant"), LossConfig(ttt_steps=3))
-    for _ in range(40):
-        trained.train_step(collate(recs))
-    good = trained.head
+    good = trained_head(target, recs)
     bad = new_head(target, 256, seed=0).float()
 
     def daemon_with(candidate, live, sub):
