@@ -17,10 +17,11 @@ and swaps it back in when that tag's traffic returns.
   `min_rounds` request-rounds of it (the trainer's newest head may draft it as well), then swaps
   the banked head in through the swapper, as a control swap would be, if its first-draft
   acceptance there beats the live one's by more than `margin`; at most one such swap every
-  `min_dwell_s` and every `dwell_requests` admitted requests. Only a change of traffic moves the head: the trainer's later versions for the
-  same traffic are the gate's business, never undone here. Mixed traffic moves it only where a
-  window of it shows a dominant tag and the banked head is measurably better on that tag, once
-  per `min_dwell_s` at most.
+  `min_dwell_s` and every `dwell_requests` admitted requests (seconds alone count an idle spell
+  as dwelt). Only a change of traffic moves the head: the trainer's later versions for the same
+  traffic are the gate's business, never undone here. Mixed traffic moves it only where a window
+  of it shows a dominant tag and the banked head is measurably better on that tag, once per
+  dwell at most.
 
 The trainer follows: it reads the server's live version (control `info`) and continues training
 from that head (trainer/server_head.py).

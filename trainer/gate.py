@@ -104,8 +104,8 @@ class SwapGate:
 def k_mix_depth(k_counts: dict[int, int], max_steps: int, floor: float = 0.01) -> int:
     """Draft steps the gate needs to score the live K mix: the deepest K holding at least `floor`
     of the drafted rounds, at most `max_steps` (all of them before any round is drafted). A
-    simulated step costs a head forward and a vocabulary projection per row, so scoring K = 3
-    traffic at 7 steps spent more than half of an evaluation on steps the server never drafts."""
+    simulated step costs a head forward and vocabulary projections, so scoring K = 3 traffic at 7
+    steps spent about half of an evaluation on steps the server never drafts."""
     drafted = {k: n for k, n in k_counts.items() if k > 0 and n > 0}
     total = sum(drafted.values())
     if not total:

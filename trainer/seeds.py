@@ -65,8 +65,7 @@ class SeedConfig:
     check_s: float = doc("seconds between checks of the seed heads against the live head", 5.0)
     boost_check_s: float = doc("... while a drift alert's boost lasts (--drift-boost-s)", 5.0)
     rows: int = doc("newest generated rows (of spans since the live head went live, or since the last drift "
-                    "alert when later) a check scores (1,024 gave mixed traffic's verdict on more requests but "
-                    "came 1.8-1.7x later after a shift on this CPU: docs/trainer.md)", 256)
+                    "alert when later) a check scores", 256)
     steps: int = doc("draft steps simulated: a head's score is its simulated accept length at K = steps", 3)
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
