@@ -1,11 +1,10 @@
 """What the trainer's own work costs the machine it shares with the server, in CPU seconds.
 
-On a CPU a colocated trainer slows the server even at niceness 19 and on a core of its own: its
-torch kernels share the memory bus and the last-level cache with the server's (CPU-ICX, 2 cores:
-a nice-19 torch matmul loop on the other core slowed the server's decoding ~9 %, a nice-19 Python
-spin loop did not; docs/trainer.md). So what the trainer costs the server follows the CPU time its
-kernels take, and the daemon counts that time by kind of work: optimizer steps, gate
-evaluations, seed checks, and the rest of the process (the subscriber's decoding, the watchers).
+A colocated trainer takes CPU time the server, its clients and its capture could use, whatever
+its niceness, and the kernels of the two share the memory bus and the last-level cache. So the
+daemon counts the CPU time of its work by kind: optimizer steps, gate evaluations, seed checks,
+and the rest of the process (the subscriber's decoding, the watchers): what an operator weighs
+against the gain, and where to look when the trainer is to cost less.
 
 Counted with `time.thread_time` around each piece of work on the daemon's thread (torch's
 intra-op threads, when there are more than one, show in the process total, under `other_s`), and
