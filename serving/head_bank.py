@@ -96,7 +96,8 @@ class HeadBank:
         self._admitted: deque[str] = deque(maxlen=cfg.window)
         self._serving: str | None = None  # the last dominant tag the bank has acted on
         self._last_swap_t = -float("inf")
-        self._admissions, self._last_swap_n = 0, None  # requests admitted; ... when the bank last swapped
+        # requests admitted; their count at the bank's last swap (as if a dwell ago: the first swap waits for none)
+        self._admissions, self._last_swap_n = 0, -cfg.dwell_requests
         self.swaps: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -179,7 +180,7 @@ class HeadBank:
         self._remember(live)
         tag = self.dominant()
         if tag is None or tag == self._serving or now - self._last_swap_t < self.cfg.min_dwell_s or \
-                (self._last_swap_n is not None and self._admissions - self._last_swap_n < self.cfg.dwell_requests):
+                self._admissions - self._last_swap_n < self.cfg.dwell_requests:
             return None  # no change of traffic (or too soon after the last swap: decided later)
         if self._serving is None:
             self._serving = tag  # the traffic the server started with: nothing moved the head away from it

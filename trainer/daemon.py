@@ -215,7 +215,7 @@ class TrainerDaemon:
         self._log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         if self.distiller.step % self.cfg.save_every_steps == 0:
             self.save_state()
-        boosted = time.monotonic() < self._drift_until  # resting (futile): a few steps' candidate is no news
+        boosted = time.monotonic() < self._drift_until  # the clock's trigger not while resting (futile)
         if (boosted or self.distiller.step - self._last_eval_step >= self.cfg.eval_every_steps or
                 not self.duty_cycle.resting() and time.monotonic() - self._last_eval_t >= self.cfg.eval_every_s):
             try:
