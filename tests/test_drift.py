@@ -111,6 +111,22 @@ def test_domain_shift_drop_is_detected_within_bound(batch, bound):
     assert max(delays) <= bound, delays
 
 
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_a_change_alert_says_when_the_change_began(batch):
+    """`since`, the excursion's first round (the CUSUM's last zero), is nearer the true change
+    than the alert's own round: the rows in between are the new traffic's (the trainer's seed
+    check scores them at once instead of waiting for rows after the alert)."""
+    pre, off = 600, []
+    for seed in range(5):
+        rng = np.random.default_rng(100 + seed)
+        values = np.concatenate([noisy_rounds(rng, ALPHA_HIGH, batch, pre), noisy_rounds(rng, ALPHA_LOW, batch, 300)])
+        first = feed(DriftDetector(), values, batch=batch)[0]
+        assert first.kind == "drop" and first.since <= first.time
+        assert abs(first.since - pre) < first.time - pre, f"seed {seed}: {first.since} vs the change at {pre}"
+        off.append(abs(first.since - pre))
+    assert sorted(off)[2] <= 5, off  # the median estimate within a few rounds of the change (alerts: 3-93 after)
+
+
 def test_rise_is_reported_as_info():
     rng = np.random.default_rng(3)
     values = np.concatenate([noisy_rounds(rng, ALPHA_LOW, 4, 300), noisy_rounds(rng, ALPHA_HIGH, 4, 200)])
@@ -358,6 +374,7 @@ def test_collapse_fires_once_after_a_full_window():
     assert len(collapse) == 1
     # the window first holds 20 zeros at round 269; at 268 it holds one 2.0: mean 0.1, not < 0.1
     assert (collapse[0].round, collapse[0].level, collapse[0].after) == (269, "error", 0.0)
+    assert collapse[0].since == collapse[0].time == 269.0  # a window's rule: its own round
     # the drop alert (earlier) re-learns the reference; the collapse still reports the old level
     assert [a.kind for a in alerts] == ["drop", "collapse"]
     assert collapse[0].before == pytest.approx(2.0, abs=0.1)
@@ -414,6 +431,7 @@ def test_alert_names_where_and_what():
     assert "slot 8" in a.title and "'code'" in a.title
     assert f"{a.before:.2f} -> 1.00 drafts" in a.text and 1.8 < a.before < 2.0
     assert a.time == float(a.round) == 257.0
+    assert a.since == 250.0  # the first round of the drop
 
 
 def test_state_dict_round_trip_resumes_identically():
@@ -428,6 +446,21 @@ def test_state_dict_round_trip_resumes_identically():
     assert rest_a and [x.to_dict() for x in rest_a] == [x.to_dict() for x in rest_b]
     fresh = feed(DriftDetector(), values[300:], batch=4, start=300)
     assert [x.round for x in fresh] != [x.round for x in rest_a]  # the state mattered
+
+
+def test_a_state_saved_without_change_estimates_resumes():
+    """A state saved before the sides kept `since`: it loads, and an excursion under way when it
+    was saved dates its change from the first round after the resume."""
+    a = DriftDetector()
+    feed(a, [2.0] * 250 + [1.0] * 3, batch=8)
+    state = json.loads(json.dumps(a.state_dict()))
+    for _, _, stream in state["streams"]:
+        for side in ("up", "down", "up_large", "down_large"):
+            stream[side].pop("since")
+    b = DriftDetector()
+    b.load_state_dict(state)
+    (alert,) = feed(b, [1.0] * 20, batch=8, start=253)
+    assert alert.kind == "drop" and alert.since == 253.0 and alert.time == 257.0
 
 
 def test_state_dict_round_trip_keeps_the_request_clusters():

@@ -22,7 +22,7 @@ from trainer.distill import DistillConfig, Distiller
 from trainer.evaluate import simulate_acceptance
 from trainer.gate import GateConfig
 from trainer.loss import LossConfig
-from trainer.seeds import SeedConfig, SeedWatch, eval_copy, same_weights
+from trainer.seeds import MAX_CHANGE_AGE_S, SeedConfig, SeedWatch, change_start, eval_copy, same_weights
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +201,39 @@ def test_the_window_after_a_drift_alert_holds_the_traffic_after_it_alone(world, 
     d.seeds.check = lambda since, live: seen.append([t for t, _ in d.seeds._recent if t >= since]) or None
     d.watch_seeds()
     assert len(seen) == 1 and len(seen[0]) == 2  # the two code spans, none of the chat ones before the alert
+
+
+def test_the_window_after_a_drift_alert_starts_where_the_alert_puts_the_change(world, tmp_path):
+    """Chat, then code rows that arrive before the alert (the detector's delay, the poll's): the
+    alert's `since` (the change estimate, the server's wall clock) puts them in the window, and the
+    check comes at once instead of after the rows that follow the alert."""
+    _, chat, code, _, code_head = world
+    seed_dir = tmp_path / "code-seed"
+    save_head(code_head, seed_dir, version=0)
+    d = daemon_for(world, tmp_path, "since", seed_dir, FakeServer(0))
+    for r in chat:
+        d.on_span(served(r))
+    time.sleep(0.05)
+    change = time.time()
+    time.sleep(0.05)
+    for r in code[:3]:
+        d.on_span(served(r))
+    d.seeds._next = time.monotonic() + 1e6  # the clock's check far away: the alert alone makes it due
+    seen = []
+    d.seeds.check = lambda since, live: seen.append([t for t, _ in d.seeds._recent if t >= since]) or None
+    d.watch_seeds()
+    assert seen == []
+    d.on_drift({"kind": "drop", "title": "acceptance dropped", "time": time.time(), "since": change})
+    d.watch_seeds()
+    assert len(seen) == 1 and len(seen[0]) == 3  # the three code spans that came before the alert, no chat
+
+
+def test_change_start_maps_the_servers_estimate_to_this_clock_and_bounds_it():
+    assert change_start({"since": 970.0}, now=50.0, wall_now=1000.0) == 20.0
+    assert change_start({"since": 1010.0}, now=50.0, wall_now=1000.0) == 50.0  # ahead of this clock: now
+    assert change_start({"since": 0.0}, now=5000.0, wall_now=1e6) == 5000.0 - MAX_CHANGE_AGE_S
+    for alert in ({}, {"since": None}, {"since": float("nan")}, {"since": True}, {"since": "970"}):
+        assert change_start(alert, now=50.0, wall_now=1000.0) == 50.0  # no estimate: the alert's arrival
 
 
 def test_a_seed_that_does_not_exist_or_is_day0_is_refused_by_name(world, tmp_path):

@@ -54,7 +54,7 @@ from trainer.duty import DutyCycle
 from trainer.evaluate import LiveCounts, acceptance_from_counts, record_counts
 from trainer.gate import GateConfig, LiveAcceptance, RollbackMonitor, SwapGate, k_mix_depth, k_mix_score
 from trainer.loss import LossConfig
-from trainer.seeds import SeedConfig, SeedWatch, eval_copy
+from trainer.seeds import SeedConfig, SeedWatch, change_start, eval_copy
 from trainer.server_head import HeadPublisher, ServerHeadWatch, server_live_version
 from trainer.starvation_watch import StarvationWatch
 
@@ -72,8 +72,7 @@ class TrainerDaemon:
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "ckpt").mkdir(parents=True, exist_ok=True)
         self.gate_cfg = gate_cfg or GateConfig()
-        self.gate = SwapGate(self.gate_cfg)
-        self.rollbacks = RollbackMonitor(self.gate_cfg)
+        self.gate, self.rollbacks = SwapGate(self.gate_cfg), RollbackMonitor(self.gate_cfg)
         self.live = LiveAcceptance()
         self.state = {"step": 0, "next_version": 1, "live_version": 0, "previous_version": None,
                       "initial_version": 0, "published": [], "rolled_back": [], "swaps": 0, "refused_swaps": 0,
@@ -107,7 +106,7 @@ class TrainerDaemon:
         self.subscriber: CaptureSubscriber | None = None
         self._stop = threading.Event()
         self._last_eval_t, self._last_eval_step = time.monotonic(), self.distiller.step
-        self._drift_until = self._drift_at = 0.0  # a drift alert's boost ends; when the last alert came
+        self._drift_until = self._drift_at = 0.0  # a drift alert's boost ends; when its change began
         self.refused_spans = {"stream": 0, "stored": 0}  # spans that do not fit the target, by where met
         self.last_refused, self.failed_steps, self.failed_evals = "", 0, 0
         self._last_warn: dict[str, float] = {}
@@ -141,8 +140,9 @@ class TrainerDaemon:
         if alert.get("kind") in STARVATION_KINDS:
             return
         log.warning("drift alert: %s", alert.get("title", alert))
-        self._drift_at = time.monotonic()
-        self._drift_until = self._drift_at + self.cfg.drift_boost_s
+        self._drift_at = change_start(alert, time.monotonic(), time.time())  # where the alert puts the change
+        self._drift_until = time.monotonic() + self.cfg.drift_boost_s
+        self.seeds.wake()
         self.wake()
 
     def wake(self) -> None:

@@ -4,9 +4,10 @@ Training a head toward new traffic takes thousands of tokens of it (issue 30: th
 swap after chat -> code came 1,400-4,200 tokens in, and the gain stayed far below a head trained
 for code). A deployment often has such heads already: the packaged code head, a head per
 product. With `--seed-heads code,/path/to/head` the daemon keeps them beside its own line and,
-every `--seed-check-s` (every `--seed-boost-check-s` after a drift alert), scores each of them
-and the live head on the traffic that arrived since the live head went live, or since the last
-drift alert when that came later (the traffic of after the shift alone): the newest
+every `--seed-check-s` (every `--seed-boost-check-s` after a drift alert, and at once on one),
+scores each of them and the live head on the traffic that arrived since the live head went live,
+or since the change the last drift alert estimates when that came later (the traffic of after the
+shift alone, from the detector's change estimate on: `change_start`): the newest
 `--seed-rows` generated rows of every captured span (held-out or not: no seed and not the live
 head has trained on them; spans from before the live head's publication are left out, since a
 published candidate may have trained on those). A seed whose simulated accept length at
@@ -33,13 +34,14 @@ same cores.
     seeds = SeedWatch(SeedConfig(heads="code"), target)
     seeds.observe(span, now)                          # subscriber thread, every stored span
     if seeds.due(now, boosted):
-        pick = seeds.check(since, live_head)          # since: the live head's start or the last drift alert
+        pick = seeds.check(since, live_head)          # since: the live head's start or the last alert's change
                                                       # -> SeedPick or None
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -55,6 +57,19 @@ from trainer.evaluate import LiveCounts, acceptance_from_counts
 log = logging.getLogger(__name__)
 
 RECENT_SPANS = 256  # most spans the window keeps (a span of 64 rows of SmolLM2 features: ~0.2 MB)
+MAX_CHANGE_AGE_S = 900.0  # an alert's change estimate is taken at most this far back (clock skew, a stale alert)
+
+
+def change_start(alert: dict, now: float, wall_now: float) -> float:
+    """When a drift alert's change began, on the monotonic clock whose time now is `now`: its
+    `since` (the detector's change estimate, on the server's wall clock, which `wall_now` reads
+    here), at most `MAX_CHANGE_AGE_S` back; `now` for an alert without one. The rows that came
+    between the change and the alert (the detector's delay, the alert's way here) are the new
+    traffic's too, so a window that starts at the alert would wait for rows it already had."""
+    since = alert.get("since")
+    if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since):
+        return now
+    return now - min(max(0.0, wall_now - since), MAX_CHANGE_AGE_S)
 
 
 @dataclass
@@ -168,6 +183,10 @@ class SeedWatch:
             return False
         self._next = now + (self.cfg.boost_check_s if boosted else self.cfg.check_s)
         return True
+
+    def wake(self) -> None:
+        """A drift alert: the next check is due at once (a head change's dwell still holds)."""
+        self._next = 0.0
 
     def head_changed(self, now: float) -> None:
         """A head went live (a seed adopted, the server's own swap, a rollback): the next check

@@ -52,6 +52,8 @@ stream's rounds is not repeated (tag streams among themselves are not merged: `c
   thresholds were chosen there, where the noise is the traffic's and not the model's.
   (Those figures are for independent rounds; with persistent requests, tests/test_drift.py's
   `persistent_rounds`, a 1.26 -> 0.39 drop at B=4 takes ~470 rounds: the honest price.)
+  The alert's `since` is the timestamp of the excursion's first round (the CUSUM's last zero),
+  the change-point estimate: the rounds between it and the alert are the new traffic's already.
   The reference is learned over a warm-up (`warmup_rounds` and `warmup_requests`) and then
   keeps absorbing rounds in which no change is suspected (both statistics below half the
   threshold) until it holds `reference_requests` requests and 4 blocks — a self-starting CUSUM, so a short

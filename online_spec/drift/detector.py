@@ -24,12 +24,17 @@ class _Side:
     w: float = 0.0  # requests in the excursion
     sum_a: float = 0.0  # sum of weight * accept_len
     sum_mu: float = 0.0  # sum of weight * reference mean at the round's K
+    # the first round's timestamp of the excursion: the change estimate (the CUSUM's last zero)
+    since: Optional[float] = None
 
-    def add(self, inc: float, w: float, a: float, mu: float) -> None:
+    def add(self, inc: float, w: float, a: float, mu: float, t: float) -> None:
         self.stat = max(0.0, self.stat + inc)
         if self.stat == 0.0:
             self.w = self.sum_a = self.sum_mu = 0.0
+            self.since = None
         else:
+            if self.since is None:
+                self.since = t
             self.w += w
             self.sum_a += w * a
             self.sum_mu += w * mu
@@ -285,8 +290,8 @@ class DriftDetector:
         for delta, up, down in pairs:
             d = delta / max(sd, 1e-6)
             if "rise" in kinds:
-                up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu)
-            down.add(wc * d * (-r - 0.5 * d), w, obs.accept_len, mu)
+                up.add(wc * d * (r - 0.5 * d), w, obs.accept_len, mu, obs.timestamp)
+            down.add(wc * d * (-r - 0.5 * d), w, obs.accept_len, mu, obs.timestamp)
         for kind, side in ((kind, side) for _, up, down in pairs for kind, side in (("drop", down), ("rise", up))):
             if side.stat > limits[kind]:
                 before, after = side.sum_mu / side.w, side.sum_a / side.w
@@ -295,7 +300,7 @@ class DriftDetector:
                 if cooling:
                     return None
                 s.last_alert["change"] = s.rounds
-                return self._alert(kind, "warn" if kind == "drop" else "info", obs, before, after)
+                return self._alert(kind, "warn" if kind == "drop" else "info", obs, before, after, since=side.since)
         return None
 
     @staticmethod
@@ -401,7 +406,7 @@ class DriftDetector:
         return float("nan") if alpha is None else expected_accept_len(alpha, k)
 
     def _alert(self, kind: str, level: str, obs: RoundObservation, before: float, after: float,
-               extra: str = "") -> DriftAlert:
+               extra: str = "", since: Optional[float] = None) -> DriftAlert:
         tag = obs.tag
         if tag == MIX_TAG and len(self._slot_tags.get(obs.slot, ())) == 1:
             tag = self._slot_tags[obs.slot][0]  # the slot's only tag so far: the mix is that tag's traffic
@@ -414,7 +419,8 @@ class DriftDetector:
                 f"{change} (bonus excluded) at round {self.round}.{extra}")
         return DriftAlert(kind=kind, level=level, slot=obs.slot, tag=tag, before=before, after=after,
                           head_version=obs.head_version, round=self.round, time=obs.timestamp,
-                          title=f"online-spec: {what.lower()} ({where})", text=text)
+                          title=f"online-spec: {what.lower()} ({where})", text=text,
+                          since=obs.timestamp if since is None else since)
 
     # resumable --------------------------------------------------------------------------------
     def state_dict(self) -> dict:

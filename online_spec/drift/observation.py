@@ -66,6 +66,10 @@ class DriftAlert:
     time: float  # the round's timestamp
     title: str
     text: str
+    # when the change began by the rule's estimate (a change's first round: the CUSUM's last zero;
+    # the alert's own time for the other rules), on the clock of `time`: the rows since then are
+    # the new traffic's (the trainer's seed check scores them)
+    since: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
