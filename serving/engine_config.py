@@ -40,6 +40,10 @@ class EngineConfig:
     max_queue: int = doc("requests waiting beyond max_batch before add_request refuses", 1024)
     swap_fill_rows: int = doc("rows of a new head's draft cache rebuilt per round before a swap switches "
                               "(0 = switch at once and rebuild every row on the next draft)", 48)
+    swap_fill_share: float = doc("on a CPU, a round's fill may rebuild more than swap_fill_rows rows: as many "
+                                 "as take this share of a round, by the fill's measured seconds a row and the "
+                                 "last round's (a CPU round takes 100-400 ms, a row ~30 us: a swap lands in a "
+                                 "round or two, not in tens); 0 = swap_fill_rows alone (on a GPU always)", 0.1)
     in_round_cuts: str = doc("the policy's in-round early stop and verify-length cut (where it has them): on, "
                              "off, or auto = on a CPU in rounds of up to cuts_max_batch requests, off on a CUDA "
                              "device. Each early-stop check reads the step's draft back to the host; without them a "
@@ -75,6 +79,7 @@ class EngineConfig:
         check(self.max_len >= 16, "max_len", "must be >= 16")
         check(self.max_queue >= 0, "max_queue", "must be >= 0")
         check(self.swap_fill_rows >= 0, "swap_fill_rows", "must be >= 0")
+        check(0.0 <= self.swap_fill_share < 1.0, "swap_fill_share", f"must be in [0, 1), got {self.swap_fill_share!r}")
         check(self.in_round_cuts in ("auto", "on", "off"), "in_round_cuts",
               f"must be auto, on or off, got {self.in_round_cuts!r}")
         check(isinstance(self.cuts_max_batch, int) and self.cuts_max_batch >= 0, "cuts_max_batch",

@@ -6,7 +6,10 @@ engine thread applies it at the start of its next round (`_apply_pending_swap`).
 running and `swap_fill_rows` > 0 the swap is staged: the new head's draft cache is rebuilt from
 the stored features a bounded number of rows per round (K/V only, every slot's rows in one
 call) while the old head keeps drafting, and the switch happens once every running slot is
-within one round's catch-up. Drafts never affect the output, so whichever head drafts a round,
+within one round's catch-up. The bound is `swap_fill_rows`, or on a CPU, where the fill's time is
+its host time, as many rows as take `swap_fill_share` of a round (`fill_budget`: the last fill's
+seconds a row against the last round's seconds); on a GPU the fill's kernels run after their
+launch, so its host time says nothing of its cost and the rows alone bound it. Drafts never affect the output, so whichever head drafts a round,
 the output is the target's. The replaced head's cache is kept as the spare for the next swap.
 
 It reads the engine's state: `cfg`, `target`, `running`, `tcache`, `tok_buf`, `feat_buf`,
@@ -16,6 +19,7 @@ It reads the engine's state: `cfg`, `target`, `running`, `tcache`, `tok_buf`, `f
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +35,16 @@ class StagedHead:
     head: EagleHead
     version: int
     cache: object
+    row_s: float | None = None  # the last fill's host seconds a row
+    last_t: float | None = None  # perf_counter at the last fill's round: the round's seconds are since then
+
+
+def fill_budget(rows: int, share: float, round_s: float | None, row_s: float | None) -> int:
+    """Rows a staged fill may rebuild this round: `rows`, or more where `share` of the last round's
+    seconds `round_s` holds more at `row_s` seconds a row (both measured; None: not yet)."""
+    if share <= 0 or not round_s or not row_s:
+        return rows
+    return max(rows, int(share * round_s / row_s))
 
 
 class HeadSwapping:
@@ -89,11 +103,14 @@ class HeadSwapping:
                 self._spare_cache = cache
 
     def _advance_staged(self) -> bool:
-        """Rebuild up to swap_fill_rows rows of the staged cache; switch when it is caught up."""
+        """Rebuild up to `fill_budget` rows of the staged cache; switch when it is caught up."""
         st = self._staged
         if st is None:
             return False
-        budget = self.cfg.swap_fill_rows
+        now, timed = time.perf_counter(), self.target.device.type == "cpu"
+        budget = fill_budget(self.cfg.swap_fill_rows, self.cfg.swap_fill_share if timed else 0.0,
+                             None if st.last_t is None else now - st.last_t, st.row_s)
+        st.last_t = now
         behind = False
         plan = []
         for b in range(len(self.running)):
@@ -106,7 +123,9 @@ class HeadSwapping:
             behind = behind or goal - (have + n) > self.cfg.max_steps
         if plan:
             self._fill_slots(st.head, st.cache, plan)
-            self._filled += sum(n for _, _, n in plan)
+            rows = sum(n for _, _, n in plan)
+            self._filled += rows
+            st.row_s = (time.perf_counter() - now) / rows
         if behind:
             return False
         self._staged = None

@@ -14,6 +14,7 @@ from online_spec.kvcache import AttentionBatch
 from online_spec.sampling import SamplingParams
 from online_spec.target import tiny_target
 from serving.engine import Engine, EngineConfig
+from serving.head_swap import fill_budget
 
 GREEDY = SamplingParams(max_tokens=28, ignore_eos=True)
 
@@ -42,7 +43,8 @@ def test_staged_swap_fills_in_bounded_chunks_then_switches_with_a_full_cache(tin
     prompts = [list(range(3 + i, 60 + 7 * i)) for i in range(3)]
     plain = Engine(tiny8, None, EngineConfig(max_batch=4, max_len=256, num_steps=0)).generate(prompts, GREEDY)
     eng = Engine(tiny8, new_head(tiny8, seed=1), EngineConfig(max_batch=4, max_len=256, num_steps=3,
-                                                             swap_fill_rows=24), head_version=1)
+                                                             swap_fill_rows=24, swap_fill_share=0.0),
+                 head_version=1)
     new = new_head(tiny8, seed=9)
     rounds, checked = [], []
 
@@ -69,6 +71,42 @@ def test_staged_swap_fills_in_bounded_chunks_then_switches_with_a_full_cache(tin
     switched = [r for r in rounds if r.swapped]
     assert len(switched) == 1 and switched[0].head_version == 2 and checked
     assert eng.head is new and rounds[-1].head_version == 2
+
+
+def test_fill_budget_takes_the_share_of_a_round_at_the_measured_row_cost():
+    assert fill_budget(48, 0.5, 0.25, 2 ** -12) == 512  # half of a 250 ms round at 244 us a row
+    assert fill_budget(48, 0.1, 0.001, 30e-6) == 48  # never below the rows
+    assert fill_budget(48, 0.0, 0.3, 30e-6) == fill_budget(48, 0.1, None, 30e-6) == fill_budget(48, 0.1, 0.3, None) == 48
+
+
+def rounds_to_switch(tiny8, share: float) -> tuple[list, list]:
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(3)]
+    eng = Engine(tiny8, new_head(tiny8, seed=1), EngineConfig(max_batch=4, max_len=256, num_steps=3,
+                                                             swap_fill_rows=8, swap_fill_share=share),
+                 head_version=1)
+    rounds = []
+
+    def on_round(stats, outs):
+        rounds.append(stats)
+        if len(rounds) == 2:
+            eng.swap_head(new_head(tiny8, seed=9), 2)
+
+    eng.on_round.append(on_round)
+    out = eng.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    return out, rounds
+
+
+def test_on_a_cpu_the_fill_takes_a_share_of_the_round_so_a_swap_lands_in_fewer_rounds(tiny8):
+    """With `swap_fill_share` the fill rebuilds as many rows as take that share of a round (its
+    own seconds a row measured), not 8 a round: the switch comes rounds sooner, the output the same."""
+    plain = Engine(tiny8, None, EngineConfig(max_batch=4, max_len=256, num_steps=0)).generate(
+        [list(range(3 + i, 40 + 5 * i)) for i in range(3)], SamplingParams(max_tokens=60, ignore_eos=True))
+    out_rows, by_rows = rounds_to_switch(tiny8, 0.0)
+    out_share, by_share = rounds_to_switch(tiny8, 0.5)
+    assert out_rows == out_share == plain
+    switch = [next(i for i, r in enumerate(rs) if r.swapped) for rs in (by_rows, by_share)]
+    assert all(r.swap_fill_rows <= 8 for r in by_rows)
+    assert max(r.swap_fill_rows for r in by_share) > 8 and switch[1] < switch[0], switch
 
 
 def test_swap_when_idle_is_immediate(tiny8):
