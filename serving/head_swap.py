@@ -9,8 +9,9 @@ call) while the old head keeps drafting, and the switch happens once every runni
 within one round's catch-up. The bound is `swap_fill_rows`, or on a CPU, where the fill's time is
 its host time, as many rows as take `swap_fill_share` of a round (`fill_budget`: the last fill's
 seconds a row against the last round's seconds); on a GPU the fill's kernels run after their
-launch, so its host time says nothing of its cost and the rows alone bound it. Drafts never affect the output, so whichever head drafts a round,
-the output is the target's. The replaced head's cache is kept as the spare for the next swap.
+launch, so its host time says nothing of its cost and the rows alone bound it. Drafts never
+affect the output, so whichever head drafts a round, the output is the target's. The replaced
+head's cache is kept as the spare for the next swap.
 
 It reads the engine's state: `cfg`, `target`, `running`, `tcache`, `tok_buf`, `feat_buf`,
 `graphs`, `policy`, `_lock`, and owns `head`, `head_version`, `dcache`, `_pending_swap`,
