@@ -79,8 +79,8 @@ class SeedConfig:
                      "empty = none", "")
     check_s: float = doc("seconds between checks of the seed heads against the live head", 5.0)
     boost_check_s: float = doc("... while a drift alert's boost lasts (--drift-boost-s)", 5.0)
-    rows: int = doc("newest generated rows (of spans since the live head went live, or since the last drift "
-                    "alert when later) a check scores", 256)
+    rows: int = doc("newest generated rows (of spans since the live head went live, or since the change the "
+                    "last drift alert estimates when later) a check scores", 256)
     steps: int = doc("draft steps simulated: a head's score is its simulated accept length at K = steps", 3)
     min_anchors: int = doc("drafted positions a check needs before it decides", 128)
     margin: float = doc("a seed must beat the live head's simulated accept length by this fraction", 0.10)
